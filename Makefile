@@ -1,0 +1,37 @@
+# The whole set-up on a fresh machine:  `make run`  (start pdserve on the built-in tiny model)
+#                                        `make test` (run the test suite)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: setup run test lint fmt stubs clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml services/*/pyproject.toml
+	python3 -m venv $(VENV)
+	# torch 2.13.0: the CPU build lies on local disk; a bare `torch` would pull CUDA.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[engine,ucx,bench,dev]'
+	$(PIP) install -q -e services/router -e services/prefill -e services/decode -e services/kvstore
+	touch $@
+
+run: setup
+	$(VENV)/bin/pdserve up
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+stubs: setup
+	$(PY) -m pdserve.rpc.codegen
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,46 @@
+"""`pdserve` command line: a thin dispatcher. Each sub-command lives in its own
+module exposing `add_parser(subparsers)`, which sets `func` on its parser.
+Modules import heavy dependencies (torch, grpc) inside their functions."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command -> module under pdserve.cli
+COMMANDS = {
+    "up": "up",
+    "generate": "generate",
+    "chat": "chat",
+    "status": "status",
+    "bench": "bench",
+    "model": "model",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module_name in COMMANDS.values():
+        try:
+            module = importlib.import_module(f"pdserve.cli.{module_name}")
+        except ModuleNotFoundError as exc:  # a module still being written
+            if exc.name != f"pdserve.cli.{module_name}":
+                raise
+            continue
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    result = args.func(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_hit_blocks", "ucx_worker_address", "bytes_per_block")
+    NUM_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    num_hit_blocks: int
+    ucx_worker_address: bytes
+    bytes_per_block: int
+    def __init__(self, num_hit_blocks: _Optional[int] = ..., ucx_worker_address: _Optional[bytes] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "ucx_worker_address", "tag")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    ucx_worker_address: bytes
+    tag: int
+    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., ucx_worker_address: _Optional[bytes] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("num_blocks", "bytes_per_block", "checksums")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    bytes_per_block: int
+    checksums: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., checksums: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BeginPutRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "first_block", "bytes_per_block")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    first_block: int
+    bytes_per_block: int
+    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+
+class BeginPutResponse(_message.Message):
+    __slots__ = ("put_id", "tag", "ucx_worker_address", "num_accepted", "first_block")
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    put_id: int
+    tag: int
+    ucx_worker_address: bytes
+    num_accepted: int
+    first_block: int
+    def __init__(self, put_id: _Optional[int] = ..., tag: _Optional[int] = ..., ucx_worker_address: _Optional[bytes] = ..., num_accepted: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
+
+class CommitPutRequest(_message.Message):
+    __slots__ = ("put_id", "checksums")
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    put_id: int
+    checksums: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, put_id: _Optional[int] = ..., checksums: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class CommitPutResponse(_message.Message):
+    __slots__ = ("num_stored",)
+    NUM_STORED_FIELD_NUMBER: _ClassVar[int]
+    num_stored: int
+    def __init__(self, num_stored: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class ClearRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("capacity_bytes", "used_bytes", "num_blocks", "hits", "misses", "evictions", "bytes_in", "bytes_out", "pinned_blocks", "put_rejected", "corrupt_puts")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PUT_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_PUTS_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    used_bytes: int
+    num_blocks: int
+    hits: int
+    misses: int
+    evictions: int
+    bytes_in: int
+    bytes_out: int
+    pinned_blocks: int
+    put_rejected: int
+    corrupt_puts: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., put_rejected: _Optional[int] = ..., corrupt_puts: _Optional[int] = ...) -> None: ...
