@@ -1,0 +1,307 @@
+"""Start a whole pdserve deployment as local processes on 127.0.0.1.
+
+`Cluster` is what `pdserve up`, the benchmarks and the integration tests use: kvstore (optional)
+-> router -> workers, each a real OS process running its service's `python -m` entry point.
+A process is ready when it prints the `PDSERVE_READY {json}` line (written by the shared server
+lifecycle); the cluster is ready when the router lists every worker as registered.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_PREFIX = "PDSERVE_READY "
+
+
+@dataclass
+class ManagedProcess:
+    """One child process and where its output goes."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    cpu: int | None = None
+    popen: subprocess.Popen | None = None
+    port: int | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        preexec = None
+        if self.cpu is not None and hasattr(os, "sched_setaffinity"):
+            cpu = self.cpu
+
+            def preexec() -> None:
+                os.sched_setaffinity(0, {cpu})
+
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            preexec_fn=preexec,
+            start_new_session=True,  # Ctrl-C in the terminal reaches the launcher only
+        )
+        log.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def ready_info(self) -> dict | None:
+        """The JSON of the child's ready line, once it printed one."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return None
+        for line in text.splitlines():
+            idx = line.find(READY_PREFIX)
+            if idx >= 0:
+                try:
+                    return json.loads(line[idx + len(READY_PREFIX) :])
+                except json.JSONDecodeError:
+                    continue
+        return None
+
+    def wait_ready(self, deadline: float) -> int:
+        while time.monotonic() < deadline:
+            info = self.ready_info()
+            if info is not None:
+                self.port = int(info["port"])
+                return self.port
+            if not self.alive:
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.popen.returncode if self.popen else '?'} "
+                    f"before it was ready; log: {self.log_path}\n{self.tail()}"
+                )
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} not ready in time; log: {self.log_path}\n{self.tail()}")
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            assert self.popen is not None
+            self.popen.send_signal(sig)
+
+    def wait(self, timeout: float) -> int | None:
+        if self.popen is None:
+            return None
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+@dataclass
+class ClusterConfig:
+    model: str | None = None  # checkpoint directory; None = the built-in tiny model
+    mode: str = "disagg"  # disagg | colocated
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 2
+    kvstore: bool = False
+    kvstore_capacity_bytes: int = 1 << 30
+    port: int = 50051  # router port; 0 = any free port
+    pin_cpus: bool = False
+    policy: str | None = None
+    log_dir: str | None = None
+    log_format: str = "json"
+    worker_args: list[str] = field(default_factory=list)  # extra flags for every worker
+    router_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Cluster:
+    """A running deployment. Use as a context manager, or start()/stop()."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.processes: dict[str, ManagedProcess] = {}
+        self.model_dir: str = ""
+        self.router_port: int | None = None
+        self.kvstore_port: int | None = None
+        self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="pdserve-"))
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        self._next_cpu = 0
+
+    # ---------------------------------------------------------------- public
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.router_port}"
+
+    @property
+    def log_dir(self) -> Path:
+        return self._log_dir
+
+    def worker_names(self) -> list[str]:
+        return [n for n in self.processes if n.startswith(("prefill", "decode", "colocated"))]
+
+    def start(self, timeout: float = 180.0) -> Cluster:
+        deadline = time.monotonic() + timeout
+        self.model_dir = self._resolve_model()
+        try:
+            if self.config.kvstore:
+                kv = self._spawn("kvstore", self._kvstore_argv())
+                self.kvstore_port = kv.wait_ready(deadline)
+            router = self._spawn("router", self._router_argv())
+            self.router_port = router.wait_ready(deadline)
+            for name, role in self._worker_plan():
+                self._spawn(name, self._worker_argv(role), cpu=self._pick_cpu())
+            for name in self.worker_names():
+                self.processes[name].wait_ready(deadline)
+            self.wait_registered(len(self.worker_names()), deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM workers, then router and kvstore; SIGKILL what is still alive."""
+        order = [*self.worker_names(), "router", "kvstore"]
+        for name in order:
+            proc = self.processes.get(name)
+            if proc is not None:
+                proc.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name in order:
+            proc = self.processes.get(name)
+            if proc is None:
+                continue
+            if proc.wait(max(0.1, deadline - time.monotonic())) is None:
+                proc.signal(signal.SIGKILL)
+                proc.wait(5)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.processes[name]
+        proc.signal(sig)
+        proc.wait(10)
+
+    def restart(self, name: str, timeout: float = 120.0) -> None:
+        """Start a (killed) worker again under the same name and wait until it registers."""
+        old = self.processes[name]
+        if old.alive:
+            self.kill(name)
+        role = name.rstrip("0123456789")
+        new = self._spawn(name, self._worker_argv(role), cpu=old.cpu)
+        deadline = time.monotonic() + timeout
+        new.wait_ready(deadline)
+        self.wait_registered(len(self.worker_names()), deadline)
+
+    def wait_registered(self, count: int, deadline: float) -> None:
+        """Poll the router's Status until `count` instances are registered."""
+        while time.monotonic() < deadline:
+            try:
+                if registered_instances(self.addr, timeout=2.0) >= count:
+                    return
+            except Exception:  # router still starting
+                pass
+            for name in self.worker_names():
+                proc = self.processes[name]
+                if not proc.alive:
+                    raise RuntimeError(f"{name} died during start-up; log:\n{proc.tail()}")
+            time.sleep(0.1)
+        raise TimeoutError(f"fewer than {count} instances registered with the router in time")
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --------------------------------------------------------------- helpers
+    def _resolve_model(self) -> str:
+        if self.config.model:
+            return str(Path(self.config.model).resolve())
+        from pdserve.model.tiny import ensure_builtin_tiny
+
+        return str(ensure_builtin_tiny())
+
+    def _worker_plan(self) -> list[tuple[str, str]]:
+        c = self.config
+        if c.mode == "colocated":
+            return [(f"colocated{i}", "colocated") for i in range(c.colocated)]
+        if c.mode != "disagg":
+            raise ValueError(f"mode must be 'disagg' or 'colocated', got {c.mode!r}")
+        plan = [(f"prefill{i}", "prefill") for i in range(c.prefill)]
+        plan += [(f"decode{i}", "decode") for i in range(c.decode)]
+        return plan
+
+    def _pick_cpu(self) -> int | None:
+        if not self.config.pin_cpus or not hasattr(os, "sched_getaffinity"):
+            return None
+        cpus = sorted(os.sched_getaffinity(0))
+        cpu = cpus[self._next_cpu % len(cpus)]
+        self._next_cpu += 1
+        return cpu
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("PDSERVE_LOG_FORMAT", self.config.log_format)
+        env.update(self.config.env)
+        return env
+
+    def _spawn(self, name: str, argv: Sequence[str], cpu: int | None = None) -> ManagedProcess:
+        log_path = self._log_dir / f"{name}.log"
+        if log_path.exists():  # a restart: keep the old log, start a fresh one
+            log_path.rename(log_path.with_suffix(f".{int(time.time() * 1000)}.log"))
+        env = self._env()
+        if cpu is not None:
+            env["PDSERVE_THREADS"] = "1"
+        proc = ManagedProcess(name, list(argv), env, log_path, cpu=cpu)
+        proc.start()
+        self.processes[name] = proc
+        return proc
+
+    def _kvstore_argv(self) -> list[str]:
+        return [
+            sys.executable, "-m", "pdserve_kvstore", "--port", "0",
+            "--capacity-bytes", str(self.config.kvstore_capacity_bytes),
+        ]  # fmt: skip
+
+    def _router_argv(self) -> list[str]:
+        argv = [
+            sys.executable, "-m", "pdserve_router", "--port", str(self.config.port),
+            "--model", self.model_dir,
+        ]  # fmt: skip
+        if self.kvstore_port is not None:
+            argv += ["--kvstore-addr", f"127.0.0.1:{self.kvstore_port}"]
+        if self.config.policy:
+            argv += ["--policy", self.config.policy]
+        return argv + list(self.config.router_args)
+
+    def _worker_argv(self, role: str) -> list[str]:
+        module = "pdserve_prefill" if role == "prefill" else "pdserve_decode"
+        return [
+            sys.executable, "-m", module, "--port", "0", "--role", role,
+            "--model", self.model_dir, "--router-addr", self.addr,
+            *self.config.worker_args,
+        ]  # fmt: skip
+
+
+def registered_instances(addr: str, timeout: float) -> int:
+    """How many serving instances the router at `addr` lists (a sync Status call)."""
+    import grpc
+
+    from pdserve.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(addr) as channel:
+        status = router_pb2_grpc.RouterStub(channel).Status(
+            router_pb2.StatusRequest(), timeout=timeout
+        )
+    return sum(1 for inst in status.instances if inst.state == "serving")
