@@ -1,0 +1,263 @@
+"""Service settings: pydantic-settings models with command-line flags on top.
+
+Precedence (lowest to highest): field defaults < environment (`PDSERVE_<FIELD>`) < CLI flags
+(`--<field-name>`). Settings objects are frozen.
+
+Each service declares its own subclass in its package::
+
+    class RouterSettings(ServiceSettings):
+        port: int = Field(50051, description="gRPC port")
+        policy: Literal["round_robin", "least_load"] = "least_load"
+
+    settings = load_settings(RouterSettings, sys.argv[1:], prog="pdserve-router")
+
+Flags are generated from the fields: `--field-name VALUE`; bools as `--x/--no-x`; list/tuple
+fields take a comma-separated list or a JSON array. Values are validated by pydantic, so a bad
+value (from the environment or a flag) fails with the flag, the env variable and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import sys
+import types
+import typing
+import uuid
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar, Union
+
+from pydantic import Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsError as _SourceError
+
+ENV_PREFIX = "PDSERVE_"
+
+
+class SettingsError(ValueError):
+    """A bad flag or a bad setting value (raised when `exit_on_error=False`)."""
+
+
+def _new_instance_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+class ServiceSettings(BaseSettings):
+    """Fields every service has. Subclasses add their own and may override defaults."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address the gRPC server binds to")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 = off)"
+    )
+    log_format: Literal["json", "console"] = Field("json", description="log line format")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
+        "info", description="minimum log level"
+    )
+    instance_id: str = Field(
+        default_factory=_new_instance_id, description="unique id of this process (generated)"
+    )
+    router_addr: str | None = Field(
+        None, description="HOST:PORT of the router to register with (none = standalone)"
+    )
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="longest wait for in-flight work on shutdown, seconds"
+    )
+    grace_s: float = Field(5.0, ge=0, description="gRPC stop grace after draining, seconds")
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+# --------------------------------------------------------------------------- type helpers
+
+
+def _strip_optional(annotation: Any) -> Any:
+    """`X | None` -> X; anything else unchanged."""
+    origin = typing.get_origin(annotation)
+    if origin is Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _is_bool(annotation: Any) -> bool:
+    return _strip_optional(annotation) is bool
+
+
+def _is_sequence(annotation: Any) -> bool:
+    origin = typing.get_origin(_strip_optional(annotation))
+    return origin in (list, tuple, set, frozenset)
+
+
+def _choices(annotation: Any) -> list[str] | None:
+    ann = _strip_optional(annotation)
+    if typing.get_origin(ann) is Literal:
+        values = typing.get_args(ann)
+        if all(isinstance(v, str) for v in values):
+            return list(values)
+    if isinstance(ann, type) and issubclass(ann, enum.Enum):
+        return [str(m.value) for m in ann]
+    return None
+
+
+def _parse_sequence(text: str) -> list[Any]:
+    text = text.strip()
+    if text.startswith("["):
+        value = json.loads(text)
+        if not isinstance(value, list):
+            raise ValueError("expected a JSON array")
+        return value
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _env_name(cls: type[BaseSettings], name: str) -> str:
+    prefix = cls.model_config.get("env_prefix", "") or ""
+    return f"{prefix}{name}".upper()
+
+
+def _default_text(info: FieldInfo) -> str:
+    if info.default_factory is not None:
+        return "generated"
+    if info.is_required():
+        return "required"
+    default = info.default
+    if isinstance(default, enum.Enum):
+        default = default.value
+    return "none" if default is None else repr(default)
+
+
+# --------------------------------------------------------------------------- parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser that raises SettingsError instead of exiting, when asked to."""
+
+    def __init__(self, *args: Any, raise_errors: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._raise_errors = raise_errors
+
+    def error(self, message: str) -> typing.NoReturn:
+        if self._raise_errors:
+            raise SettingsError(message)
+        super().error(message)
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
+    """Add one flag per field of `cls`. Absent flags do not appear in the namespace
+    (default=SUPPRESS), so the environment and the field defaults stay in charge."""
+    for name, info in cls.model_fields.items():
+        flag = _flag(name)
+        env = _env_name(cls, name)
+        desc = info.description or name.replace("_", " ")
+        help_text = f"{desc} [env {env}; default {_default_text(info)}]".replace("%", "%%")
+        if _is_bool(info.annotation):
+            parser.add_argument(
+                flag,
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+            continue
+        kwargs: dict[str, Any] = {
+            "dest": name,
+            "default": argparse.SUPPRESS,
+            "help": help_text,
+            "metavar": name.upper(),
+        }
+        choices = _choices(info.annotation)
+        if choices is not None:
+            kwargs["choices"] = choices
+            kwargs["metavar"] = "{" + ",".join(choices) + "}"
+        if _is_sequence(info.annotation):
+            kwargs["type"] = _parse_sequence
+            kwargs["metavar"] = "A,B,..."
+        parser.add_argument(flag, **kwargs)
+
+
+def build_parser(
+    cls: type[BaseSettings], prog: str | None = None, *, exit_on_error: bool = True
+) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=prog,
+        description=(cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else None,
+        epilog=f"Precedence: defaults < environment ({ENV_PREFIX}<FIELD>) < flags.",
+        raise_errors=not exit_on_error,
+    )
+    add_settings_arguments(parser, cls)
+    return parser
+
+
+def _explain(cls: type[BaseSettings], exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = err.get("loc") or ()
+        name = str(loc[0]) if loc else "?"
+        if name in cls.model_fields:
+            where = f"{_flag(name)} / {_env_name(cls, name)}"
+        else:
+            where = name
+        got = err.get("input")
+        got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"invalid value for {where}: {err.get('msg')}{got_text}")
+    return "; ".join(lines) or str(exc)
+
+
+def load_settings(
+    cls: type[S],
+    argv: Sequence[str] | None = None,
+    prog: str | None = None,
+    *,
+    exit_on_error: bool = True,
+) -> S:
+    """Build `cls` from defaults, then `PDSERVE_*` environment, then `argv` flags.
+
+    argv=None reads sys.argv[1:]. An unknown flag or a value that fails validation prints a
+    usage error and exits with status 2 (argparse style), or raises SettingsError when
+    `exit_on_error=False`.
+    """
+    parser = build_parser(cls, prog, exit_on_error=exit_on_error)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    overrides = vars(args)  # only the flags actually given (default=SUPPRESS)
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        parser.error(_explain(cls, exc))
+    except _SourceError as exc:  # e.g. an env value that is not valid JSON for a list field
+        parser.error(str(exc))
+
+
+def settings_to_argv(settings: BaseSettings, *, only_set: bool = True) -> list[str]:
+    """Turn settings back into flags (e.g. for a launcher that starts a service process).
+
+    only_set=True emits only the fields explicitly set (by env or flags) on `settings`."""
+    names = settings.model_fields_set if only_set else set(type(settings).model_fields)
+    argv: list[str] = []
+    for name in type(settings).model_fields:
+        if name not in names:
+            continue
+        value = getattr(settings, name)
+        info = type(settings).model_fields[name]
+        flag = _flag(name)
+        if _is_bool(info.annotation):
+            if value is not None:
+                argv.append(flag if value else "--no-" + flag[2:])
+        elif value is None:
+            continue
+        elif _is_sequence(info.annotation):
+            argv += [flag, json.dumps(list(value))]
+        elif isinstance(value, enum.Enum):
+            argv += [flag, str(value.value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
