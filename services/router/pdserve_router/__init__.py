@@ -1,0 +1,1 @@
+"""pdserve router: the public endpoint, worker registry and request orchestration (no torch)."""

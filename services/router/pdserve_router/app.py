@@ -1,0 +1,106 @@
+"""RouterApp: wires registry, policy, predictor, orchestrator and servicers into
+the shared service lifecycle (pdserve.rpc.server)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
+
+from pdserve.kv.hashing import block_hashes
+from pdserve.logging import get_logger
+from pdserve.rpc.server import ServiceApp
+from pdserve.v1 import router_pb2_grpc
+
+from .metrics import RouterMetrics, Totals
+from .model_info import ModelInfo
+from .orchestrator import Deadlines, Orchestrator
+from .policies import make_policy
+from .predictor import EwmaPredictor
+from .registry import ROLE_NAMES, Registry
+from .servicer import RegistryServicer, RouterServicer
+from .settings import RouterSettings
+from .workers import WorkerClients
+
+log = get_logger("pdserve.router")
+
+
+class RouterApp(ServiceApp):
+    name = "router"
+    health_service_names = ("pdserve.v1.Router", "pdserve.v1.Registry")
+
+    def __init__(self, settings: RouterSettings,
+                 metrics_registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self.registry = Registry(heartbeat_timeout_s=settings.heartbeat_timeout_s,
+                                 suspect_s=settings.heartbeat_interval_s)
+        self.policy = make_policy(settings.policy, settings.session_affinity)
+        self.registry.on_forget(self.policy.forget)
+        self.workers = WorkerClients()
+        self.metrics = RouterMetrics(metrics_registry)
+        self.totals = Totals()
+        self.model = ModelInfo()
+        self.orchestrator: Orchestrator | None = None
+        self.router_servicer: RouterServicer | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    def _hasher(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+        # Router-local prefix identity: any namespace shared by all instances works.
+        return block_hashes(token_ids, block_size, self.registry.fingerprint or "")
+
+    async def start(self, server) -> None:
+        s = self.settings
+        self.model = await asyncio.to_thread(ModelInfo.from_dir, s.model)
+        kv = s.kvstore_addr or ""
+        self.orchestrator = Orchestrator(
+            self.registry, self.policy,
+            EwmaPredictor(alpha=s.predictor_alpha, initial=s.predictor_initial), self.workers,
+            Deadlines(reserve_s=s.reserve_deadline_s, prefill_s=s.prefill_deadline_s,
+                      first_token_s=s.first_token_deadline_s,
+                      decode_idle_s=s.decode_idle_deadline_s, abort_s=s.abort_deadline_s),
+            eos_token_ids=self.model.eos_token_ids, max_prefill_attempts=s.max_prefill_attempts,
+            lease_s=s.lease_s, use_kvstore=bool(kv) and s.use_kvstore,
+            write_back=bool(kv) and s.use_kvstore, hasher=self._hasher)
+        self.router_servicer = RouterServicer(self.orchestrator, self.registry, self.model,
+                                              self.metrics, self.totals, kv)
+        router_pb2_grpc.add_RouterServicer_to_server(self.router_servicer, server)
+        router_pb2_grpc.add_RegistryServicer_to_server(
+            RegistryServicer(self.registry, s.heartbeat_interval_s, kv), server)
+        self._tasks.append(asyncio.create_task(self._housekeeping()))
+        log.info("router ready", model=self.model.name or None, policy=self.policy.name,
+                 kvstore=kv or None)
+
+    async def drain(self) -> None:
+        """Refuse new requests, wait for the running ones."""
+        if self.router_servicer is not None:
+            self.router_servicer.draining = True
+            await self.router_servicer.idle.wait()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.orchestrator is not None:
+            await self.orchestrator.close()
+        await self.workers.close()
+
+    async def _housekeeping(self) -> None:
+        """Expire silent instances; refresh the per-instance gauges."""
+        period = min(self.settings.heartbeat_interval_s, self.settings.heartbeat_timeout_s / 3)
+        while True:
+            await asyncio.sleep(period)
+            for iid in self.registry.expire():
+                log.warning("instance expired (no heartbeat)", instance=iid)
+            live = {inst.address for inst in self.registry.instances()}
+            for address in [a for a in self.workers.addresses() if a not in live]:
+                await self.workers.drop(address)
+            counts = dict.fromkeys(ROLE_NAMES.values(), 0)
+            for inst in self.registry.instances():
+                counts[inst.role_name] += 1
+                self.metrics.inflight.labels(inst.instance_id, inst.role_name).set(
+                    inst.inflight_requests)
+            for role, n in counts.items():
+                self.metrics.instances.labels(role).set(n)

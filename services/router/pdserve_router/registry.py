@@ -1,0 +1,171 @@
+"""Registry of worker instances: register, heartbeat, expiry, suspicion.
+
+Pure bookkeeping (no gRPC, no asyncio). The clock is injected so expiry is
+testable with a fake clock. Invariants:
+- every live instance shares `fingerprint` (set by the first registration,
+  cleared when the registry becomes empty);
+- an instance is a routing candidate iff state == "serving", it is not
+  suspect, and its last heartbeat is younger than `heartbeat_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.errors import FailedPreconditionError, InvalidRequestError
+
+ROLE_PREFILL = 1
+ROLE_DECODE = 2
+ROLE_COLOCATED = 3
+ROLE_NAMES = {0: "unspecified", ROLE_PREFILL: "prefill", ROLE_DECODE: "decode",
+              ROLE_COLOCATED: "colocated"}
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """The load a worker reports with each heartbeat (mirrors WorkerLoad)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    tokens_in_flight: int = 0
+    num_reserved: int = 0
+    step_ms_ewma: float = 0.0
+
+
+@dataclass
+class Instance:
+    instance_id: str
+    address: str
+    role: int
+    model_fingerprint: str
+    block_size: int
+    load: LoadReport
+    last_heartbeat: float
+    state: str = "serving"
+    suspect_since: float | None = None
+    # Router-side counters: exact and current, unlike the heartbeat's load.
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+    routed_total: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def role_name(self) -> str:
+        return ROLE_NAMES.get(self.role, str(self.role))
+
+
+class Registry:
+    def __init__(self, heartbeat_timeout_s: float = 3.0, suspect_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.suspect_s = suspect_s  # a suspect instance stays skipped at least this long
+        self._clock = clock
+        self._instances: dict[str, Instance] = {}
+        self.fingerprint: str | None = None
+        self._listeners: list[Callable[[str], None]] = []
+
+    # -- worker-facing -----------------------------------------------------
+    def register(self, instance_id: str, address: str, role: int, model_fingerprint: str,
+                 block_size: int, load: LoadReport | None = None) -> Instance:
+        if not instance_id:
+            raise InvalidRequestError("instance_id", "must not be empty")
+        if not address:
+            raise InvalidRequestError("address", "must be host:port")
+        if role not in (ROLE_PREFILL, ROLE_DECODE, ROLE_COLOCATED):
+            raise InvalidRequestError("role", "must be prefill, decode or colocated")
+        others = [i for i in self._instances.values() if i.instance_id != instance_id]
+        if others and self.fingerprint and model_fingerprint != self.fingerprint:
+            raise FailedPreconditionError(
+                f"model fingerprint {model_fingerprint!r} differs from the cluster's "
+                f"{self.fingerprint!r}: every instance must serve the same model")
+        if not others:
+            self.fingerprint = model_fingerprint
+        inst = Instance(instance_id=instance_id, address=address, role=role,
+                        model_fingerprint=model_fingerprint, block_size=block_size,
+                        load=load or LoadReport(), last_heartbeat=self._clock())
+        old = self._instances.get(instance_id)
+        if old is not None:  # re-registration (e.g. after a role flip) keeps router counters
+            inst.inflight_requests, inst.inflight_tokens = old.inflight_requests, old.inflight_tokens
+            inst.routed_total = old.routed_total
+        self._instances[instance_id] = inst
+        return inst
+
+    def heartbeat(self, instance_id: str, role: int, state: str, load: LoadReport) -> bool:
+        """Returns False for an unknown instance: it must register again."""
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            return False
+        now = self._clock()
+        inst.last_heartbeat = now
+        inst.load = load
+        if role:
+            inst.role = role
+        if state:
+            inst.state = state
+        if inst.suspect_since is not None and now - inst.suspect_since >= self.suspect_s:
+            inst.suspect_since = None  # alive again: it heartbeats after the suspicion window
+        return True
+
+    def deregister(self, instance_id: str) -> bool:
+        removed = self._instances.pop(instance_id, None) is not None
+        if removed:
+            self._forgotten(instance_id)
+        return removed
+
+    # -- router-facing -----------------------------------------------------
+    def mark_suspect(self, instance_id: str) -> None:
+        """An RPC to it failed with UNAVAILABLE: skip it until it heartbeats again."""
+        inst = self._instances.get(instance_id)
+        if inst is not None:
+            inst.suspect_since = self._clock()
+
+    def expire(self) -> list[str]:
+        """Drop instances whose last heartbeat is older than the timeout."""
+        now = self._clock()
+        dead = [i.instance_id for i in self._instances.values()
+                if now - i.last_heartbeat > self.heartbeat_timeout_s]
+        for iid in dead:
+            del self._instances[iid]
+            self._forgotten(iid)
+        return dead
+
+    def candidates(self, role: int) -> list[Instance]:
+        now = self._clock()
+        return sorted(
+            (i for i in self._instances.values()
+             if i.role == role and i.state == "serving" and i.suspect_since is None
+             and now - i.last_heartbeat <= self.heartbeat_timeout_s),
+            key=lambda i: i.instance_id)
+
+    def charge(self, instance_id: str, requests: int = 0, tokens: int = 0) -> None:
+        """Adjust the router-side in-flight counters (negative to release); the
+        instance may have re-registered meanwhile, so look it up by id."""
+        inst = self._instances.get(instance_id)
+        if inst is not None:
+            inst.inflight_requests = max(0, inst.inflight_requests + requests)
+            inst.inflight_tokens = max(0, inst.inflight_tokens + tokens)
+            if requests > 0:
+                inst.routed_total += requests
+
+    def get(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    def instances(self) -> list[Instance]:
+        return sorted(self._instances.values(), key=lambda i: i.instance_id)
+
+    def heartbeat_age(self, inst: Instance) -> float:
+        return max(0.0, self._clock() - inst.last_heartbeat)
+
+    def on_forget(self, fn: Callable[[str], None]) -> None:
+        """Call fn(instance_id) when an instance leaves (policies drop their state)."""
+        self._listeners.append(fn)
+
+    def _forgotten(self, instance_id: str) -> None:
+        if not self._instances:
+            self.fingerprint = None
+        for fn in self._listeners:
+            fn(instance_id)

@@ -1,0 +1,72 @@
+"""gRPC access to workers: one channel + Worker stub per address, the
+request-id metadata, and the mapping of a worker's RPC error to a domain error."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+
+from pdserve.errors import PdserveError
+from pdserve.v1 import worker_pb2_grpc
+
+# Worker failures after which another instance may succeed.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+def request_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+    return (("x-request-id", request_id),)
+
+
+class RemoteError(PdserveError):
+    """A worker's status, relayed with its code (the interceptor maps `code`)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def remote_error(err: grpc.RpcError, what: str) -> RemoteError:
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    if code == grpc.StatusCode.UNKNOWN:
+        code = grpc.StatusCode.INTERNAL
+    return RemoteError(code, f"{what}: {details}")
+
+
+def default_channel_factory(addr: str) -> grpc.aio.Channel:
+    try:
+        from pdserve.rpc.channels import make_channel
+    except ImportError:  # plumbing not installed: plain channel
+        return grpc.aio.insecure_channel(addr)
+    return make_channel(addr)
+
+
+class WorkerClients:
+    def __init__(self, channel_factory: Callable[[str], grpc.aio.Channel] | None = None) -> None:
+        self._factory = channel_factory or default_channel_factory
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = self._factory(address)
+            self._channels[address] = channel
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
+        return stub
+
+    def addresses(self) -> list[str]:
+        return list(self._channels)
+
+    async def drop(self, address: str) -> None:
+        """Close the channel of an instance that left."""
+        self._stubs.pop(address, None)
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for address in list(self._channels):
+            await self.drop(address)
