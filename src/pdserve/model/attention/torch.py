@@ -1,0 +1,168 @@
+"""Torch attention backend: the CPU reference, written to be fast on CPU.
+
+Per step (`prepare`) we turn the block tables into row indices of the flat cache view
+`kv_cache.view(num_blocks * 2 * block_size, Hkv, D)`: the K row of slot (block b, offset o)
+is `b * 2 * block_size + o` and its V row is that plus `block_size`. Every layer then
+  - writes the new k/v with one `index_copy_` each,
+  - runs all decode sequences (query_len == 1) as ONE batched SDPA over their contexts
+    gathered into `[Bd, Hkv, S_max, D]` with a length mask; the G = H / Hkv query heads of a
+    kv head act as the query axis, so GQA needs no repeat of K/V,
+  - runs each prefill chunk with one SDPA against its context (fresh k/v directly when the
+    chunk is the whole context, else the gathered cache) under a causal-with-offset mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.model.attention.base import AttentionBackend
+from pdserve.model.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class _Prefill:
+    start: int  # first token index in the flattened batch
+    end: int
+    seq_len: int
+    rows: torch.Tensor | None  # [S] K rows of the whole context; None when context == chunk
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+
+@dataclass
+class TorchPlan:
+    k_rows: torch.Tensor  # [T] K row of each new token (V row = + block_size)
+    block_size: int
+    dec_tok: torch.Tensor | None  # [Bd] token index of each decode sequence
+    dec_all: bool  # every token is a decode, in order: no gather/scatter of q needed
+    dec_rows: torch.Tensor | None  # [Bd, S_max] K rows of decode contexts (pad -> row 0)
+    dec_lens: torch.Tensor | None  # [Bd] context lengths
+    dec_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # [Bd,1,1,S_max]
+    prefills: list[_Prefill] = field(default_factory=list)
+
+
+def _rows(table: list[int], n: int, bs: int) -> torch.Tensor:
+    pos = torch.arange(n)
+    blocks = torch.tensor(table, dtype=torch.int64)[pos // bs]
+    return blocks * (2 * bs) + pos % bs
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> TorchPlan:
+        bs = meta.block_size
+        device = meta.slot_mapping.device
+        slots = meta.slot_mapping.to(torch.int64)
+        k_rows = (slots // bs) * (2 * bs) + slots % bs
+        dec_idx, dec_tok, prefills = [], [], []
+        start = 0
+        for i, (q, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            if q == 1:
+                dec_idx.append(i)
+                dec_tok.append(start)
+            else:
+                rows = None if q == s else _rows(meta.block_tables_cpu[i], s, bs).to(device)
+                prefills.append(_Prefill(start, start + q, s, rows))
+            start += q
+        plan = TorchPlan(k_rows, bs, None, False, None, None, prefills=prefills)
+        if dec_idx:
+            lens = [meta.seq_lens_cpu[i] for i in dec_idx]
+            s_max = max(lens)
+            n_blk = -(-s_max // bs)
+            table = torch.zeros(len(dec_idx), n_blk, dtype=torch.int64)
+            for r, i in enumerate(dec_idx):
+                t = meta.block_tables_cpu[i][:n_blk]
+                table[r, : len(t)] = torch.tensor(t, dtype=torch.int64)
+            pos = torch.arange(s_max)
+            plan.dec_rows = (table[:, pos // bs] * (2 * bs) + pos % bs).to(device)
+            plan.dec_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+            plan.dec_all = not prefills
+            plan.dec_tok = torch.tensor(dec_tok, dtype=torch.int64, device=device)
+        return plan
+
+    def forward(
+        self,
+        plan: TorchPlan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor:
+        hkv, d = self.num_kv_heads, self.head_dim
+        flat = kv_cache.view(-1, hkv, d)  # [num_blocks * 2 * bs, Hkv, D]
+        flat.index_copy_(0, plan.k_rows, k)
+        flat.index_copy_(0, plan.k_rows + plan.block_size, v)
+        if plan.dec_all:
+            return self._decode(plan, q, flat, window)
+        out = torch.empty_like(q)
+        if plan.dec_tok is not None:
+            out[plan.dec_tok] = self._decode(plan, q[plan.dec_tok], flat, window)
+        for p in plan.prefills:
+            out[p.start : p.end] = self._prefill(
+                p, q[p.start : p.end], k, v, flat, plan.block_size, window
+            )
+        return out
+
+    def _decode(
+        self, plan: TorchPlan, q: torch.Tensor, flat: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        # q: [Bd, H, D] -> [Bd, Hkv, G, D]; context k/v: [Bd, Hkv, S_max, D] (strided views)
+        bd = q.shape[0]
+        hkv, d = self.num_kv_heads, self.head_dim
+        assert plan.dec_rows is not None and plan.dec_lens is not None
+        mask = plan.dec_masks.get(window)
+        if mask is None:
+            j = torch.arange(plan.dec_rows.shape[1], device=q.device)
+            lens = plan.dec_lens[:, None]
+            m = j[None, :] < lens
+            if window is not None:
+                m &= j[None, :] > lens - 1 - window
+            mask = plan.dec_masks[window] = m[:, None, None, :]
+        ck = flat[plan.dec_rows].transpose(1, 2)
+        cv = flat[plan.dec_rows + plan.block_size].transpose(1, 2)
+        qg = q.view(bd, hkv, -1, d)
+        o = F.scaled_dot_product_attention(qg, ck, cv, attn_mask=mask, scale=self.scale)
+        return o.reshape(bd, -1, d)  # [Bd, H, D]
+
+    def _prefill(
+        self,
+        p: _Prefill,
+        q: torch.Tensor,  # [Tq, H, D]
+        k: torch.Tensor,  # [T, Hkv, D] (whole step)
+        v: torch.Tensor,
+        flat: torch.Tensor,
+        bs: int,
+        window: int | None,
+    ) -> torch.Tensor:
+        tq = q.shape[0]
+        hkv, d = self.num_kv_heads, self.head_dim
+        g = self.num_heads // hkv
+        if p.rows is None:  # the chunk is the whole context: use fresh k/v
+            ck = k[p.start : p.end].transpose(0, 1)  # [Hkv, S, D]
+            cv = v[p.start : p.end].transpose(0, 1)
+        else:
+            ck = flat[p.rows].transpose(0, 1)
+            cv = flat[p.rows + bs].transpose(0, 1)
+        if window not in p.masks:
+            p.masks[window] = _causal_mask(tq, p.seq_len, window, q.device)
+        mask = p.masks[window]
+        # [Tq, H, D] -> [Hkv, G, Tq, D]; k/v broadcast over G: [Hkv, 1, S, D]
+        qg = q.view(tq, hkv, g, d).permute(1, 2, 0, 3)
+        o = F.scaled_dot_product_attention(
+            qg, ck[:, None], cv[:, None], attn_mask=mask, scale=self.scale
+        )
+        return o.permute(2, 0, 1, 3).reshape(tq, -1, d)
+
+
+def _causal_mask(tq: int, s: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[Tq, S] bool, True = visible. Query i sits at position s - tq + i."""
+    qpos = torch.arange(s - tq, s, device=device)[:, None]
+    kpos = torch.arange(s, device=device)[None, :]
+    m = kpos <= qpos
+    if window is not None:
+        m &= kpos > qpos - window
+    return m

@@ -1,0 +1,169 @@
+"""One model file for the llama family: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm),
+Mistral (sliding window). GQA/MQA through the attention backend.
+
+The batch is flattened: `input_ids[T]` holds the new tokens of every sequence in the step
+(prefill chunks and decode tokens mixed, no padding); `positions[T]` their absolute positions;
+the attention backend maps tokens to sequences through `AttentionMetadata`.
+
+Differences from the HF module layout (the loader maps names): q/k/v are one fused
+`qkv_proj` ([ (H + 2*Hkv) * D, hidden ]) and gate/up one `gate_up_proj` ([2 * I, hidden]),
+which halves the matmul launches per layer. Parameters are created on the meta device and
+materialised by `pdserve.model.loader` (load_state_dict(assign=True)).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.attention import AttentionBackend, AttentionMetadata, select_backend
+from pdserve.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """HF numerics: normalise in float32, cast back, then scale by the weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[D/2] float32 inverse frequencies, with llama3 / linear scaling applied."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = config.rope_scaling
+    if sc is None:
+        return inv
+    factor = float(sc["factor"])
+    if sc["rope_type"] == "linear":
+        return inv / factor
+    # llama3: long wavelengths divided by factor, short ones kept, smooth blend in between
+    low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+    old_len = float(sc["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryCache:
+    """cos/sin tables [max_pos, D] (halves duplicated, HF rotate_half convention)."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(config))  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos/sin: [T, 1, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.window = c.layer_window(layer)
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, c.o_proj_bias)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, c.mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+        backend: AttentionBackend,
+        plan: object,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, (H + 2*Hkv) * D]
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = backend.forward(plan, q, k, v, kv_cache, self.window)  # [T, H, D]
+        x = x + self.o_proj(o.reshape(t, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        with torch.device("meta"):  # materialised by the loader
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = (
+                None
+                if config.tie_word_embeddings
+                else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            )
+        device = torch.device(device)
+        self.rope = RotaryCache(config, device, dtype)
+        self.attn_backend = backend or select_backend(
+            device, config.num_heads, config.num_kv_heads, config.head_dim
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        layer_callback: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        plan = self.attn_backend.prepare(meta)  # once per step, shared by all layers
+        cos, sin = self.rope.lookup(positions)
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_caches[i], self.attn_backend, plan)
+            if layer_callback is not None:
+                layer_callback(i)  # layer i's K/V for this step are in kv_caches[i]
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> [N, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
