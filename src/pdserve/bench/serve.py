@@ -1,0 +1,206 @@
+"""`pdserve bench serve --addr HOST:PORT`: open-loop serving benchmark against a running router.
+
+One run at `--rate` (or the trace's own timestamps), or a rate sweep (`--sweep-rates 0.5,1,2`
+or `--sweep-rates auto`) for DistServe's goodput. Writes the JSON result and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench import arrivals
+from pdserve.bench.goodput import (
+    SLO,
+    SweepPoint,
+    attainment,
+    distserve_goodput,
+    search_goodput_rate,
+    vllm_goodput,
+)
+from pdserve.bench.loadgen import open_client, run_load
+from pdserve.bench.metrics import summarize
+from pdserve.bench.plots import plot_attainment, plot_latency_cdfs
+from pdserve.bench.report import format_summary, latency_arrays, write_json
+from pdserve.bench.traces import read_trace
+from pdserve.bench.workload import BenchRequest, LengthDist, synthetic_requests, trace_requests
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """Workload, arrival and SLO flags shared by serve and compare."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--model", help="checkpoint dir: vocab size and context length from config.json")
+    g.add_argument("--vocab-size", type=int, help="random token ids are drawn below this")
+    g.add_argument("--max-model-len", type=int, help="clip prompt + output to this context")
+    g.add_argument("--block-size", type=int, default=16, help="KV block size (Mooncake prefixes)")
+    g.add_argument("--trace", help="Azure CSV or Mooncake JSONL trace (read in place)")
+    g.add_argument("--trace-format", default="auto", choices=["auto", "azure", "mooncake"])
+    g.add_argument("--length-scale", type=float, default=1.0, help="scale trace lengths")
+    g.add_argument("--input-len", default="lognormal:256,0.5", help="synthetic input lengths")
+    g.add_argument("--output-len", default="uniform:32,128", help="synthetic output lengths")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    a = p.add_argument_group("arrivals")
+    a.add_argument("--rate", type=float, help="req/s (default 1 synthetic; trace: its own times)")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    a.add_argument("--time-scale", type=float, default=1.0, help="trace replay: stretch time")
+    a.add_argument("--num-requests", type=int, help="number of requests (default 100)")
+    a.add_argument("--duration", type=float, help="seconds of arrivals instead of a count")
+    s = p.add_argument_group("SLOs and goodput")
+    s.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
+                   help="SLOs in ms, e.g. ttft:500 tpot:50 e2e:5000")
+    s.add_argument("--sweep-rates", help="comma-separated rates, or 'auto' (bracket + bisect)")
+    s.add_argument("--sweep-start", type=float, default=1.0, help="first rate of --sweep-rates auto")
+    s.add_argument("--target", type=float, default=0.9, help="DistServe attainment target")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="open-loop serving benchmark against a router")
+    p.add_argument("--addr", default="127.0.0.1:50051")
+    p.add_argument("--out", default="results/serve.json", help="JSON result path")
+    p.add_argument("--plots", help="plot directory (default: next to --out)")
+    add_workload_args(p)
+    p.set_defaults(func=main)
+
+
+def model_limits(args: argparse.Namespace) -> tuple[int, int | None]:
+    """(vocab_size, max_model_len) from the flags, else the model's config.json, else defaults."""
+    vocab, max_len = args.vocab_size, args.max_model_len
+    if args.model:
+        cfg = json.loads((Path(args.model) / "config.json").read_text())
+        vocab = vocab or cfg.get("vocab_size")
+        max_len = max_len or cfg.get("max_position_embeddings")
+    return int(vocab or 1000), max_len
+
+
+def base_requests(args: argparse.Namespace, n_hint: int | None = None) -> list[BenchRequest]:
+    """The workload before arrivals are assigned (trace requests keep the trace's times)."""
+    vocab, max_len = model_limits(args)
+    if args.trace:
+        records = read_trace(args.trace, args.trace_format, limit=args.num_requests)
+        return trace_requests(records, vocab, args.seed, args.length_scale, max_len,
+                              args.block_size)
+    n = n_hint if n_hint is not None else (args.num_requests or 100)
+    return synthetic_requests(n, LengthDist.parse(args.input_len),
+                              LengthDist.parse(args.output_len), vocab, args.seed, max_len)
+
+
+def workload_at(args: argparse.Namespace, rate: float | None) -> list[BenchRequest]:
+    """Requests with arrival times for one run at `rate` (None: the default rate)."""
+    if args.trace:
+        reqs = base_requests(args)
+        times = arrivals.replay_arrivals([r.arrival_s for r in reqs], args.time_scale, rate)
+        out = [replace(r, arrival_s=t) for r, t in zip(reqs, times, strict=True)]
+        if args.duration:
+            out = [r for r in out if r.arrival_s < args.duration]
+        return out
+    rate = rate or args.rate or 1.0
+    if args.duration:
+        times = arrivals.arrivals_for_duration(args.duration, rate, args.burstiness, args.seed)
+    else:
+        times = arrivals.gamma_arrivals(args.num_requests or 100, rate, args.burstiness, args.seed)
+    reqs = base_requests(args, n_hint=len(times))
+    return [replace(r, arrival_s=t) for r, t in zip(reqs, times, strict=True)]
+
+
+def run_once(addr: str, args: argparse.Namespace, rate: float | None, slo: SLO) -> dict[str, Any]:
+    reqs = workload_at(args, rate)
+
+    async def go() -> tuple[list, float]:
+        async with open_client(addr) as client:
+            return await run_load(client, reqs, temperature=args.temperature, seed=args.seed,
+                                  progress=not args.no_progress,
+                                  desc=f"rate {rate}" if rate else "requests")
+
+    records, wall = asyncio.run(go())
+    summary = summarize(records, wall)
+    ts = slo.only("ttft", "tpot")
+    return {
+        "rate": rate if rate is not None else arrivals.mean_rate([r.arrival_s for r in reqs]),
+        "records": [r.to_json() for r in records],
+        "summary": summary,
+        "vllm_goodput_req_s": vllm_goodput(records, slo, wall) if not slo.is_empty() else None,
+        "attainment_ttft_tpot": attainment(records, ts) if not ts.is_empty() else None,
+        "_records": records,
+    }
+
+
+def parse_rates(spec: str) -> list[float]:
+    try:
+        rates = [float(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"bad --sweep-rates {spec!r}: comma-separated numbers or 'auto'") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"bad --sweep-rates {spec!r}: rates must be > 0")
+    return sorted(rates)
+
+
+def run_benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run, or a sweep; returns the JSON-ready result (runs keep their records)."""
+    slo = SLO.parse(args.goodput)
+    runs: list[dict[str, Any]] = []
+    if args.sweep_rates:
+        ts = slo.only("ttft", "tpot")
+        if ts.ttft_ms is None or ts.tpot_ms is None:
+            raise SystemExit("--sweep-rates needs both SLOs: --goodput ttft:MS tpot:MS")
+
+        def measure(rate: float) -> float:
+            runs.append(run_once(addr, args, rate, slo))
+            return runs[-1]["attainment_ttft_tpot"]
+
+        if args.sweep_rates == "auto":
+            points = search_goodput_rate(measure, args.sweep_start, args.target)
+        else:
+            points = [SweepPoint(r, measure(r)) for r in parse_rates(args.sweep_rates)]
+        ds = distserve_goodput(points, args.target)
+    else:
+        runs.append(run_once(addr, args, args.rate, slo))
+        ds = None
+    # headline run: the highest rate meeting the target in a sweep, else the only run
+    main_run = runs[0]
+    if ds and ds["max_rate"] is not None:
+        main_run = next(r for r in runs if r["rate"] == ds["max_rate"])
+    return {
+        "config": {k: v for k, v in vars(args).items() if k != "func"} | {"addr": addr},
+        "rate": main_run["rate"],
+        "summary": main_run["summary"],
+        "goodput": {"slo": slo.to_json(), "vllm_req_s": main_run["vllm_goodput_req_s"],
+                    "attainment_ttft_tpot": main_run["attainment_ttft_tpot"], "distserve": ds},
+        "sweep": [{k: v for k, v in r.items() if k != "_records"} for r in runs],
+        "_runs": runs,
+    }
+
+
+def save_result(result: dict[str, Any], out: str | Path, plots_dir: str | Path | None) -> list[Path]:
+    """Write the JSON (without the in-memory records) and the plots; returns all paths."""
+    out = Path(out)
+    plots_dir = Path(plots_dir) if plots_dir else out.parent / f"{out.stem}_plots"
+    runs = result["_runs"]
+    paths = [write_json(out, {k: v for k, v in result.items() if not k.startswith("_")})]
+    arms = {f"{r['rate']:.3g} req/s": latency_arrays(r["_records"]) for r in runs}
+    paths += plot_latency_cdfs(arms, plots_dir)
+    if len(runs) > 1 and runs[0]["attainment_ttft_tpot"] is not None:
+        pts = [(r["rate"], r["attainment_ttft_tpot"]) for r in runs]
+        paths.append(plot_attainment({"this run": pts}, plots_dir / "attainment.png",
+                                     result["config"].get("target", 0.9)))
+    return paths
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        result = run_benchmark(args.addr, args)
+    except ValueError as exc:  # bad flags or a malformed trace: name it, no traceback
+        raise SystemExit(f"pdserve bench serve: {exc}") from None
+    paths = save_result(result, args.out, args.plots)
+    g = result["goodput"]
+    print(format_summary(result["summary"], {
+        "vLLM (req/s meeting all SLOs)": g["vllm_req_s"],
+        "DistServe (max rate >= target)": (g["distserve"] or {}).get("interpolated"),
+    }))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if result["summary"]["completed"] else 1
