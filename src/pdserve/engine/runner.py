@@ -1,0 +1,104 @@
+"""ModelRunner: turns a scheduler plan into tensors, runs the model, samples.
+
+The batch is flattened (no padding): entry i contributes tokens
+`all_token_ids[start_i : start_i + n_i]` at positions `start_i .. start_i + n_i - 1`.
+Only entries whose step reaches their last known token are sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pdserve.engine.sampler import Sampler, SampleRequest
+from pdserve.engine.scheduler import SchedulerPlan
+from pdserve.kv.spec import KVSpec
+from pdserve.model.attention.metadata import AttentionMetadata
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def allocate_kv_caches(spec: KVSpec, num_blocks: int, device: str) -> list[torch.Tensor]:
+    """Per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]."""
+    return [
+        torch.zeros((num_blocks, *spec.block_shape), dtype=torch_dtype(spec.dtype), device=device)
+        for _ in range(spec.num_layers)
+    ]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: str = "cpu",
+        sampler: Sampler | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.sampler = sampler or Sampler()
+
+    def execute(
+        self, plan: SchedulerPlan, layer_callback: Callable[[int], None] | None = None
+    ) -> dict[str, int]:
+        """Run one step; returns request_id -> sampled token for entries with `sample`."""
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        last_index: list[int] = []  # row in the flat batch of each sampled entry's last token
+        sample_reqs: list[SampleRequest] = []
+        sample_ids: list[str] = []
+        for e in plan.scheduled:
+            seq, start, n = e.seq, e.start, e.num_new_tokens
+            all_ids = seq.all_token_ids
+            ids.extend(all_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(seq.block_table)
+            if e.sample:
+                last_index.append(len(ids) - 1)
+                sample_reqs.append(SampleRequest(seq.params, seq.num_output_tokens))
+                sample_ids.append(seq.request_id)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
+        with torch.inference_mode():
+            hidden = self.model(input_ids, pos, self.kv_caches, meta, layer_callback=layer_callback)
+            if not sample_ids:
+                return {}
+            idx = torch.tensor(last_index, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[idx])  # [N, vocab] float32
+            if all(r.params.temperature == 0.0 for r in sample_reqs):
+                tokens = logits.argmax(dim=-1).tolist()
+            else:
+                tokens = self.sampler(logits, sample_reqs)
+        return dict(zip(sample_ids, tokens, strict=True))
+
+    # ---- KV import / export (block granularity) ----------------------------------------
+    def read_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """[n, 2, block_size, kv_heads, head_dim], a contiguous CPU copy."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[layer].device)
+        return self.kv_caches[layer].index_select(0, idx).to("cpu", copy=True).contiguous()
+
+    def write_layer(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
+        cache = self.kv_caches[layer]
+        if tuple(kv.shape[1:]) != tuple(cache.shape[1:]) or kv.shape[0] != len(block_ids):
+            raise ValueError(
+                f"kv shape {tuple(kv.shape)} does not match {len(block_ids)} blocks of "
+                f"{tuple(cache.shape[1:])}"
+            )
+        idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        cache.index_copy_(0, idx, kv.to(device=cache.device, dtype=cache.dtype))
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[n, L, 2, block_size, kv_heads, head_dim] CPU tensor."""
+        return torch.stack([self.read_layer(i, block_ids) for i in range(len(self.kv_caches))], 1)
