@@ -1,0 +1,70 @@
+"""Client: the synchronous SDK. It owns an AsyncClient running on a private
+event loop in a daemon thread; every method submits a coroutine to that loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+from .aio import DEFAULT_ADDR, AsyncClient
+from .results import ClusterStatus, GenerationEvent, GenerationResult, collect
+
+T = TypeVar("T")
+
+
+class Client:
+    def __init__(self, addr: str = DEFAULT_ADDR, *, timeout: float | None = None,
+                 max_retries: int = 3, retry_backoff_s: float = 0.1) -> None:
+        self.addr = addr
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pdserve-client",
+                                        daemon=True)
+        self._thread.start()
+
+        async def make() -> AsyncClient:  # the channel must be created on its loop
+            return AsyncClient(addr, timeout=timeout, max_retries=max_retries,
+                               retry_backoff_s=retry_backoff_s)
+
+        self._aclient = self._run(make())
+        self._closed = False
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate_stream(self, *, timeout: float | None = None, **kwargs: Any
+                        ) -> Iterator[GenerationEvent]:
+        agen = self._aclient.generate_stream(timeout=timeout, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:  # also when the caller stops early: cancels the call
+            self._run(agen.aclose())
+
+    def generate(self, *, timeout: float | None = None, **kwargs: Any) -> GenerationResult:
+        start = time.perf_counter()
+        events = list(self.generate_stream(timeout=timeout, **kwargs))
+        return collect(events, start)
+
+    def status(self, *, timeout: float | None = 10.0) -> ClusterStatus:
+        return self._run(self._aclient.status(timeout=timeout))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._run(self._aclient.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
