@@ -1,0 +1,53 @@
+"""`pdserve status`: instances, roles, load and cache hit rate of a running router."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("status", help="instances, roles, load, cache hit rate")
+    p.add_argument("--addr", default="127.0.0.1:50051", help="router HOST:PORT")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--timeout", type=float, default=5.0, help="deadline, seconds")
+    p.set_defaults(func=run)
+
+
+def format_table(status) -> str:
+    """Plain-text table of a pdserve.client.ClusterStatus."""
+    header = ("INSTANCE", "ROLE", "STATE", "ADDRESS", "RUNNING", "WAITING", "FREE/TOTAL BLOCKS",
+              "HB AGE")
+    rows = [header]
+    for i in status.instances:
+        rows.append((i.instance_id, i.role, i.state, i.address, str(int(i.load["num_running"])),
+                     str(int(i.load["num_waiting"])),
+                     f"{int(i.load['free_blocks'])}/{int(i.load['total_blocks'])}",
+                     f"{i.heartbeat_age_s:.1f}s"))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+             for r in rows]
+    if not status.instances:
+        lines.append("(no instances registered)")
+    lines += [
+        "",
+        f"model: {status.model or '-'}    kvstore: {status.kvstore_address or '-'}",
+        f"requests: {status.requests_total} total, {status.requests_running} running",
+        f"prompt tokens: {status.prompt_tokens_total}, cached: {status.cached_tokens_total} "
+        f"(hit rate {status.cache_hit_rate:.1%})",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.client import Client, PdserveClientError
+
+    try:
+        with Client(args.addr, max_retries=0) as client:
+            status = client.status(timeout=args.timeout)
+    except PdserveClientError as exc:
+        print(f"error: cannot reach the router at {args.addr}: {exc.message}", file=sys.stderr)
+        return 1
+    print(json.dumps(status.to_dict(), indent=2) if args.json else format_table(status))
+    return 0
