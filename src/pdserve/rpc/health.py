@@ -1,0 +1,36 @@
+"""Health checks against the standard grpc.health.v1 service every pdserve service runs."""
+
+from __future__ import annotations
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def check_health(addr: str, timeout: float = 2.0, service: str = "") -> bool:
+    """Blocking: True if HOST:PORT answers SERVING for `service` ("" = the whole server)
+    within `timeout` seconds; False when it is NOT_SERVING, unknown, or unreachable."""
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
+            )
+    except grpc.RpcError:
+        return False
+    return reply.status == _SERVING
+
+
+async def check_health_async(addr: str, timeout: float = 2.0, service: str = "") -> bool:
+    """Same as check_health, for asyncio code (never blocks the loop)."""
+    try:
+        async with aio.insecure_channel(addr) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
+            )
+    except grpc.RpcError:
+        return False
+    return reply.status == _SERVING

@@ -1,0 +1,349 @@
+"""One server lifecycle for every service.
+
+    start:    grpc.aio server on host:port (interceptors: request id, metrics, errors)
+              + grpc.health.v1 Health, every name NOT_SERVING
+              -> await app.start(server)   (add servicers, load the model, register, ...)
+              -> SERVING, and one line `PDSERVE_READY {"service": ..., "port": N, ...}` on stdout
+    SIGTERM / SIGINT:
+              health NOT_SERVING -> await app.drain() (at most drain_timeout_s; a second signal
+              cuts it short) -> server.stop(grace_s) -> await app.close()
+
+A signal during app.start() cancels the start and closes the app. Logs go to stderr, so
+stdout carries only the READY line (the launcher and the tests wait for it).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import IO, Any, cast
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pdserve.config import ServiceSettings
+from pdserve.logging import configure_logging, get_logger
+from pdserve.rpc.channels import SERVER_OPTIONS
+from pdserve.rpc.interceptor import server_interceptors
+from pdserve.rpc.metrics import Metrics, MetricsInterceptor, start_metrics_server
+
+READY_PREFIX = "PDSERVE_READY"
+HEALTH_SERVICE = "grpc.health.v1.Health"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+_log = get_logger(__name__)
+
+
+class ServiceApp(abc.ABC):
+    """What a service plugs into the runner.
+
+    Contract: `start` registers servicers on `server` (generated `add_*_to_server` works; the
+    server is already listening, health says NOT_SERVING until start returns) and does any
+    slow loading; raising aborts the process start. `drain` stops accepting new work and
+    waits for in-flight work (it is cancelled after drain_timeout_s). `close` releases
+    everything; it runs once, after the gRPC server has stopped, also after a failed start.
+    """
+
+    name: str = "service"
+    # Fully-qualified gRPC service names reported by the health service ("" is always added).
+    health_service_names: Sequence[str] = ()
+
+    @abc.abstractmethod
+    async def start(self, server: aio.Server) -> None: ...
+
+    async def drain(self) -> None:  # noqa: B027 (optional hook)
+        """Default: nothing to wait for."""
+
+    async def close(self) -> None:  # noqa: B027 (optional hook)
+        """Default: nothing to release."""
+
+
+class _LateHandlers(grpc.GenericRpcHandler):
+    """Registered on the server before it starts; servicers added later (by app.start,
+    while health already answers) are looked up here at call time."""
+
+    def __init__(self) -> None:
+        self.by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+        self.generic: list[grpc.GenericRpcHandler] = []
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        # method = "/package.Service/Method"
+        service, _, method = handler_call_details.method.lstrip("/").partition("/")
+        found = self.by_service.get(service, {}).get(method)
+        if found is not None:
+            return found
+        for handler in self.generic:
+            found = handler.service(handler_call_details)
+            if found is not None:
+                return found
+        return None
+
+
+class _AppServer:
+    """The `server` app.start() receives: the running aio.Server, except that servicer
+    registration goes to _LateHandlers (grpc only allows it before start)."""
+
+    def __init__(self, server: aio.Server, late: _LateHandlers) -> None:
+        self._server = server
+        self._late = late
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._late.generic.extend(handlers)
+
+    def add_registered_method_handlers(
+        self, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self._late.by_service.setdefault(service_name, {}).update(method_handlers)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+
+def format_ready_line(info: dict[str, Any]) -> str:
+    return f"{READY_PREFIX} {json.dumps(info, sort_keys=True)}"
+
+
+def parse_ready_line(line: str) -> dict[str, Any] | None:
+    """The JSON of a `PDSERVE_READY {...}` line, or None for any other line."""
+    line = line.strip()
+    if not line.startswith(READY_PREFIX + " "):
+        return None
+    try:
+        info = json.loads(line[len(READY_PREFIX) + 1 :])
+    except json.JSONDecodeError:
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"{host}:{port}"
+
+
+class ServiceRunner:
+    """Runs one ServiceApp; usable directly in tests (start / shutdown) or via run()."""
+
+    def __init__(
+        self,
+        app: ServiceApp,
+        settings: ServiceSettings,
+        *,
+        metrics: Metrics | None = None,
+        ready_stream: IO[str] | None = None,
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.port: int | None = None
+        self.state = "new"  # new -> starting -> serving -> draining -> stopped
+        self.health = health.aio.HealthServicer()
+        self.server: aio.Server | None = None
+        self._ready_stream = ready_stream
+        self._stop_requested = asyncio.Event()
+        self._force = asyncio.Event()
+        self._shutdown_task: asyncio.Future[None] | None = None
+        self._log = _log.bind(service=app.name)
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError("server not started")
+        return _address(self.settings.host, self.port)
+
+    @property
+    def health_names(self) -> list[str]:
+        return ["", *self.app.health_service_names]
+
+    async def start(self) -> int:
+        """Listen, start the app, go SERVING, print the READY line. Returns the bound port."""
+        if self.state != "new":
+            raise RuntimeError(f"runner already {self.state}")
+        self.state = "starting"
+        interceptors = server_interceptors(MetricsInterceptor(self.metrics))
+        server = aio.server(interceptors=interceptors, options=list(SERVER_OPTIONS))
+        self.server = server
+        late = _LateHandlers()
+        server.add_generic_rpc_handlers((late,))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        for name in self.health_names:
+            await self.health.set(name, _NOT_SERVING)
+        requested = _address(self.settings.host, self.settings.port)
+        try:
+            port = server.add_insecure_port(requested)
+        except RuntimeError as exc:
+            port, cause = 0, exc
+        else:
+            cause = None
+        if not port:
+            self.state = "stopped"
+            raise OSError(f"{self.app.name}: cannot listen on {requested} (in use?)") from cause
+        self.port = port
+        await server.start()
+        self._log.info("listening", host=self.settings.host, port=port)
+        try:
+            await self.app.start(cast(aio.Server, _AppServer(server, late)))
+        except BaseException as exc:  # incl. CancelledError (signal during start)
+            self._log.error("start failed", error=repr(exc), exc_info=exc)
+            await self._stop_server_and_close(grace=0)
+            raise
+        for name in self.health_names:
+            await self.health.set(name, _SERVING)
+        self.state = "serving"
+        self._announce()
+        return port
+
+    def _announce(self) -> None:
+        info: dict[str, Any] = {
+            "service": self.app.name,
+            "host": self.settings.host,
+            "port": self.port,
+            "pid": os.getpid(),
+            "instance_id": self.settings.instance_id,
+        }
+        self._log.info("serving", **info)
+        out = self._ready_stream if self._ready_stream is not None else sys.stdout
+        out.write(format_ready_line(info) + "\n")
+        out.flush()
+
+    def request_stop(self) -> None:
+        """Ask run() to shut down (signal handlers call this). A second call skips the rest
+        of the drain."""
+        if self._stop_requested.is_set():
+            if not self._force.is_set():
+                self._log.warning("second stop request: cutting the drain short")
+            self._force.set()
+        self._stop_requested.set()
+
+    async def shutdown(self) -> None:
+        """NOT_SERVING -> drain -> stop(grace) -> close. Idempotent; concurrent callers all
+        wait for the one shutdown."""
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.ensure_future(self._shutdown())
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self) -> None:
+        if self.state != "serving":
+            return
+        self.state = "draining"
+        self._log.info("draining", timeout_s=self.settings.drain_timeout_s)
+        await self.health.enter_graceful_shutdown()
+        await self._drain()
+        await self._stop_server_and_close(grace=self.settings.grace_s)
+        self._log.info("stopped")
+
+    async def _drain(self) -> None:
+        drain = asyncio.ensure_future(self.app.drain())
+        force = asyncio.ensure_future(self._force.wait())
+        done, _ = await asyncio.wait(
+            {drain, force},
+            timeout=self.settings.drain_timeout_s,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        for task in (drain, force):
+            task.cancel()
+        await asyncio.gather(drain, force, return_exceptions=True)
+        if drain in done and not drain.cancelled() and drain.exception() is not None:
+            self._log.error("drain failed", exc_info=drain.exception())
+        elif drain not in done:
+            self._log.warning("drain cut short", forced=force in done)
+
+    async def _stop_server_and_close(self, grace: float) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+        try:
+            await self.app.close()
+        except Exception:
+            self._log.exception("close failed")
+        self.state = "stopped"
+
+    async def run(
+        self, signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT)
+    ) -> None:
+        """start(), serve until a signal (or request_stop()), then shutdown()."""
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in signals:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                installed.append(sig)
+        starting = asyncio.ensure_future(self.start())
+        stopping = asyncio.ensure_future(self._stop_requested.wait())
+        try:
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():  # stop requested while the app was starting
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
+                return
+            starting.result()  # re-raises a failed start
+            await stopping
+            await self.shutdown()
+        finally:
+            for task in (starting, stopping):
+                task.cancel()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._log.info("signal received", signal=sig.name)
+        self.request_stop()
+
+    async def __aenter__(self) -> ServiceRunner:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+
+async def run_service(
+    app: ServiceApp,
+    settings: ServiceSettings,
+    *,
+    metrics: Metrics | None = None,
+    configure_logs: bool = True,
+) -> None:
+    """The whole life of a service process: logging, /metrics, run() until SIGTERM/SIGINT.
+    Returns after a clean shutdown (exit status 0); raises if the app failed to start."""
+    if configure_logs:
+        configure_logging(
+            settings.log_format, settings.log_level, app.name, instance_id=settings.instance_id
+        )
+    metrics = metrics if metrics is not None else Metrics()
+    metrics_server = start_metrics_server(settings.metrics_port, metrics.registry, settings.host)
+    try:
+        await ServiceRunner(app, settings, metrics=metrics).run()
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
+
+
+def install_event_loop() -> bool:
+    """Use uvloop for new event loops when it is installed; True if it is."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+def serve(app: ServiceApp, settings: ServiceSettings) -> int:
+    """Blocking entry point for a service's __main__: uvloop if present, run_service, and
+    the exit status (0 after a clean shutdown, 1 if the service failed to start)."""
+    install_event_loop()
+    try:
+        asyncio.run(run_service(app, settings))
+    except Exception as exc:
+        _log.error("service failed", service=app.name, error=repr(exc))
+        return 1
+    return 0
