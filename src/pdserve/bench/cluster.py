@@ -33,8 +33,11 @@ class Cluster:
         ready_timeout_s: float = 600.0,
         stop_timeout_s: float = 60.0,
         log_path: str | Path | None = None,
+        launcher: list[str] | None = None,
     ) -> None:
-        self.cmd = [sys.executable, "-m", "pdserve.cli.main", "up", *up_args, "--port", str(port)]
+        """`launcher` replaces `python -m pdserve.cli.main up` (tests use a fake)."""
+        base = launcher or [sys.executable, "-m", "pdserve.cli.main", "up"]
+        self.cmd = [*base, *up_args, "--port", str(port)]
         self.port = port
         self.ready_timeout_s = ready_timeout_s
         self.stop_timeout_s = stop_timeout_s
