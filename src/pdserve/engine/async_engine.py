@@ -55,7 +55,7 @@ class AsyncEngine:
             self._cond.notify()
         return await fut
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
@@ -68,10 +68,9 @@ class AsyncEngine:
         def add() -> None:
             self.engine.add_request(request_id, prompt_token_ids, params, **kwargs)
 
-        async for out in self._stream(request_id, add):
-            yield out
+        return self._stream(request_id, add)
 
-    async def generate_prefilled(
+    def generate_prefilled(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
@@ -87,8 +86,7 @@ class AsyncEngine:
                 request_id, prompt_token_ids, first_token, params, block_ids
             )
 
-        async for out in self._stream(request_id, add):
-            yield out
+        return self._stream(request_id, add)
 
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda: self._abort(request_id))

@@ -1,0 +1,47 @@
+"""Prefix cache: a request sharing a 3-block prefix with an earlier one reuses those blocks."""
+
+import torch
+
+from pdserve.engine.params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def test_shared_three_block_prefix_is_reused(make_engine):
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(2, 512, (48,), generator=g).tolist()  # 3 blocks of 16
+    a = prefix + torch.randint(2, 512, (7,), generator=g).tolist()
+    b = prefix + torch.randint(2, 512, (9,), generator=g).tolist()
+    ref_b = make_engine(enable_prefix_caching=False).generate([b], GREEDY)[0]
+
+    engine = make_engine()
+    engine.generate([a], GREEDY)
+    hits_before = engine.pool.stats.hit_blocks
+    engine.add_request("b", b, GREEDY)
+    out, cached = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out += o.new_token_ids
+            cached = o.num_cached_tokens
+    assert cached == 48
+    assert engine.pool.stats.hit_blocks - hits_before == 3
+    assert out == ref_b
+
+
+def test_identical_prompt_recomputes_last_token(make_engine):
+    p = torch.randint(2, 512, (32,), generator=torch.Generator().manual_seed(9)).tolist()
+    engine = make_engine()
+    first = engine.generate([p], GREEDY)[0]
+    engine.add_request("again", p, GREEDY)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[0].num_cached_tokens == 16  # 2 full blocks, but the last token is recomputed
+    assert [o.new_token_ids[0] for o in outs] == first
+
+
+def test_no_prefix_caching_counts_nothing(make_engine):
+    p = list(range(2, 40))
+    engine = make_engine(enable_prefix_caching=False)
+    engine.generate([p, p], GREEDY)
+    assert engine.pool.stats.hit_blocks == 0
