@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 from pdserve.config import load_settings
-from pdserve.logging import configure_logging
-from pdserve.rpc.server import install_event_loop, run_service
+from pdserve.rpc.server import serve
 
 from .app import RouterApp
 from .settings import RouterSettings
@@ -16,10 +14,7 @@ from .settings import RouterSettings
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(RouterSettings, sys.argv[1:] if argv is None else argv,
                              prog="pdserve-router")
-    configure_logging(fmt=settings.log_format, level=settings.log_level, service="router")
-    install_event_loop()
-    asyncio.run(run_service(RouterApp(settings), settings))
-    return 0
+    return serve(RouterApp(settings), settings)  # logging, uvloop, lifecycle, exit status
 
 
 if __name__ == "__main__":

@@ -7,10 +7,9 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry
-
 from pdserve.kv.hashing import block_hashes
 from pdserve.logging import get_logger
+from pdserve.rpc.metrics import Metrics
 from pdserve.rpc.server import ServiceApp
 from pdserve.v1 import router_pb2_grpc
 
@@ -31,15 +30,14 @@ class RouterApp(ServiceApp):
     name = "router"
     health_service_names = ("pdserve.v1.Router", "pdserve.v1.Registry")
 
-    def __init__(self, settings: RouterSettings,
-                 metrics_registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, settings: RouterSettings, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.registry = Registry(heartbeat_timeout_s=settings.heartbeat_timeout_s,
                                  suspect_s=settings.heartbeat_interval_s)
         self.policy = make_policy(settings.policy, settings.session_affinity)
         self.registry.on_forget(self.policy.forget)
         self.workers = WorkerClients()
-        self.metrics = RouterMetrics(metrics_registry)
+        self.metrics = RouterMetrics(metrics if metrics is not None else Metrics())
         self.totals = Totals()
         self.model = ModelInfo()
         self.orchestrator: Orchestrator | None = None

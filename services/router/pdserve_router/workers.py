@@ -8,6 +8,7 @@ from collections.abc import Callable
 import grpc
 
 from pdserve.errors import PdserveError
+from pdserve.rpc.channels import make_channel, metadata_with_request_id
 from pdserve.v1 import worker_pb2_grpc
 
 # Worker failures after which another instance may succeed.
@@ -16,7 +17,7 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 
 
 def request_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-    return (("x-request-id", request_id),)
+    return metadata_with_request_id(request_id)
 
 
 class RemoteError(PdserveError):
@@ -35,17 +36,9 @@ def remote_error(err: grpc.RpcError, what: str) -> RemoteError:
     return RemoteError(code, f"{what}: {details}")
 
 
-def default_channel_factory(addr: str) -> grpc.aio.Channel:
-    try:
-        from pdserve.rpc.channels import make_channel
-    except ImportError:  # plumbing not installed: plain channel
-        return grpc.aio.insecure_channel(addr)
-    return make_channel(addr)
-
-
 class WorkerClients:
     def __init__(self, channel_factory: Callable[[str], grpc.aio.Channel] | None = None) -> None:
-        self._factory = channel_factory or default_channel_factory
+        self._factory = channel_factory or make_channel
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
 
