@@ -30,18 +30,22 @@ def plot_latency_cdfs(
     paths = []
     for metric in metrics:
         fig, ax = plt.subplots(figsize=(6, 4))
+        drawn = 0
         for name, per in arms.items():
             vals = np.sort(np.asarray(per.get(metric, []), dtype=float))
             if vals.size == 0:
                 continue
             ax.step(vals, np.arange(1, vals.size + 1) / vals.size, where="post", label=name)
+            drawn += 1
         ax.set_xlabel(f"{metric.upper()} (ms)")
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1.02)
         ax.grid(True, alpha=0.3)
         ax.set_title(f"{metric.upper()} CDF")
-        if arms:
+        if drawn:
             ax.legend()
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", transform=ax.transAxes)
         path = out_dir / f"{prefix}cdf_{metric}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=100)
