@@ -109,7 +109,7 @@ def test_distserve_crossing_between_two_rates():
     assert g["interpolated"] == pytest.approx(2.75)
     assert distserve_goodput([SweepPoint(1, 0.5)])["max_rate"] is None
     # a later recovery above target does not count: the first failure ends the search
-    assert distserve_goodput(pts + [SweepPoint(16, 0.95)])["max_rate"] == 2
+    assert distserve_goodput([*pts, SweepPoint(16, 0.95)])["max_rate"] == 2
 
 
 def test_search_brackets_and_bisects():

@@ -29,7 +29,7 @@ from pdserve.bench.sessions import SessionPlan, run_sessions, turn_report
 from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, read_mooncake_jsonl
 from pdserve.bench.workload import trace_requests
 
-DEFAULT_KV_BYTES_PER_TOKEN = 32768  # 8 layers x 8 kv heads x 64 dims x K,V x float32
+DEFAULT_KV_BYTES_PER_TOKEN = 8192  # bench50m: K,V x 8 layers x 2 kv heads x 64 dims x fp32
 
 
 def add_parser(subparsers: Any) -> None:
@@ -53,7 +53,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--trace", help="Mooncake JSONL trace")
     p.add_argument("--capacity-curve", help="e.g. 64MiB,256MiB,1GiB,unlimited (simulation)")
     p.add_argument("--kv-bytes-per-token", type=int,
-                   help="KV bytes per token (default: from --model, else 32 KiB)")
+                   help="KV bytes per token (default: from --model, else 8 KiB = bench50m fp32)")
     p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--replay", type=int, help="replay the first N trace requests on --addr")
