@@ -118,7 +118,8 @@ def make_tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("make-tiny")
     out = {}
     for family in FAMILIES:
-        out[family] = Path(tiny.make_tiny(root / family, family=family, seed=0, vocab=VOCAB))
+        spec = tiny.TinySpec(family=family, seed=0, vocab=VOCAB, max_pos=512)
+        out[family] = Path(tiny.make_tiny(root / family, spec))
     return out
 
 
