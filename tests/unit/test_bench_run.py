@@ -91,7 +91,8 @@ def parse(module, argv: list[str]) -> argparse.Namespace:
 
 
 def test_serve_sweep_writes_json_and_pngs(tmp_path, monkeypatch):
-    monkeypatch.setattr(serve, "open_client", lambda addr: FakeClient())
+    client = FakeClient()
+    monkeypatch.setattr(serve, "open_client", lambda addr: client)
     out = tmp_path / "run.json"
     args = parse(serve, [
         "serve", "--num-requests", "6", "--input-len", "uniform:4,12", "--output-len", "fixed:3",
@@ -99,6 +100,8 @@ def test_serve_sweep_writes_json_and_pngs(tmp_path, monkeypatch):
         "--out", str(out), "--no-progress",
     ])
     assert args.func(args) == 0
+    assert len(client.calls) == 2 + 6 + 6  # warm-up, then one run per rate
+    assert max(c["max_tokens"] for c in client.calls[:2]) <= 3
     data = json.loads(out.read_text())
     assert set(data) >= {"config", "summary", "goodput", "sweep"}
     assert [s["rate"] for s in data["sweep"]] == [40.0, 80.0]
@@ -121,7 +124,7 @@ def test_serve_trace_replay_is_prefix_sharing(tmp_path, monkeypatch):
         '{"timestamp": 10, "input_length": 1024, "output_length": 16, "hash_ids": [0, 2]}\n')
     args = parse(serve, ["serve", "--trace", str(trace), "--length-scale", "0.0625",
                          "--time-scale", "0.001", "--vocab-size", "64",
-                         "--out", str(tmp_path / "r.json"), "--no-progress"])
+                         "--warmup", "0", "--out", str(tmp_path / "r.json"), "--no-progress"])
     assert args.func(args) == 0
     a, b = sorted((c["token_ids"] for c in client.calls), key=len)
     assert len(a) == len(b) == 64 and a[:32] == b[:32] and a[32:] != b[32:]

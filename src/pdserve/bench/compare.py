@@ -36,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
                         "or NAME=FLAGS pairs separated by ';'")
     p.add_argument("--ratio", help="NUM/DEN arm names for the ratio table "
                                    "(default disagg/colocated, else second/first)")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port", type=int, default=0, help="router port per arm (0 = any free)")
     p.add_argument("--up-args", default="", help="extra flags for every `pdserve up`")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--out", default="results/compare.json")

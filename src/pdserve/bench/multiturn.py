@@ -48,7 +48,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-kvstore", action="store_true")
-    p.add_argument("--port", type=int, default=50051, help="port for --compare-kvstore clusters")
+    p.add_argument("--port", type=int, default=0, help="router port of --compare-kvstore clusters (0 = any free)")
     p.add_argument("--up-args", default="", help="extra `pdserve up` flags (--compare-kvstore)")
     p.add_argument("--trace", help="Mooncake JSONL trace")
     p.add_argument("--capacity-curve", help="e.g. 64MiB,256MiB,1GiB,unlimited (simulation)")

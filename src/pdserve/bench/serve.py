@@ -22,7 +22,7 @@ from pdserve.bench.goodput import (
     search_goodput_rate,
     vllm_goodput,
 )
-from pdserve.bench.loadgen import open_client, run_load
+from pdserve.bench.loadgen import open_client, run_load, send_one
 from pdserve.bench.metrics import summarize
 from pdserve.bench.plots import plot_attainment, plot_latency_cdfs
 from pdserve.bench.report import format_summary, latency_arrays, write_json
@@ -56,6 +56,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--sweep-rates", help="comma-separated rates, or 'auto' (bracket + bisect)")
     s.add_argument("--sweep-start", type=float, default=1.0, help="first rate of --sweep-rates auto")
     s.add_argument("--target", type=float, default=0.9, help="DistServe attainment target")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="unmeasured requests sent one by one before the first run")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -130,6 +132,13 @@ def run_once(addr: str, args: argparse.Namespace, rate: float | None, slo: SLO) 
     }
 
 
+async def _warmup(addr: str, reqs: list[BenchRequest], temperature: float) -> None:
+    """Sequential requests that pay one-time costs (first model step, connections)."""
+    async with open_client(addr) as client:
+        for req in reqs:
+            await send_one(client, req, 0.0, temperature=temperature)
+
+
 def parse_rates(spec: str) -> list[float]:
     try:
         rates = [float(x) for x in spec.split(",") if x.strip()]
@@ -144,6 +153,10 @@ def run_benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run, or a sweep; returns the JSON-ready result (runs keep their records)."""
     slo = SLO.parse(args.goodput)
     runs: list[dict[str, Any]] = []
+    if args.warmup > 0:
+        warm = [replace(r, arrival_s=0.0, max_tokens=min(r.max_tokens, 4))
+                for r in base_requests(args, n_hint=args.warmup)[: args.warmup]]
+        asyncio.run(_warmup(addr, warm, args.temperature))
     if args.sweep_rates:
         ts = slo.only("ttft", "tpot")
         if ts.ttft_ms is None or ts.tpot_ms is None:
