@@ -1,0 +1,105 @@
+"""Arena: the store's host memory, one numpy uint8 buffer allocated once, never per block.
+
+The buffer is cut into equal *extents*; an extent serves slots of one size (one block size, i.e.
+one KV layout) and is split into `extent_bytes // slot_bytes` slots. Extents are handed to a
+slot size when it first needs room and go back to the free pool only when empty and another
+size asks (`reclaim`). With one model per store (the normal case) every extent ends up serving
+its block size. Pages are faulted in on first write, so RSS grows with use, up to the capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Slot(NamedTuple):
+    extent: int
+    index: int
+    nbytes: int
+
+
+@dataclass
+class _SizeClass:
+    slot_bytes: int
+    slots_per_extent: int
+    free: dict[int, list[int]] = field(default_factory=dict)  # extent -> free slot indices
+    used: dict[int, int] = field(default_factory=dict)  # extent -> slots in use
+
+
+class Arena:
+    def __init__(self, capacity_bytes: int, extent_bytes: int) -> None:
+        if extent_bytes <= 0 or capacity_bytes < extent_bytes:
+            raise ValueError(
+                f"capacity ({capacity_bytes} B) must hold at least one extent ({extent_bytes} B)"
+            )
+        self.extent_bytes = extent_bytes
+        self.num_extents = capacity_bytes // extent_bytes
+        self.capacity_bytes = self.num_extents * extent_bytes
+        self.buffer = np.empty(self.capacity_bytes, dtype=np.uint8)  # the only allocation
+        self._free_extents = list(range(self.num_extents - 1, -1, -1))
+        self._classes: dict[int, _SizeClass] = {}
+        self.used_bytes = 0
+
+    # ----------------------------------------------------------------- slots
+    def alloc(self, slot_bytes: int) -> Slot | None:
+        """A free slot of `slot_bytes`, taking a free extent if needed; None when full."""
+        if not 0 < slot_bytes <= self.extent_bytes:
+            return None
+        cls = self._classes.get(slot_bytes)
+        if cls is None:
+            cls = self._classes[slot_bytes] = _SizeClass(
+                slot_bytes, self.extent_bytes // slot_bytes
+            )
+        extent = next((e for e, free in cls.free.items() if free), None)
+        if extent is None:
+            if not self._free_extents:
+                return None
+            extent = self._free_extents.pop()
+            cls.free[extent] = list(range(cls.slots_per_extent - 1, -1, -1))
+            cls.used[extent] = 0
+        index = cls.free[extent].pop()
+        cls.used[extent] += 1
+        self.used_bytes += slot_bytes
+        return Slot(extent, index, slot_bytes)
+
+    def free(self, slot: Slot) -> None:
+        cls = self._classes[slot.nbytes]
+        cls.free[slot.extent].append(slot.index)
+        cls.used[slot.extent] -= 1
+        self.used_bytes -= slot.nbytes
+
+    def view(self, slot: Slot) -> np.ndarray:
+        """The slot's bytes (a writable view into the arena)."""
+        start = slot.extent * self.extent_bytes + slot.index * slot.nbytes
+        return self.buffer[start : start + slot.nbytes]
+
+    # ----------------------------------------------------------------- extents
+    def has_room(self, slot_bytes: int) -> bool:
+        cls = self._classes.get(slot_bytes)
+        return bool(self._free_extents) or (cls is not None and any(cls.free[e] for e in cls.free))
+
+    def reclaim(self, keep: int) -> bool:
+        """Return one empty extent of a size class other than `keep` to the free pool."""
+        for size, cls in self._classes.items():
+            if size == keep:
+                continue
+            for extent, used in cls.used.items():
+                if used == 0:
+                    del cls.used[extent], cls.free[extent]
+                    self._free_extents.append(extent)
+                    return True
+        return False
+
+    def extent_counts(self) -> dict[int, int]:
+        """slot size -> extents it holds."""
+        return {size: len(cls.used) for size, cls in self._classes.items()}
+
+    @property
+    def free_extents(self) -> int:
+        return len(self._free_extents)
+
+    def slot_sizes(self) -> list[int]:
+        return list(self._classes)

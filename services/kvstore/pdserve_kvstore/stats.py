@@ -1,0 +1,23 @@
+"""Store counters (the Stats RPC reads a snapshot)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class StoreStats:
+    capacity_bytes: int = 0
+    used_bytes: int = 0  # reserved (open puts) + stored slots
+    num_blocks: int = 0
+    hits: int = 0  # blocks, counted by Lookup
+    misses: int = 0
+    evictions: int = 0
+    bytes_in: int = 0  # committed put bytes
+    bytes_out: int = 0  # fetched bytes sent
+    pinned_blocks: int = 0
+    put_rejected: int = 0
+    corrupt_puts: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
