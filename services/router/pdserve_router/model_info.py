@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.errors import FailedPreconditionError
+from pdserve.errors import FailedPreconditionError, InvalidRequestError
 
 from .text import Detokenizer
 
@@ -24,19 +24,6 @@ class _NoText:
 
     def flush(self) -> str:
         return ""
-
-
-class _Incremental:
-    """Adapts pdserve.model.tokenizer.IncrementalDetokenizer to `text.Detokenizer`."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def add(self, token_ids: Sequence[int]) -> str:
-        return self.inner.add(list(token_ids))
-
-    def flush(self) -> str:
-        return self.inner.flush()
 
 
 @dataclass
@@ -56,9 +43,7 @@ class ModelInfo:
 
         config = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
-        eos = list(config.eos_token_ids)
-        if getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in eos:
-            eos.append(tokenizer.eos_token_id)
+        eos = list(dict.fromkeys([*config.eos_token_ids, *tokenizer.eos_token_ids]))
         return cls(name=str(model_dir), vocab_size=config.vocab_size,
                    max_model_len=config.max_position_embeddings, eos_token_ids=eos,
                    tokenizer=tokenizer)
@@ -73,15 +58,18 @@ class ModelInfo:
         return list(self._need_tokenizer("a text prompt").encode(text, add_special_tokens=True))
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        from pdserve.model.tokenizer import ChatTemplateError
+
         tok = self._need_tokenizer("a chat prompt")
-        rendered = tok.apply_chat_template(
-            [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True)
+        try:
+            rendered = tok.apply_chat_template(
+                [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True)
+        except ChatTemplateError as exc:  # the template refused these messages
+            raise InvalidRequestError("chat", str(exc)) from None
         # The template already carries the special tokens (bos, role markers).
         return list(tok.encode(rendered, add_special_tokens=False))
 
     def detokenizer(self) -> Detokenizer:
         if self.tokenizer is None:
             return _NoText()
-        from pdserve.model.tokenizer import IncrementalDetokenizer
-
-        return _Incremental(IncrementalDetokenizer(self.tokenizer))
+        return self.tokenizer.detokenizer()

@@ -138,8 +138,7 @@ class Orchestrator:
                     await self._abort(decode, job.request_id)  # free the ticket before re-reserving
                     self.registry.charge(decode.instance_id, requests=-1)
                     ticket, decode = None, None
-                    if failure.code not in RETRYABLE or job.prefill_attempts >= self.max_prefill_attempts:
-                        raise failure from None
+                    self._give_up_or_retry(failure, job, ROLE_PREFILL, tried)
                     continue
                 finally:
                     self.registry.charge(prefill.instance_id, requests=-1, tokens=-n)
@@ -227,9 +226,9 @@ class Orchestrator:
                 failure = remote_error(err, f"colocated instance {inst.instance_id}")
                 if failure.code == grpc.StatusCode.UNAVAILABLE:
                     self.registry.mark_suspect(inst.instance_id)
-                if (started or failure.code not in RETRYABLE
-                        or job.prefill_attempts >= self.max_prefill_attempts):
+                if started:
                     raise failure from None
+                self._give_up_or_retry(failure, job, ROLE_COLOCATED, tried)
             finally:
                 self.registry.charge(inst.instance_id, requests=-1, tokens=-len(job.token_ids))
 
@@ -281,6 +280,15 @@ class Orchestrator:
         inst = self.policy.pick_prefill(route, cands)
         self.policy.on_routed(route, inst, decode)
         return inst
+
+    def _give_up_or_retry(self, failure: Exception, job: Job, role: int, tried: set[str]) -> None:
+        """Raise unless another attempt is allowed and an untried instance exists."""
+        if getattr(failure, "code", None) not in RETRYABLE:
+            raise failure
+        left = [c for c in self.registry.candidates(role) if c.instance_id not in tried]
+        if not left or job.prefill_attempts >= self.max_prefill_attempts:
+            raise UnavailableError(
+                f"prefill failed on {job.prefill_attempts} instance(s); last: {failure}") from None
 
     def _finish_after_first(self, params: SamplingParams, token: int) -> int:
         if not params.ignore_eos and token in self.eos_token_ids:

@@ -1,0 +1,245 @@
+"""Test doubles for the router tests (no tests here): a model directory with a
+real byte-level BPE tokenizer but no weights, the router as a real process, and
+fake Worker servicers with deterministic tokens that log every call."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+SPECIALS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
+TEXT = (
+    "The harbor was quiet in the morning. Boats rested on grey water and gulls called. "
+    "Café au lait, crème brûlée, naïve façade, jalapeño, Zürich, Ångström. "
+    "日本語のテキスト、東京と京都。中文文本。北京和上海。 Emoji: 🚢 ⚓ 🌊 🐟 😀. "
+    "END of the story, and the END again. Stop here. "
+) * 4
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+FINGERPRINT = "fake-model-fp"
+
+
+def make_model_dir(path: Path, max_len: int = 256) -> Path:
+    """tokenizer.json (byte-level BPE trained here), tokenizer_config.json with a chat
+    template, config.json (llama, no weights): all the router reads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer=trainer)
+    tok.save(str(path / "tokenizer.json"))
+    eos = tok.token_to_id("<|eos|>")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": CHAT_TEMPLATE}))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": tok.get_vocab_size(), "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": max_len, "hidden_act": "silu", "eos_token_id": eos,
+        "bos_token_id": tok.token_to_id("<|bos|>")}))
+    return path
+
+
+class RouterProcess:
+    """`python -m pdserve_router` on a free port; ready when it prints PDSERVE_READY."""
+
+    def __init__(self, model_dir: Path | None, *extra: str, timeout: float = 60.0) -> None:
+        argv = [sys.executable, "-m", "pdserve_router", "--port", "0",
+                "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1.0",
+                "--log-format", "console", "--log-level", "warning", *extra]
+        if model_dir is not None:
+            argv += ["--model", str(model_dir)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        deadline = time.monotonic() + timeout
+        self.port = 0
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("PDSERVE_READY"):
+                self.port = json.loads(line.split(" ", 1)[1])["port"]
+                break
+        if not self.port:
+            self.proc.kill()
+            raise RuntimeError(f"router did not start: {self.proc.stderr.read()[-3000:]}")
+        self.addr = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@dataclass
+class Behaviour:
+    prefill_error: grpc.StatusCode | None = None  # Prefill fails with this status
+    decode_gate: asyncio.Event | None = None  # Decode waits for it before streaming
+    decode_forever: bool = False  # Decode streams until cancelled/aborted
+    script: list[int] | None = None  # tokens to emit after the first (else counting)
+    chunk_delay_s: float = 0.0
+    first_token: int | None = None
+
+
+@dataclass
+class Log:
+    """Shared across fakes: (instance_id, method, request_id) in arrival order."""
+
+    calls: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def of(self, request_id: str) -> list[tuple[str, str]]:
+        return [(i, m) for i, m, r in self.calls if r == request_id]
+
+    async def wait_for(self, entry: tuple[str, str, str], timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if entry in self.calls:
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+
+def fake_first_token(token_ids) -> int:
+    return (sum(token_ids) % 50) + 100
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, instance_id: str, role: int, log: Log, behaviour: Behaviour | None = None,
+                 fingerprint: str = FINGERPRINT) -> None:
+        self.instance_id, self.role, self.log = instance_id, role, log
+        self.b = behaviour or Behaviour()
+        self.fingerprint = fingerprint
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self._hb: asyncio.Task | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self.aborted: set[str] = set()
+        self.tickets = 0
+
+    # --- lifecycle ---
+    async def start(self, router_addr: str | None, heartbeat: bool = True) -> FakeWorker:
+        self.server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.address = f"127.0.0.1:{port}"
+        if router_addr:
+            self._channel = grpc.aio.insecure_channel(router_addr)
+            self.registry = router_pb2_grpc.RegistryStub(self._channel)
+            resp = await self.register()
+            if heartbeat:
+                self._hb = asyncio.create_task(self._heartbeat(resp.heartbeat_interval_s))
+        return self
+
+    async def register(self) -> router_pb2.RegisterResponse:
+        return await self.registry.Register(router_pb2.RegisterRequest(
+            instance_id=self.instance_id, address=self.address, role=self.role,
+            model_fingerprint=self.fingerprint, block_size=4,
+            load=common_pb2.WorkerLoad(free_blocks=100, total_blocks=100)), timeout=5)
+
+    async def _heartbeat(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            resp = await self.registry.Heartbeat(router_pb2.HeartbeatRequest(
+                instance_id=self.instance_id, role=self.role, state="serving",
+                load=common_pb2.WorkerLoad(free_blocks=100, total_blocks=100)), timeout=5)
+            if not resp.known:
+                await self.register()
+
+    async def stop_heartbeat(self) -> None:
+        if self._hb is not None:
+            self._hb.cancel()
+            await asyncio.gather(self._hb, return_exceptions=True)
+            self._hb = None
+
+    async def stop(self, deregister: bool = True) -> None:
+        await self.stop_heartbeat()
+        if self._channel is not None:
+            if deregister:
+                try:
+                    await self.registry.Deregister(
+                        router_pb2.DeregisterRequest(instance_id=self.instance_id), timeout=5)
+                except grpc.RpcError:
+                    pass
+            await self._channel.close()
+        if self.server is not None:
+            await self.server.stop(0)
+
+    # --- Worker service ---
+    def _rid(self, request, context) -> str:
+        md = dict(context.invocation_metadata())
+        return md.get("x-request-id", "") or request.request_id
+
+    async def Reserve(self, request, context):
+        self.log.calls.append((self.instance_id, "Reserve", self._rid(request, context)))
+        self.aborted.discard(request.request_id)  # a retry re-reserves under the same id
+        self.tickets += 1
+        return worker_pb2.ReserveResponse(ticket=worker_pb2.Ticket(
+            ticket_id=self.tickets, decode_instance_id=self.instance_id, tag_base=1000,
+            num_blocks=(request.num_prompt_tokens + 3) // 4))
+
+    async def Prefill(self, request, context):
+        self.log.calls.append((self.instance_id, "Prefill", request.request_id))
+        if self.b.prefill_error is not None:
+            await context.abort(self.b.prefill_error, f"{self.instance_id} is broken")
+        first = self.b.first_token if self.b.first_token is not None else fake_first_token(
+            request.token_ids)
+        return worker_pb2.PrefillResponse(first_token_id=first, stages=common_pb2.StageCosts(
+            prefill_ms=1.5, cached_tokens=2, transfer_bytes=100))
+
+    async def _stream(self, request_id, first, max_tokens, context):
+        if self.b.decode_gate is not None:
+            await self.b.decode_gate.wait()
+        n = 1
+        script = list(self.b.script or [])
+        while self.b.decode_forever or n < max_tokens:
+            if request_id in self.aborted:
+                return
+            tok = script.pop(0) if script else first + n
+            n += 1
+            last = not self.b.decode_forever and n >= max_tokens
+            if self.b.chunk_delay_s:
+                await asyncio.sleep(self.b.chunk_delay_s)
+            yield worker_pb2.TokenChunk(
+                token_ids=[tok], finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
+                stages=common_pb2.StageCosts(decode_ms=2.5) if last else None)
+
+    async def Decode(self, request, context):
+        self.log.calls.append((self.instance_id, "Decode", request.request_id))
+        async for chunk in self._stream(request.request_id, request.first_token_id,
+                                        request.sampling.max_tokens, context):
+            yield chunk
+
+    async def Generate(self, request, context):
+        self.log.calls.append((self.instance_id, "Generate", request.request_id))
+        first = fake_first_token(request.token_ids)
+        yield worker_pb2.TokenChunk(token_ids=[first])
+        async for chunk in self._stream(request.request_id, first, request.sampling.max_tokens,
+                                        context):
+            yield chunk
+
+    async def Abort(self, request, context):
+        self.log.calls.append((self.instance_id, "Abort", request.request_id))
+        self.aborted.add(request.request_id)
+        return worker_pb2.AbortResponse(found=True)
