@@ -148,6 +148,7 @@ class ServiceRunner:
         self.health = health.aio.HealthServicer()
         self.server: aio.Server | None = None
         self._ready_stream = ready_stream
+        self.serving = asyncio.Event()  # set once SERVING (and the READY line is out)
         self._stop_requested = asyncio.Event()
         self._force = asyncio.Event()
         self._shutdown_task: asyncio.Future[None] | None = None
@@ -199,6 +200,7 @@ class ServiceRunner:
             await self.health.set(name, _SERVING)
         self.state = "serving"
         self._announce()
+        self.serving.set()
         return port
 
     def _announce(self) -> None:
