@@ -59,6 +59,10 @@ class ServiceApp(abc.ABC):
     @abc.abstractmethod
     async def start(self, server: aio.Server) -> None: ...
 
+    async def on_serving(self, port: int) -> None:  # noqa: B027 (optional hook)
+        """Called once health says SERVING, with the bound port (e.g. to register with a
+        router). Default: nothing."""
+
     async def drain(self) -> None:  # noqa: B027 (optional hook)
         """Default: nothing to wait for."""
 
