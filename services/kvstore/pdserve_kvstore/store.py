@@ -102,6 +102,11 @@ class BlockStore:
         """Longest stored prefix, without touching or counting (inspection)."""
         return len(self._prefix(namespace, hashes))
 
+    def block_bytes_of(self, namespace: str, hashes: Sequence[bytes]) -> int:
+        """Slot size of the chain's first block (0 when not stored)."""
+        blocks = self._prefix(namespace, hashes[:1])
+        return blocks[0].slot.nbytes if blocks else 0
+
     def lookup(self, namespace: str, hashes: Sequence[bytes]) -> int:
         """Longest stored prefix of the chain (touches it; counts hits/misses in blocks)."""
         hit = self._prefix(namespace, hashes)

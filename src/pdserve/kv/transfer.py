@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import secrets
 import time
 from typing import Any
 
 import numpy as np
-from prometheus_client import Counter, Histogram
 
 from pdserve.errors import DeadlineError, UnavailableError
 from pdserve.kv.transfer_buffers import as_bytes
+from pdserve.logging import get_logger
+from pdserve.rpc.metrics import Metrics
 
 __all__ = [
     "RecvHandle",
@@ -45,7 +45,7 @@ __all__ = [
     "tag_base",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # UCX warns about UCX_MEMTYPE_CACHE (set by ucxx itself) being unused: silence it before import.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -74,16 +74,21 @@ class TransferFailedError(UnavailableError):
     """A send failed or timed out (peer dead or gone); its endpoint was dropped."""
 
 
-# Prometheus metrics are process-wide by nature (one /metrics per process).
-_BYTES = Counter("pdserve_kv_transfer_bytes", "KV bytes moved over UCX", ["direction"])
-_MSGS = Counter("pdserve_kv_transfer_messages", "UCX messages completed", ["direction"])
-_FAILS = Counter("pdserve_kv_transfer_failures", "send failures / receive timeouts", ["kind"])
-_SECONDS = Histogram(
-    "pdserve_kv_transfer_seconds",
-    "time from send start / receive post to completion",
-    ["direction"],
-    buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
-)
+class _TransferMetrics:
+    """Prometheus side of the counters (declared once per registry, see pdserve.rpc.metrics)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.bytes = metrics.counter("kv_transfer_bytes", "KV bytes moved over UCX", ["direction"])
+        self.msgs = metrics.counter("kv_transfer_messages", "UCX messages done", ["direction"])
+        self.fails = metrics.counter(
+            "kv_transfer_failures", "send failures / receive timeouts", ["kind"]
+        )
+        self.seconds = metrics.histogram(
+            "kv_transfer_seconds",
+            "send start / receive post to completion, seconds",
+            ["direction"],
+            buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
+        )
 
 
 class _Context:
@@ -121,7 +126,7 @@ class _Context:
             ucxx.stop_notifier_thread()
             ucxx.reset()
         except Exception as exc:  # a stray reference: the context lives until exit
-            log.warning("ucx reset failed: %s", exc)
+            log.warning("ucx reset failed", error=repr(exc))
 
 
 class RecvHandle:
@@ -165,13 +170,14 @@ class RecvHandle:
             await self._transport._send_self_empty(self.tag)
         await asyncio.wait({self.task}, timeout=settle_s)
         if not self.task.done():
-            log.warning("receive tag %#x still held by UCX after cancel", self.tag)
+            log.warning("receive still held by UCX after cancel", tag=hex(self.tag))
 
 
 class UcxTransport:
     """Create inside the running loop: `t = await UcxTransport.create()`; `await t.close()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self._metrics = _TransferMetrics(metrics if metrics is not None else Metrics())
         self._ctx: Any = None
         self.address: bytes = b""
         self._endpoints: dict[bytes, Any] = {}
@@ -185,8 +191,8 @@ class UcxTransport:
         )  # fmt: skip
 
     @classmethod
-    async def create(cls) -> UcxTransport:
-        t = cls()
+    async def create(cls, metrics: Metrics | None = None) -> UcxTransport:
+        t = cls(metrics)
         t._ctx = _Context.acquire()
         t.address = bytes(t._ctx.worker_address)
         return t
@@ -239,9 +245,10 @@ class UcxTransport:
         self.counters["bytes_sent"] += view.nbytes
         self.counters["transfers_sent"] += 1
         self.counters["seconds_sending"] += elapsed
-        _BYTES.labels("sent").inc(view.nbytes)
-        _MSGS.labels("sent").inc()
-        _SECONDS.labels("send").observe(elapsed)
+        m = self._metrics
+        m.bytes.labels("sent").inc(view.nbytes)
+        m.msgs.labels("sent").inc()
+        m.seconds.labels("send").observe(elapsed)
 
     async def _endpoint(self, peer_address: bytes) -> Any:
         ep = self._endpoints.get(peer_address)
@@ -285,17 +292,18 @@ class UcxTransport:
         self.counters["bytes_received"] += nbytes
         self.counters["transfers_received"] += 1
         self.counters["seconds_receiving"] += elapsed
-        _BYTES.labels("received").inc(nbytes)
-        _MSGS.labels("received").inc()
-        _SECONDS.labels("recv").observe(elapsed)
+        m = self._metrics
+        m.bytes.labels("received").inc(nbytes)
+        m.msgs.labels("received").inc()
+        m.seconds.labels("recv").observe(elapsed)
 
     def _count_timeout(self) -> None:
         self.counters["recv_timeouts"] += 1
-        _FAILS.labels("recv_timeout").inc()
+        self._metrics.fails.labels("recv_timeout").inc()
 
     def _count_send_failure(self) -> None:
         self.counters["send_failures"] += 1
-        _FAILS.labels("send_failure").inc()
+        self._metrics.fails.labels("send_failure").inc()
 
     def counters_snapshot(self) -> dict[str, float]:
         """For WorkerInfo.counters: `ucx_<name>` -> value."""

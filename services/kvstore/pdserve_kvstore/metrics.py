@@ -1,0 +1,29 @@
+"""Prometheus metrics of the kvstore (`pdserve_kvstore_*`)."""
+
+from __future__ import annotations
+
+from pdserve.rpc.metrics import Metrics
+from pdserve_kvstore.stats import StoreStats
+
+
+class KVStoreMetrics:
+    def __init__(self, metrics: Metrics) -> None:
+        m = metrics
+        self.lookups = m.counter("kvstore_lookups", "Lookup calls")
+        self.hit_blocks = m.counter("kvstore_hit_blocks", "blocks found by Lookup")
+        self.miss_blocks = m.counter("kvstore_miss_blocks", "blocks not found by Lookup")
+        self.fetch_seconds = m.histogram("kvstore_fetch_seconds", "Fetch: gather + UCX send")
+        self.fetched_bytes = m.counter("kvstore_fetched_bytes", "bytes sent by Fetch")
+        self.stored_bytes = m.gauge("kvstore_stored_bytes", "bytes in use (stored + reserved)")
+        self.stored_blocks = m.gauge("kvstore_stored_blocks", "blocks stored")
+        self.evictions = m.counter("kvstore_evictions", "blocks evicted")
+        self.puts = m.counter("kvstore_puts", "put outcomes", ["outcome"])
+        self._evictions_seen = 0
+
+    def sync(self, stats: StoreStats) -> None:
+        """Mirror the store's counters after an operation."""
+        self.stored_bytes.set(stats.used_bytes)
+        self.stored_blocks.set(stats.num_blocks)
+        if stats.evictions > self._evictions_seen:
+            self.evictions.inc(stats.evictions - self._evictions_seen)
+            self._evictions_seen = stats.evictions

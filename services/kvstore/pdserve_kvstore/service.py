@@ -1,0 +1,209 @@
+"""KVStoreService: the store's operations over UCX, in domain types (the servicer maps protos).
+
+Runs on the service's event loop; byte work (gather, checksum + copy) goes to worker threads
+and touches only referenced or reserved slots (see BlockStore). Staging buffers (one per open
+put or fetch) live outside the arena; their total is bounded by `staging_bytes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.errors import NotFoundError, OverloadedError, UnavailableError
+from pdserve.kv.transfer import RecvHandle, TransferFailedError, UcxTransport
+from pdserve.logging import get_logger
+from pdserve_kvstore.metrics import KVStoreMetrics
+from pdserve_kvstore.settings import KVStoreSettings
+from pdserve_kvstore.store import BlockStore, PutReservation
+
+log = get_logger("pdserve.kvstore")
+
+
+@dataclass
+class FetchResult:
+    num_blocks: int
+    bytes_per_block: int
+    checksums: list[bytes]
+
+
+@dataclass
+class PutTicket:
+    put_id: int
+    tag: int
+    num_accepted: int
+    first_block: int
+
+
+@dataclass
+class _OpenPut:
+    res: PutReservation
+    staging: np.ndarray  # [num_accepted * block_bytes] uint8, the UCX receive buffer
+    handle: RecvHandle
+    deadline: float
+
+
+class KVStoreService:
+    def __init__(
+        self,
+        settings: KVStoreSettings,
+        transport: UcxTransport,
+        metrics: KVStoreMetrics,
+    ) -> None:
+        self.settings = settings
+        self.transport = transport
+        self.metrics = metrics
+        self.store = BlockStore(settings.capacity_bytes, settings.block_bytes)
+        self._open: dict[int, _OpenPut] = {}
+        self._staging_in_use = 0
+        self._reaper: asyncio.Task | None = None
+
+    @property
+    def address(self) -> bytes:
+        return self.transport.address
+
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_loop())
+
+    # ----------------------------------------------------------------- lookup / fetch
+    def lookup(self, namespace: str, hashes: Sequence[bytes]) -> int:
+        n = self.store.lookup(namespace, hashes)
+        self.metrics.lookups.inc()
+        self.metrics.hit_blocks.inc(n)
+        self.metrics.miss_blocks.inc(len(hashes) - n)
+        return n
+
+    def bytes_per_block(self, namespace: str, hashes: Sequence[bytes]) -> int:
+        return self.store.block_bytes_of(namespace, hashes) or self.settings.block_bytes
+
+    async def fetch(
+        self, namespace: str, hashes: Sequence[bytes], peer: bytes, tag: int
+    ) -> FetchResult:
+        """Send the stored prefix of `hashes` as one message with `tag` to `peer`."""
+        started = time.perf_counter()
+        blocks = self.store.acquire(namespace, hashes)
+        if blocks:  # one message of one block size
+            size = blocks[0].slot.nbytes
+            keep = next((i for i, b in enumerate(blocks) if b.slot.nbytes != size), len(blocks))
+            self.store.release(blocks[keep:])
+            blocks = blocks[:keep]
+        if not blocks:
+            return FetchResult(0, self.settings.block_bytes, [])
+        nbytes = len(blocks) * blocks[0].slot.nbytes
+        try:
+            self._take_staging(nbytes)
+        except OverloadedError:
+            self.store.release(blocks)
+            raise
+        try:
+            staging = np.empty(nbytes, np.uint8)
+            await asyncio.to_thread(self.store.gather, blocks, staging)
+            checksums = [b.checksum for b in blocks]
+            self.store.release(blocks)
+            blocks = []
+            await self.transport.send(peer, tag, staging, timeout_s=self.settings.send_timeout_s)
+        except TransferFailedError as exc:
+            raise UnavailableError(f"fetch: cannot send to the caller: {exc}") from exc
+        finally:
+            self.store.release(blocks)
+            self._staging_in_use -= nbytes
+        self.store.stats.bytes_out += nbytes
+        self.metrics.fetched_bytes.inc(nbytes)
+        self.metrics.fetch_seconds.observe(time.perf_counter() - started)
+        return FetchResult(len(checksums), nbytes // len(checksums), checksums)
+
+    # ----------------------------------------------------------------- puts
+    def begin_put(
+        self, namespace: str, hashes: Sequence[bytes], first_block: int, block_bytes: int
+    ) -> PutTicket:
+        res = self.store.begin_put(namespace, hashes, first_block, block_bytes)
+        if res is None:
+            return PutTicket(0, 0, 0, len(hashes))
+        if not res.slots:
+            self.metrics.puts.labels("rejected").inc()
+            return PutTicket(0, 0, 0, res.first_block)
+        try:
+            self._take_staging(res.nbytes)
+        except OverloadedError:
+            self.store.abort_put(res.put_id)
+            self.store.stats.put_rejected += 1
+            self.metrics.puts.labels("rejected").inc()
+            return PutTicket(0, 0, 0, res.first_block)
+        staging = np.empty(res.nbytes, np.uint8)
+        tag = self.transport.new_tag_base()
+        handle = self.transport.post_recv(staging, tag)
+        deadline = time.monotonic() + self.settings.put_timeout_s
+        self._open[res.put_id] = _OpenPut(res, staging, handle, deadline)
+        self.metrics.sync(self.store.snapshot())
+        return PutTicket(res.put_id, tag, len(res.slots), res.first_block)
+
+    async def commit_put(self, put_id: int, checksums: Sequence[bytes]) -> int:
+        op = self._open.pop(put_id, None)
+        if op is None:
+            raise NotFoundError(f"put {put_id} is unknown or expired")
+        try:
+            try:
+                await op.handle.wait(self.settings.commit_wait_s)
+                ok = await asyncio.to_thread(self.store.write_put, op.res, op.staging, checksums)
+            except Exception as exc:  # nothing arrived, or the receive failed
+                log.warning("put bytes missing", put_id=put_id, error=repr(exc))
+                ok = False
+            if not ok:
+                self.store.abort_put(put_id, corrupt=True)
+                self.metrics.puts.labels("corrupt").inc()
+                return 0
+            stored = self.store.commit_put(put_id, checksums)
+            self.metrics.puts.labels("stored").inc()
+            return stored
+        finally:
+            self._staging_in_use -= op.res.nbytes
+            self.metrics.sync(self.store.snapshot())
+
+    async def _drop_put(self, put_id: int) -> None:
+        op = self._open.pop(put_id, None)
+        if op is None:
+            return
+        await op.handle.cancel()
+        self.store.abort_put(put_id)
+        self._staging_in_use -= op.res.nbytes
+        self.metrics.puts.labels("expired").inc()
+        self.metrics.sync(self.store.snapshot())
+
+    async def _reap_loop(self) -> None:
+        period = min(1.0, self.settings.put_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for put_id in [p for p, op in self._open.items() if op.deadline < now]:
+                log.warning("put not committed in time: dropped", put_id=put_id)
+                await self._drop_put(put_id)
+
+    def _take_staging(self, nbytes: int) -> None:
+        if self._staging_in_use + nbytes > self.settings.staging_bytes:
+            raise OverloadedError(
+                f"kvstore staging full ({self._staging_in_use} + {nbytes} B "
+                f"> {self.settings.staging_bytes} B)"
+            )
+        self._staging_in_use += nbytes
+
+    # ----------------------------------------------------------------- admin
+    def pin(self, namespace: str, hashes: Sequence[bytes], delta: int) -> int:
+        return self.store.pin(namespace, hashes, delta)
+
+    def clear(self, namespace: str) -> int:
+        n = self.store.clear(namespace)
+        self.metrics.sync(self.store.snapshot())
+        return n
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for put_id in list(self._open):
+            await self._drop_put(put_id)
