@@ -95,6 +95,7 @@ class RouterProcess:
 @dataclass
 class Behaviour:
     prefill_error: grpc.StatusCode | None = None  # Prefill fails with this status
+    decode_error: grpc.StatusCode | None = None  # Decode fails with this status at once
     decode_gate: asyncio.Event | None = None  # Decode waits for it before streaming
     decode_forever: bool = False  # Decode streams until cancelled/aborted
     script: list[int] | None = None  # tokens to emit after the first (else counting)
@@ -136,6 +137,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self._channel: grpc.aio.Channel | None = None
         self.aborted: set[str] = set()
         self.tickets = 0
+        self.prompts: list[list[int]] = []  # token ids of every Prefill / Generate
 
     # --- lifecycle ---
     async def start(self, router_addr: str | None, heartbeat: bool = True) -> FakeWorker:
@@ -201,6 +203,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Prefill(self, request, context):
         self.log.calls.append((self.instance_id, "Prefill", request.request_id))
+        self.prompts.append(list(request.token_ids))
         if self.b.prefill_error is not None:
             await context.abort(self.b.prefill_error, f"{self.instance_id} is broken")
         first = self.b.first_token if self.b.first_token is not None else fake_first_token(
@@ -227,12 +230,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Decode(self, request, context):
         self.log.calls.append((self.instance_id, "Decode", request.request_id))
+        if self.b.decode_error is not None:
+            await context.abort(self.b.decode_error, f"{self.instance_id} decode is broken")
         async for chunk in self._stream(request.request_id, request.first_token_id,
                                         request.sampling.max_tokens, context):
             yield chunk
 
     async def Generate(self, request, context):
         self.log.calls.append((self.instance_id, "Generate", request.request_id))
+        self.prompts.append(list(request.token_ids))
         first = fake_first_token(request.token_ids)
         yield worker_pb2.TokenChunk(token_ids=[first])
         async for chunk in self._stream(request.request_id, first, request.sampling.max_tokens,

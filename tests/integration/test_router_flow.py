@@ -160,6 +160,19 @@ async def test_no_decode_is_unavailable_promptly(router, cluster):
             await c.generate(token_ids=[1, 2], max_tokens=3)
 
 
+async def test_decode_failure_is_unavailable_and_instance_suspect(router, cluster):
+    await cluster.add("p", PREFILL)
+    d = await cluster.add("d", DECODE, Behaviour(decode_error=grpc.StatusCode.UNAVAILABLE))
+    async with AsyncClient(router.addr, max_retries=0) as c:
+        events = []
+        with pytest.raises(Unavailable, match=f"decode instance {d.instance_id}"):
+            async for ev in c.generate_stream(token_ids=[2, 2], max_tokens=4):
+                events.append(ev)
+        assert len(events) == 1  # the first token (from prefill) was already streamed
+        st = await c.status()
+    assert {i.instance_id: i.state for i in st.instances}[d.instance_id] == "suspect"
+
+
 async def test_client_cancel_aborts_decode(router, cluster):
     p = await cluster.add("p", PREFILL)
     d = await cluster.add("d", DECODE, Behaviour(decode_forever=True, chunk_delay_s=0.02))

@@ -12,7 +12,6 @@ aborts the request on every instance still holding it; aborts are idempotent.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -156,10 +155,16 @@ class Orchestrator:
                     prompt_token_ids=job.token_ids, first_token_id=first,
                     sampling=job.sampling, write_back=self.write_back),
                 metadata=request_metadata(job.request_id))
-            async for chunk in self._relay(call, decode, job, "decode"):
-                yield chunk
-                if chunk.finish_reason:
-                    ticket = None
+            try:
+                async for chunk in self._relay(call, decode, job, "decode"):
+                    yield chunk
+                    if chunk.finish_reason:
+                        ticket = None
+            except grpc.RpcError as err:  # failed before its first chunk: too late to retry
+                failure = remote_error(err, f"decode instance {decode.instance_id}")
+                if failure.code == grpc.StatusCode.UNAVAILABLE:
+                    self.registry.mark_suspect(decode.instance_id)
+                raise failure from None
         finally:
             if ticket is not None and decode is not None:  # stopped early or failed
                 self._abort_later(decode, job.request_id)
@@ -312,7 +317,3 @@ class Orchestrator:
         task = asyncio.get_running_loop().create_task(self._abort(inst, request_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-def now_ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1000.0

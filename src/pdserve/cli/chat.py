@@ -11,7 +11,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("chat", help="interactive multi-turn chat with a running router")
     p.add_argument("--addr", default="127.0.0.1:50051", help="router HOST:PORT")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="per reply (default: the router's, clamped to the context left)")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--timeout", type=float, default=None, help="per-turn deadline, seconds")
     p.set_defaults(func=run)
