@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal, TypeVar, Union
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings import SettingsError as _SourceError
@@ -69,6 +69,11 @@ class ServiceSettings(BaseSettings):
     )
     grace_s: float = Field(5.0, ge=0, description="gRPC stop grace after draining, seconds")
 
+    @field_validator("log_format", "log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -104,6 +109,16 @@ def _choices(annotation: Any) -> list[str] | None:
     if isinstance(ann, type) and issubclass(ann, enum.Enum):
         return [str(m.value) for m in ann]
     return None
+
+
+def _choice_matcher(choices: list[str]) -> typing.Callable[[str], str]:
+    """argparse type for choice flags: case-insensitive match onto the canonical spelling."""
+    by_lower = {c.lower(): c for c in choices}
+
+    def match(text: str) -> str:
+        return by_lower.get(text.lower(), text)
+
+    return match
 
 
 def _parse_sequence(text: str) -> list[Any]:
@@ -178,6 +193,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
         choices = _choices(info.annotation)
         if choices is not None:
             kwargs["choices"] = choices
+            kwargs["type"] = _choice_matcher(choices)
             kwargs["metavar"] = "{" + ",".join(choices) + "}"
         if _is_sequence(info.annotation):
             kwargs["type"] = _parse_sequence

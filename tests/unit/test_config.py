@@ -58,6 +58,13 @@ def test_env_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_settings(ToySettings, []).port == 6000
 
 
+def test_log_settings_are_case_insensitive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_LOG_LEVEL", "WARNING")
+    monkeypatch.setenv("PDSERVE_UNRELATED_THING", "1")  # other PDSERVE_* vars are ignored
+    s = load_settings(ToySettings, ["--log-format", "Console"])
+    assert (s.log_level, s.log_format) == ("warning", "console")
+
+
 def test_bool_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_settings(ToySettings, ["--no-enable-cache"]).enable_cache is False
     monkeypatch.setenv("PDSERVE_ENABLE_CACHE", "false")

@@ -7,7 +7,9 @@ call raises or returns they must replace the behaviour. One rule for all four ca
 - streaming response written as an async generator: `wrap_stream(behavior)` must return an
   async generator function.
 Synchronous behaviours (grpc's thread-pool handlers) are left as they are: pdserve does not
-use them.
+use them. Stream wrappers iterate the inner generator under `contextlib.aclosing`, so its
+`finally` blocks (e.g. abort the engine request) run as soon as the call ends, not at
+garbage collection.
 """
 
 from __future__ import annotations
@@ -86,18 +88,3 @@ class WrappingInterceptor(aio.ServerInterceptor, abc.ABC):
                 response_serializer=ser,
             )
         return h
-
-
-async def iterate_and_close(
-    behavior: StreamBehavior, request: Any, context: aio.ServicerContext
-) -> AsyncIterator[Any]:
-    """Yield from behavior(request, context); always aclose() it, so its `finally` blocks
-    (e.g. abort the engine request) run as soon as the call ends, not at garbage collection."""
-    agen = behavior(request, context)
-    try:
-        async for item in agen:
-            yield item
-    finally:
-        aclose = getattr(agen, "aclose", None)
-        if aclose is not None:
-            await aclose()

@@ -29,7 +29,6 @@ from pdserve.rpc._wrap import (
     StreamBehavior,
     UnaryBehavior,
     WrappingInterceptor,
-    iterate_and_close,
 )
 
 REQUEST_ID_KEY = "x-request-id"
@@ -96,8 +95,9 @@ class ErrorInterceptor(WrappingInterceptor):
 
         async def stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                async for item in iterate_and_close(behavior, request, context):
-                    yield item
+                async with contextlib.aclosing(behavior(request, context)) as agen:
+                    async for item in agen:
+                        yield item
             except (asyncio.CancelledError, aio.AbortError):
                 raise
             except Exception as exc:
@@ -144,8 +144,9 @@ class RequestIdInterceptor(WrappingInterceptor):
             # own task (one per RPC), so the value cannot leak into another call.
             token = request_id_var.set(rid)
             try:
-                async for item in iterate_and_close(behavior, request, context):
-                    yield item
+                async with contextlib.aclosing(behavior(request, context)) as agen:
+                    async for item in agen:
+                        yield item
             finally:
                 with contextlib.suppress(ValueError):  # finalised from another context
                     request_id_var.reset(token)

@@ -13,6 +13,7 @@ on one registry returns the existing one (idempotent), so components need no coo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ from grpc import aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.logging import get_logger
-from pdserve.rpc._wrap import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate_and_close
+from pdserve.rpc._wrap import StreamBehavior, UnaryBehavior, WrappingInterceptor
 
 PREFIX = "pdserve_"
 # Seconds; RPCs range from sub-millisecond control calls to minute-long token streams.
@@ -156,8 +157,9 @@ class MetricsInterceptor(WrappingInterceptor):
             self.in_flight.labels(method).inc()
             code = grpc.StatusCode.CANCELLED  # if the generator is closed early
             try:
-                async for item in iterate_and_close(behavior, request, context):
-                    yield item
+                async with contextlib.aclosing(behavior(request, context)) as agen:
+                    async for item in agen:
+                        yield item
                 code = _code_of(context, None)
             except BaseException as exc:
                 code = _code_of(context, exc)

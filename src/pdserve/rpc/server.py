@@ -350,6 +350,6 @@ def serve(app: ServiceApp, settings: ServiceSettings) -> int:
     try:
         asyncio.run(run_service(app, settings))
     except Exception as exc:
-        _log.error("service failed", service=app.name, error=repr(exc))
+        _log.error("service failed", service=app.name, error=repr(exc), exc_info=exc)
         return 1
     return 0
