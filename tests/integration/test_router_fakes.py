@@ -190,8 +190,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     # --- Worker service ---
     def _rid(self, request, context) -> str:
+        """The request id as the router propagates it: x-request-id metadata (it must
+        equal the message's request_id, else the log shows the mismatch)."""
         md = dict(context.invocation_metadata())
-        return md.get("x-request-id", "") or request.request_id
+        rid = md.get("x-request-id", "<no x-request-id>")
+        return rid if rid == request.request_id else f"{rid}!={request.request_id}"
 
     async def Reserve(self, request, context):
         self.log.calls.append((self.instance_id, "Reserve", self._rid(request, context)))
@@ -202,7 +205,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             num_blocks=(request.num_prompt_tokens + 3) // 4))
 
     async def Prefill(self, request, context):
-        self.log.calls.append((self.instance_id, "Prefill", request.request_id))
+        self.log.calls.append((self.instance_id, "Prefill", self._rid(request, context)))
         self.prompts.append(list(request.token_ids))
         if self.b.prefill_error is not None:
             await context.abort(self.b.prefill_error, f"{self.instance_id} is broken")
@@ -229,7 +232,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 stages=common_pb2.StageCosts(decode_ms=2.5) if last else None)
 
     async def Decode(self, request, context):
-        self.log.calls.append((self.instance_id, "Decode", request.request_id))
+        self.log.calls.append((self.instance_id, "Decode", self._rid(request, context)))
         if self.b.decode_error is not None:
             await context.abort(self.b.decode_error, f"{self.instance_id} decode is broken")
         async for chunk in self._stream(request.request_id, request.first_token_id,
@@ -237,7 +240,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             yield chunk
 
     async def Generate(self, request, context):
-        self.log.calls.append((self.instance_id, "Generate", request.request_id))
+        self.log.calls.append((self.instance_id, "Generate", self._rid(request, context)))
         self.prompts.append(list(request.token_ids))
         first = fake_first_token(request.token_ids)
         yield worker_pb2.TokenChunk(token_ids=[first])
@@ -246,6 +249,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             yield chunk
 
     async def Abort(self, request, context):
-        self.log.calls.append((self.instance_id, "Abort", request.request_id))
+        self.log.calls.append((self.instance_id, "Abort", self._rid(request, context)))
         self.aborted.add(request.request_id)
         return worker_pb2.AbortResponse(found=True)

@@ -97,8 +97,13 @@ async def test_disagg_order_tokens_and_usage(router, cluster):
     p = await cluster.add("p", PREFILL)
     d = await cluster.add("d", DECODE)
     async with AsyncClient(router.addr) as c:
+        before = await c.status()
         res = await c.generate(token_ids=[5, 6, 7], max_tokens=5, temperature=0.0,
                                request_id="r-order")
+        after = await c.status()
+    assert after.requests_total == before.requests_total + 1
+    assert after.prompt_tokens_total == before.prompt_tokens_total + 3
+    assert after.cached_tokens_total == before.cached_tokens_total + 2  # -> hit rate
     first = fake_first_token([5, 6, 7])
     assert res.token_ids == [first, first + 1, first + 2, first + 3, first + 4]
     assert res.finish_reason == "length"

@@ -157,9 +157,9 @@ class Orchestrator:
                 metadata=request_metadata(job.request_id))
             try:
                 async for chunk in self._relay(call, decode, job, "decode"):
-                    yield chunk
                     if chunk.finish_reason:
-                        ticket = None
+                        ticket = None  # before yielding: the consumer may close us there
+                    yield chunk
             except grpc.RpcError as err:  # failed before its first chunk: too late to retry
                 failure = remote_error(err, f"decode instance {decode.instance_id}")
                 if failure.code == grpc.StatusCode.UNAVAILABLE:
