@@ -203,3 +203,18 @@ async def test_start_twice_is_an_error() -> None:
             await runner.start()
     finally:
         await runner.shutdown()
+
+
+async def test_signal_burst_does_not_cut_drain() -> None:
+    app = Hanging(hang_drain=True)
+    runner = _runner(app, drain_timeout_s=3600)
+    running = asyncio.ensure_future(runner.run(signals=()))
+    await asyncio.wait_for(runner.serving.wait(), 30)
+    runner._on_signal(signal.SIGTERM)
+    await asyncio.wait_for(app.draining.wait(), 30)
+    runner._on_signal(signal.SIGTERM)  # the same kill delivered twice: ignored
+    await asyncio.sleep(0)
+    assert not running.done() and "drain-cancelled" not in app.events
+    runner.request_stop()  # an explicit second request does cut it short
+    await asyncio.wait_for(running, 30)
+    assert app.events == ["drain", "drain-cancelled", "close"]

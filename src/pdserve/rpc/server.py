@@ -8,7 +8,8 @@
               health NOT_SERVING -> await app.drain() (at most drain_timeout_s; a second signal
               cuts it short) -> server.stop(grace_s) -> await app.close()
 
-A signal during app.start() cancels the start and closes the app. Logs go to stderr, so
+A signal during app.start() cancels the start and closes the app. A second signal (at least
+1 s after the first) cuts the drain short. Logs go to stderr, so
 stdout carries only the READY line (the launcher and the tests wait for it).
 """
 
@@ -36,6 +37,7 @@ from pdserve.rpc.metrics import Metrics, MetricsInterceptor, start_metrics_serve
 
 READY_PREFIX = "PDSERVE_READY"
 HEALTH_SERVICE = "grpc.health.v1.Health"
+SIGNAL_REPEAT_S = 1.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -155,6 +157,7 @@ class ServiceRunner:
         self.serving = asyncio.Event()  # set once SERVING (and the READY line is out)
         self._stop_requested = asyncio.Event()
         self._force = asyncio.Event()
+        self._first_signal_at: float | None = None
         self._shutdown_task: asyncio.Future[None] | None = None
         self._log = _log.bind(service=app.name)
 
@@ -300,7 +303,15 @@ class ServiceRunner:
                 loop.remove_signal_handler(sig)
 
     def _on_signal(self, sig: signal.Signals) -> None:
+        now = asyncio.get_running_loop().time()
+        # One kill often arrives twice (to the process and to its group, e.g. from
+        # `timeout`); only a repeat at least SIGNAL_REPEAT_S later cuts the drain short.
+        if self._first_signal_at is not None and now - self._first_signal_at < SIGNAL_REPEAT_S:
+            self._log.info("signal repeated, ignored", signal=sig.name)
+            return
         self._log.info("signal received", signal=sig.name)
+        if self._first_signal_at is None:
+            self._first_signal_at = now
         self.request_stop()
 
     async def __aenter__(self) -> ServiceRunner:
