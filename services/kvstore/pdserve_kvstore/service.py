@@ -161,7 +161,7 @@ class KVStoreService:
             self.metrics.puts.labels("stored").inc()
             return stored
         finally:
-            self._staging_in_use -= op.res.nbytes
+            self._staging_in_use -= op.staging.nbytes
             self.metrics.sync(self.store.snapshot())
 
     async def _drop_put(self, put_id: int) -> None:
@@ -170,7 +170,7 @@ class KVStoreService:
             return
         await op.handle.cancel()
         self.store.abort_put(put_id)
-        self._staging_in_use -= op.res.nbytes
+        self._staging_in_use -= op.staging.nbytes
         self.metrics.puts.labels("expired").inc()
         self.metrics.sync(self.store.snapshot())
 

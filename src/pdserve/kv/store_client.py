@@ -1,0 +1,195 @@
+"""KVStoreClient: what workers use to talk to the kvstore. Torch-free (buffers may be tensors).
+
+"A cache, never a dependency": every call has a short deadline, and any failure (store down,
+slow, evicted meanwhile, corrupt bytes) returns 0 blocks and is logged, never raised to the
+request path (unless `raise_errors=True`). After a failure the client skips calls for
+`backoff_s`, so a dead store costs one fast error, not a timeout per request.
+
+Buffers hold whole blocks back to back in the caller's KV layout (KVSpec.bytes_per_block
+each): `fetch` fills `out_buf` with blocks [0, n); `put` sends from `blocks_buf`, which holds
+blocks [first_block, len(hashes)).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from pdserve.kv.transfer import UcxTransport, as_bytes
+from pdserve.logging import get_logger
+from pdserve.rpc.channels import make_channel
+from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+log = get_logger("pdserve.kvstore.client")
+T = TypeVar("T")
+
+
+def block_checksums(data: np.ndarray, bytes_per_block: int, n: int) -> list[bytes]:
+    """blake2b-128 of each of the first `n` blocks of `data` (hashlib releases the GIL)."""
+    return [
+        hashlib.blake2b(
+            memoryview(data[i * bytes_per_block : (i + 1) * bytes_per_block]), digest_size=16
+        ).digest()
+        for i in range(n)
+    ]
+
+
+class KVStoreClient:
+    def __init__(
+        self,
+        addr: str,
+        transport: UcxTransport,
+        *,
+        rpc_timeout_s: float = 1.0,
+        transfer_timeout_s: float = 5.0,
+        backoff_s: float = 2.0,
+        raise_errors: bool = False,
+    ) -> None:
+        self.addr = addr
+        self.transport = transport
+        self.rpc_timeout_s = rpc_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.backoff_s = backoff_s
+        self.raise_errors = raise_errors
+        self._channel = make_channel(addr)
+        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        self._down_until = 0.0
+        self.failures = 0
+
+    @property
+    def available(self) -> bool:
+        """False while backing off after a failure."""
+        return time.monotonic() >= self._down_until
+
+    async def _guard(self, what: str, default: T, fn: Callable[[], Awaitable[T]]) -> T:
+        if not self.available and not self.raise_errors:
+            return default
+        try:
+            return await fn()
+        except Exception as exc:
+            self.failures += 1
+            self._down_until = time.monotonic() + self.backoff_s
+            if self.raise_errors:
+                raise
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+            log.warning("kvstore call failed", call=what, addr=self.addr, error=detail)
+            return default
+
+    # ----------------------------------------------------------------- lookup / fetch
+    async def lookup(self, namespace: str, hashes: Sequence[bytes]) -> int:
+        """Number of leading blocks of the chain the store holds now."""
+
+        async def call() -> int:
+            req = kvstore_pb2.LookupRequest(namespace=namespace, block_hashes=list(hashes))
+            resp = await self._stub.Lookup(req, timeout=self.rpc_timeout_s)
+            return int(resp.num_hit_blocks)
+
+        return await self._guard("lookup", 0, call) if hashes else 0
+
+    async def fetch(self, namespace: str, hashes: Sequence[bytes], out_buf: Any) -> int:
+        """Fill `out_buf` (len(hashes) blocks) with the stored prefix; returns the number of
+        leading blocks received and verified (0 on any failure; later bytes are garbage)."""
+        if not hashes:
+            return 0
+        out = as_bytes(out_buf, writable=True)
+        if out.nbytes % len(hashes):
+            raise ValueError("out_buf must hold exactly len(hashes) blocks")
+        bpb = out.nbytes // len(hashes)
+
+        async def call() -> int:
+            tag = self.transport.new_tag_base()
+            handle = self.transport.post_recv(out, tag)  # posted before the store sends
+            try:
+                req = kvstore_pb2.FetchRequest(
+                    namespace=namespace,
+                    block_hashes=list(hashes),
+                    ucx_worker_address=self.transport.address,
+                    tag=tag,
+                )
+                timeout = self.rpc_timeout_s + self.transfer_timeout_s
+                resp = await self._stub.Fetch(req, timeout=timeout)
+                n = int(resp.num_blocks)
+                if n == 0:
+                    return 0
+                if resp.bytes_per_block != bpb or len(resp.checksums) != n:
+                    raise ValueError(f"block size {resp.bytes_per_block} B, expected {bpb} B")
+                await handle.wait(self.transfer_timeout_s)
+            finally:
+                await handle.cancel()  # no-op when done; retires it otherwise
+            got = await asyncio.to_thread(block_checksums, out, bpb, n)
+            ok = next((i for i in range(n) if got[i] != resp.checksums[i]), n)
+            if ok < n:
+                log.warning("kvstore fetch: checksum mismatch", block=ok, blocks=n)
+            return ok
+
+        return await self._guard("fetch", 0, call)
+
+    # ----------------------------------------------------------------- put
+    async def put(
+        self, namespace: str, hashes: Sequence[bytes], first_block: int, blocks_buf: Any
+    ) -> int:
+        """Offer blocks [first_block, len(hashes)) of the chain; returns blocks stored."""
+        n_offered = len(hashes) - first_block
+        if n_offered <= 0:
+            return 0
+        data = as_bytes(blocks_buf)
+        if data.nbytes % n_offered:
+            raise ValueError("blocks_buf must hold exactly len(hashes) - first_block blocks")
+        bpb = data.nbytes // n_offered
+
+        async def call() -> int:
+            begin = kvstore_pb2.BeginPutRequest(
+                namespace=namespace,
+                block_hashes=list(hashes),
+                first_block=first_block,
+                bytes_per_block=bpb,
+            )
+            resp = await self._stub.BeginPut(begin, timeout=self.rpc_timeout_s)
+            n = int(resp.num_accepted)
+            if n == 0 or resp.first_block < first_block:
+                return 0
+            skip = (resp.first_block - first_block) * bpb
+            chunk = data[skip : skip + n * bpb]
+            send = self.transport.send(
+                resp.ucx_worker_address, resp.tag, chunk, timeout_s=self.transfer_timeout_s
+            )
+            checksums, _ = await asyncio.gather(
+                asyncio.to_thread(block_checksums, chunk, bpb, n), send
+            )
+            commit = kvstore_pb2.CommitPutRequest(put_id=resp.put_id, checksums=checksums)
+            timeout = self.rpc_timeout_s + self.transfer_timeout_s
+            done = await self._stub.CommitPut(commit, timeout=timeout)
+            return int(done.num_stored)
+
+        return await self._guard("put", 0, call)
+
+    # ----------------------------------------------------------------- admin
+    async def pin(self, namespace: str, hashes: Sequence[bytes], *, unpin: bool = False) -> int:
+        async def call() -> int:
+            req = kvstore_pb2.PinRequest(namespace=namespace, block_hashes=list(hashes))
+            rpc = self._stub.Unpin if unpin else self._stub.Pin
+            return int((await rpc(req, timeout=self.rpc_timeout_s)).num_blocks)
+
+        return await self._guard("unpin" if unpin else "pin", 0, call)
+
+    async def clear(self, namespace: str = "") -> int:
+        async def call() -> int:
+            req = kvstore_pb2.ClearRequest(namespace=namespace)
+            return int((await self._stub.Clear(req, timeout=self.rpc_timeout_s)).num_blocks)
+
+        return await self._guard("clear", 0, call)
+
+    async def stats(self) -> kvstore_pb2.StatsResponse | None:
+        async def call() -> kvstore_pb2.StatsResponse | None:
+            return await self._stub.Stats(kvstore_pb2.StatsRequest(), timeout=self.rpc_timeout_s)
+
+        return await self._guard("stats", None, call)
+
+    async def close(self) -> None:
+        await self._channel.close()
