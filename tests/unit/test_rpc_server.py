@@ -25,7 +25,7 @@ from pdserve.errors import InvalidRequestError, ModelLoadError, OverloadedError,
 from pdserve.logging import configure_logging, current_request_id, get_logger
 from pdserve.rpc import Metrics, ServiceApp, ServiceRunner, metadata_with_request_id
 from pdserve.rpc.interceptor import status_for
-from pdserve.rpc.server import parse_ready_line
+from pdserve.rpc.ready import parse_ready_line
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -380,3 +380,13 @@ def test_status_for_mapping() -> None:
     assert status_for(dead) == (grpc.StatusCode.UNAVAILABLE, "upstream UNAVAILABLE: connect failed")
     odd = aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, md, md, "bad")
     assert status_for(odd)[0] == grpc.StatusCode.INTERNAL
+
+
+def test_ready_line_round_trip() -> None:
+    from pdserve.rpc.ready import format_ready_line
+
+    line = format_ready_line({"service": "x", "port": 5})
+    assert line.startswith("PDSERVE_READY {")
+    assert parse_ready_line(line + "\n") == {"service": "x", "port": 5}
+    assert parse_ready_line("PDSERVE_READY not json") is None
+    assert parse_ready_line('{"port": 5}') is None

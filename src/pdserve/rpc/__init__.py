@@ -5,15 +5,8 @@ from pdserve.rpc.channels import ChannelPool, make_channel, metadata_with_reques
 from pdserve.rpc.health import check_health, check_health_async
 from pdserve.rpc.interceptor import REQUEST_ID_KEY, ErrorInterceptor, RequestIdInterceptor
 from pdserve.rpc.metrics import Metrics, MetricsInterceptor, start_metrics_server
-from pdserve.rpc.server import (
-    READY_PREFIX,
-    ServiceApp,
-    ServiceRunner,
-    install_event_loop,
-    parse_ready_line,
-    run_service,
-    serve,
-)
+from pdserve.rpc.ready import READY_PREFIX, parse_ready_line
+from pdserve.rpc.server import ServiceApp, ServiceRunner, install_event_loop, run_service, serve
 
 __all__ = [
     "READY_PREFIX",

@@ -18,14 +18,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from typing import IO, Any, cast
 
-import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -34,8 +32,9 @@ from pdserve.logging import configure_logging, get_logger
 from pdserve.rpc.channels import SERVER_OPTIONS
 from pdserve.rpc.interceptor import server_interceptors
 from pdserve.rpc.metrics import Metrics, MetricsInterceptor, start_metrics_server
+from pdserve.rpc.ready import format_ready_line
+from pdserve.rpc.registration import AppServer, LateHandlers
 
-READY_PREFIX = "PDSERVE_READY"
 HEALTH_SERVICE = "grpc.health.v1.Health"
 SIGNAL_REPEAT_S = 1.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -70,63 +69,6 @@ class ServiceApp(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 (optional hook)
         """Default: nothing to release."""
-
-
-class _LateHandlers(grpc.GenericRpcHandler):
-    """Registered on the server before it starts; servicers added later (by app.start,
-    while health already answers) are looked up here at call time."""
-
-    def __init__(self) -> None:
-        self.by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
-        self.generic: list[grpc.GenericRpcHandler] = []
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
-        # method = "/package.Service/Method"
-        service, _, method = handler_call_details.method.lstrip("/").partition("/")
-        found = self.by_service.get(service, {}).get(method)
-        if found is not None:
-            return found
-        for handler in self.generic:
-            found = handler.service(handler_call_details)
-            if found is not None:
-                return found
-        return None
-
-
-class _AppServer:
-    """The `server` app.start() receives: the running aio.Server, except that servicer
-    registration goes to _LateHandlers (grpc only allows it before start)."""
-
-    def __init__(self, server: aio.Server, late: _LateHandlers) -> None:
-        self._server = server
-        self._late = late
-
-    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self._late.generic.extend(handlers)
-
-    def add_registered_method_handlers(
-        self, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler]
-    ) -> None:
-        self._late.by_service.setdefault(service_name, {}).update(method_handlers)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._server, name)
-
-
-def format_ready_line(info: dict[str, Any]) -> str:
-    return f"{READY_PREFIX} {json.dumps(info, sort_keys=True)}"
-
-
-def parse_ready_line(line: str) -> dict[str, Any] | None:
-    """The JSON of a `PDSERVE_READY {...}` line, or None for any other line."""
-    line = line.strip()
-    if not line.startswith(READY_PREFIX + " "):
-        return None
-    try:
-        info = json.loads(line[len(READY_PREFIX) + 1 :])
-    except json.JSONDecodeError:
-        return None
-    return info if isinstance(info, dict) else None
 
 
 def _address(host: str, port: int) -> str:
@@ -179,7 +121,7 @@ class ServiceRunner:
         interceptors = server_interceptors(MetricsInterceptor(self.metrics))
         server = aio.server(interceptors=interceptors, options=list(SERVER_OPTIONS))
         self.server = server
-        late = _LateHandlers()
+        late = LateHandlers()
         server.add_generic_rpc_handlers((late,))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         for name in self.health_names:
@@ -198,7 +140,7 @@ class ServiceRunner:
         await server.start()
         self._log.info("listening", host=self.settings.host, port=port)
         try:
-            await self.app.start(cast(aio.Server, _AppServer(server, late)))
+            await self.app.start(cast(aio.Server, AppServer(server, late)))
         except BaseException as exc:  # incl. CancelledError (signal during start)
             self._log.error("start failed", error=repr(exc), exc_info=exc)
             await self._stop_server_and_close(grace=0)

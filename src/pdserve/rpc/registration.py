@@ -1,0 +1,57 @@
+"""Servicer registration on a server that is already running.
+
+The lifecycle starts the gRPC server first (so health answers NOT_SERVING while the app
+loads) and only then calls app.start(server), but grpc only allows registering handlers
+before start. LateHandlers is registered before start; AppServer is what app.start()
+receives: it forwards everything to the real server except registration, which lands in
+LateHandlers and is looked up at call time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from grpc import aio
+
+
+class LateHandlers(grpc.GenericRpcHandler):
+    """Registered on the server before it starts; servicers added later (by app.start,
+    while health already answers) are looked up here at call time."""
+
+    def __init__(self) -> None:
+        self.by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+        self.generic: list[grpc.GenericRpcHandler] = []
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        # method = "/package.Service/Method"
+        service, _, method = handler_call_details.method.lstrip("/").partition("/")
+        found = self.by_service.get(service, {}).get(method)
+        if found is not None:
+            return found
+        for handler in self.generic:
+            found = handler.service(handler_call_details)
+            if found is not None:
+                return found
+        return None
+
+
+class AppServer:
+    """The `server` app.start() receives: the running aio.Server, except that servicer
+    registration goes to LateHandlers (grpc only allows it before start)."""
+
+    def __init__(self, server: aio.Server, late: LateHandlers) -> None:
+        self._server = server
+        self._late = late
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._late.generic.extend(handlers)
+
+    def add_registered_method_handlers(
+        self, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self._late.by_service.setdefault(service_name, {}).update(method_handlers)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
