@@ -218,3 +218,40 @@ async def test_signal_burst_does_not_cut_drain() -> None:
     runner.request_stop()  # an explicit second request does cut it short
     await asyncio.wait_for(running, 30)
     assert app.events == ["drain", "drain-cancelled", "close"]
+
+
+class Registering(Hanging):
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+        self.ports: list[int] = []
+
+    async def on_serving(self, port: int) -> None:
+        self.events.append("on_serving")
+        self.ports.append(port)
+        if self.fail:
+            raise ConnectionError("router unreachable")
+
+
+async def test_on_serving_gets_bound_port_before_ready() -> None:
+    app = Registering()
+    ready = io.StringIO()
+    settings = ServiceSettings(port=0, grace_s=0.0)
+    runner = ServiceRunner(app, settings, metrics=Metrics(CollectorRegistry()), ready_stream=ready)
+    async with runner:
+        assert app.ports == [runner.port] and runner.port
+        info = parse_ready_line(ready.getvalue())
+        assert info is not None and info["port"] == runner.port
+        assert await check_health_async(runner.address, timeout=10)
+    assert app.events == ["on_serving", "drain", "close"]
+
+
+async def test_failing_on_serving_aborts_start() -> None:
+    app = Registering(fail=True)
+    ready = io.StringIO()
+    settings = ServiceSettings(port=0, grace_s=0.0)
+    runner = ServiceRunner(app, settings, metrics=Metrics(CollectorRegistry()), ready_stream=ready)
+    with pytest.raises(ConnectionError):
+        await runner.start()
+    assert app.events == ["on_serving", "close"]
+    assert ready.getvalue() == "" and runner.state == "stopped"

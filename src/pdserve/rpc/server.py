@@ -2,8 +2,9 @@
 
     start:    grpc.aio server on host:port (interceptors: request id, metrics, errors)
               + grpc.health.v1 Health, every name NOT_SERVING
-              -> await app.start(server)   (add servicers, load the model, register, ...)
-              -> SERVING, and one line `PDSERVE_READY {"service": ..., "port": N, ...}` on stdout
+              -> await app.start(server)   (add servicers, load the model, ...)
+              -> SERVING -> await app.on_serving(port) (e.g. register with the router)
+              -> one line `PDSERVE_READY {"service": ..., "port": N, ...}` on stdout
     SIGTERM / SIGINT:
               health NOT_SERVING -> await app.drain() (at most drain_timeout_s; a second signal
               cuts it short) -> server.stop(grace_s) -> await app.close()
@@ -48,7 +49,9 @@ class ServiceApp(abc.ABC):
 
     Contract: `start` registers servicers on `server` (generated `add_*_to_server` works; the
     server is already listening, health says NOT_SERVING until start returns) and does any
-    slow loading; raising aborts the process start. `drain` stops accepting new work and
+    slow loading; raising aborts the process start. `on_serving(port)` runs once health
+    says SERVING, before the READY line (the bound port is known then: register with the
+    router here); raising aborts the start too. `drain` stops accepting new work and
     waits for in-flight work (it is cancelled after drain_timeout_s). `close` releases
     everything; it runs once, after the gRPC server has stopped, also after a failed start.
     """
@@ -147,6 +150,13 @@ class ServiceRunner:
             raise
         for name in self.health_names:
             await self.health.set(name, _SERVING)
+        try:
+            await self.app.on_serving(port)  # e.g. register with the router
+        except BaseException as exc:
+            self._log.error("on_serving failed", error=repr(exc), exc_info=exc)
+            await self.health.enter_graceful_shutdown()
+            await self._stop_server_and_close(grace=0)
+            raise
         self.state = "serving"
         self._announce()
         self.serving.set()
