@@ -36,7 +36,7 @@ class ManagedProcess:
     port: int | None = None
 
     def start(self) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        log = open(self.log_path, "ab")
         preexec = None
         if self.cpu is not None and hasattr(os, "sched_setaffinity"):
             cpu = self.cpu

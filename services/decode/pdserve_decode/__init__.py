@@ -1,0 +1,1 @@
+"""pdserve decode service: the pdserve worker started in the decode role."""

@@ -1,0 +1,1 @@
+"""pdserve prefill service: the pdserve worker started in the prefill role."""

@@ -1,0 +1,51 @@
+"""Plain domain objects of the worker (no proto, no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Where a prefill pushes one request's KV: the decode's UCX worker, tags
+    `tag_base + layer`, valid until `lease_expiry_unix_s`."""
+
+    ticket_id: int
+    decode_instance_id: str
+    ucx_worker_address: bytes
+    tag_base: int
+    lease_expiry_unix_s: float
+    num_blocks: int
+    kv_fingerprint: str
+
+
+@dataclass
+class StageCosts:
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+    transfer_bytes: int = 0
+    decode_ms: float = 0.0
+    cached_tokens: int = 0
+    kvstore_tokens: int = 0
+
+
+@dataclass
+class TokenEvent:
+    """One chunk of a token stream; the last one has `finish_reason` and `stages`."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stages: StageCosts | None = None
+
+
+@dataclass
+class LoadSnapshot:
+    num_waiting: int = 0
+    num_running: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    tokens_in_flight: int = 0
+    num_reserved: int = 0
+    step_ms_ewma: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)

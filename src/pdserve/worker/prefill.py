@@ -1,0 +1,145 @@
+"""Prefill role: compute a prompt's KV and push it, layer by layer, to a decode instance.
+
+The engine calls `kv_sink(layer, kv)` on its thread right after layer `layer` of the request's
+last prompt chunk is computed; the sink hands the tensor to the event loop, which starts the
+UCX send at once, so the transfer of layer l overlaps the compute of layer l+1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.params import SamplingParams
+from pdserve.errors import FailedPreconditionError, InvalidRequestError, UnavailableError
+from pdserve.kv.spec import KVSpec
+from pdserve.kv.transfer import TransferFailedError, UcxTransport
+from pdserve.logging import get_logger
+from pdserve.worker.domain import StageCosts, Ticket
+
+if TYPE_CHECKING:
+    from pdserve.worker.kv_reuse import KVReuse
+
+_log = get_logger(__name__)
+
+
+class LayerPusher:
+    """Collects the per-layer sends of one request (event-loop side)."""
+
+    def __init__(self, transport: UcxTransport, ticket: Ticket, timeout_s: float) -> None:
+        self._transport = transport
+        self._ticket = ticket
+        self._timeout_s = timeout_s
+        self._sends: list[asyncio.Future] = []
+        self.bytes = 0
+        self.first_send_at: float | None = None
+
+    def sink(self, loop: asyncio.AbstractEventLoop):
+        """The engine-thread callback: kv [n_blocks, 2, bs, kvh, hd] (a private copy)."""
+
+        def kv_sink(layer: int, kv: Any) -> None:
+            loop.call_soon_threadsafe(self._start, layer, kv)
+
+        return kv_sink
+
+    def _start(self, layer: int, kv: Any) -> None:
+        if self.first_send_at is None:
+            self.first_send_at = time.perf_counter()
+        self.bytes += kv.numel() * kv.element_size()
+        tag = self._ticket.tag_base + layer
+        addr = self._ticket.ucx_worker_address
+        self._sends.append(
+            asyncio.ensure_future(self._transport.send(addr, tag, kv, self._timeout_s))
+        )
+
+    async def wait(self, expected_layers: int) -> None:
+        if len(self._sends) != expected_layers:
+            raise UnavailableError(
+                f"pushed {len(self._sends)} of {expected_layers} KV layers to the decode"
+            )
+        results = await asyncio.gather(*self._sends, return_exceptions=True)
+        for result in results:
+            if isinstance(result, TransferFailedError):
+                raise UnavailableError(f"KV transfer to decode failed: {result}") from result
+            if isinstance(result, BaseException):
+                raise result
+
+    def cancel(self) -> None:
+        for send in self._sends:
+            send.cancel()
+
+
+class PrefillHandler:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        transport: UcxTransport,
+        spec: KVSpec,
+        kv_fingerprint: str,
+        transfer_timeout_s: float,
+        kv_reuse: KVReuse | None = None,
+    ) -> None:
+        self._engine = engine
+        self._transport = transport
+        self._spec = spec
+        self._kv_fingerprint = kv_fingerprint
+        self._timeout_s = transfer_timeout_s
+        self.kv_reuse = kv_reuse
+
+    async def prefill(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        ticket: Ticket,
+        use_kvstore: bool,
+    ) -> tuple[int, StageCosts]:
+        """Returns (token 0, stage costs) once every layer has reached the decode."""
+        self._check_ticket(token_ids, ticket)
+        started = time.perf_counter()
+        stages = StageCosts()
+        if use_kvstore and self.kv_reuse is not None:
+            stages.kvstore_tokens = await self.kv_reuse.fetch_prefix(request_id, token_ids)
+        pusher = LayerPusher(self._transport, ticket, self._timeout_s)
+        loop = asyncio.get_running_loop()
+        first_token: int | None = None
+        try:
+            async for out in self._engine.generate(
+                request_id, token_ids, params, prefill_only=True, kv_sink=pusher.sink(loop)
+            ):
+                if out.new_token_ids:
+                    first_token = out.new_token_ids[0]
+                    stages.cached_tokens = out.num_cached_tokens
+                if out.finish_reason == "abort":
+                    raise asyncio.CancelledError(f"request {request_id} aborted")
+            computed = time.perf_counter()
+            await pusher.wait(self._spec.num_layers)
+        except BaseException:
+            pusher.cancel()
+            raise
+        done = time.perf_counter()
+        if first_token is None:
+            raise UnavailableError(f"prefill of {request_id} produced no token")
+        stages.prefill_ms = (computed - started) * 1e3
+        stages.transfer_ms = (done - (pusher.first_send_at or computed)) * 1e3
+        stages.transfer_bytes = pusher.bytes
+        if use_kvstore and self.kv_reuse is not None:
+            self.kv_reuse.publish_later(request_id, token_ids)
+        return first_token, stages
+
+    def _check_ticket(self, token_ids: Sequence[int], ticket: Ticket) -> None:
+        if ticket.kv_fingerprint != self._kv_fingerprint:
+            raise FailedPreconditionError(
+                "ticket.kv_fingerprint: the decode instance runs a different model or KV "
+                f"layout ({ticket.kv_fingerprint[:16]} != {self._kv_fingerprint[:16]})"
+            )
+        need = self._spec.num_blocks_for(len(token_ids))
+        if ticket.num_blocks != need:
+            raise InvalidRequestError(
+                "ticket.num_blocks", f"is {ticket.num_blocks}, the prompt needs {need} blocks"
+            )
+        if ticket.lease_expiry_unix_s and ticket.lease_expiry_unix_s < time.time():
+            raise UnavailableError("ticket lease already expired")

@@ -1,0 +1,101 @@
+"""gRPC Worker servicer: converts between proto and domain objects, nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from grpc import aio
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.worker import convert
+from pdserve.worker.core import WorkerCore
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, core: WorkerCore) -> None:
+        self._core = core
+
+    async def Reserve(
+        self, request: worker_pb2.ReserveRequest, context: aio.ServicerContext
+    ) -> worker_pb2.ReserveResponse:
+        ticket = await self._core.reserve(
+            request.request_id, request.num_prompt_tokens, request.lease_s
+        )
+        return worker_pb2.ReserveResponse(ticket=convert.ticket_to_proto(ticket))
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        first_token, stages = await self._core.prefill(
+            request.request_id,
+            list(request.token_ids),
+            convert.sampling_from_proto(request.sampling),
+            convert.ticket_from_proto(request.ticket),
+            request.use_kvstore,
+        )
+        return worker_pb2.PrefillResponse(
+            first_token_id=first_token, stages=convert.stages_to_proto(stages)
+        )
+
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        events = self._core.decode(
+            request.request_id,
+            request.ticket_id,
+            list(request.prompt_token_ids),
+            request.first_token_id,
+            convert.sampling_from_proto(request.sampling),
+            request.write_back,
+        )
+        async for ev in events:
+            yield convert.chunk_to_proto(ev)
+
+    async def Generate(
+        self, request: worker_pb2.WorkerGenerateRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        events = self._core.generate(
+            request.request_id,
+            list(request.token_ids),
+            convert.sampling_from_proto(request.sampling),
+            request.use_kvstore,
+            request.write_back,
+        )
+        async for ev in events:
+            yield convert.chunk_to_proto(ev)
+
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        return worker_pb2.AbortResponse(found=await self._core.abort(request.request_id))
+
+    async def SetRole(
+        self, request: worker_pb2.SetRoleRequest, context: aio.ServicerContext
+    ) -> worker_pb2.SetRoleResponse:
+        role = convert.role_from_proto(request.role)
+        new_role = await self._core.set_role(role)
+        return worker_pb2.SetRoleResponse(role=convert.ROLE_TO_PROTO[new_role])
+
+    async def Drain(
+        self, request: worker_pb2.DrainRequest, context: aio.ServicerContext
+    ) -> worker_pb2.DrainResponse:
+        remaining = await self._core.drain_for_rpc()
+        return worker_pb2.DrainResponse(remaining=remaining)
+
+    async def Info(
+        self, request: worker_pb2.InfoRequest, context: aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        core = self._core
+        llm = core.llm
+        return worker_pb2.WorkerInfo(
+            instance_id=core.instance_id,
+            role=convert.ROLE_TO_PROTO[core.role],
+            state=core.state,
+            model_fingerprint=llm.loaded.fingerprint,
+            kv_fingerprint=llm.namespace,
+            block_size=llm.spec.block_size,
+            num_layers=llm.spec.num_layers,
+            bytes_per_block=llm.spec.bytes_per_block,
+            load=convert.load_to_proto(core.load_snapshot()),
+            counters=core.counters(),
+        )

@@ -1,0 +1,35 @@
+"""Worker settings (prefill, decode and colocated roles share one worker)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pdserve.config import ServiceSettings
+
+RoleName = Literal["prefill", "decode", "colocated"]
+
+
+class WorkerSettings(ServiceSettings):
+    model: str | None = Field(None, description="checkpoint directory (none = built-in tiny)")
+    role: RoleName = Field("colocated", description="starting role; the router may flip it")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights and KV dtype")
+    device: str = Field("cpu", description="torch device (cpu, cuda, cuda:1)")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    num_blocks: int | None = Field(None, ge=2, description="KV blocks (wins over kv_cache_bytes)")
+    kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache budget in bytes")
+    max_num_batched_tokens: int = Field(512, ge=16, description="token budget of one step")
+    max_num_seqs: int = Field(64, ge=1, description="most sequences in one batch")
+    enable_prefix_caching: bool = Field(True, description="reuse full blocks across requests")
+    threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default)")
+    advertise_host: str | None = Field(
+        None, description="host the router should dial (default: host, or this host's IP)"
+    )
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="load report period")
+    lease_s: float = Field(20.0, gt=0, description="default lease of a KV reservation")
+    transfer_timeout_s: float = Field(20.0, gt=0, description="timeout of one KV send")
+    kvstore_addr: str | None = Field(
+        None, description="kvstore HOST:PORT (default: the one the router hands out)"
+    )
+    kvstore_timeout_s: float = Field(2.0, gt=0, description="deadline of kvstore calls")
