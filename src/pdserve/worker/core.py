@@ -183,11 +183,15 @@ class WorkerCore:
     ) -> AsyncIterator[TokenEvent]:
         self._admit("decode", "colocated")
         assert self.decode_handler is not None
+        generated = [first_token]
         with self._track():
             async for ev in self.decode_handler.decode(
                 request_id, ticket_id, prompt_token_ids, first_token, params
             ):
+                generated.extend(ev.token_ids)
                 yield ev
+        if write_back and self.kv_reuse is not None:
+            self.kv_reuse.publish_later(request_id, [*prompt_token_ids, *generated])
 
     async def generate(
         self,
@@ -203,9 +207,14 @@ class WorkerCore:
         started = time.perf_counter()
         first_at: float | None = None
         stages = StageCosts()
+        reuse = self.kv_reuse
+        generated: list[int] = []
         with self._track():
+            if use_kvstore and reuse is not None:
+                stages.kvstore_tokens = await reuse.fetch_prefix(request_id, token_ids)
             async for out in self.engine.generate(request_id, token_ids, params):
                 now = time.perf_counter()
+                generated.extend(out.new_token_ids)
                 if first_at is None and out.new_token_ids:
                     first_at = now
                     stages.prefill_ms = (now - started) * 1e3
@@ -213,8 +222,10 @@ class WorkerCore:
                 if out.finished:
                     stages.decode_ms = (now - (first_at or now)) * 1e3
                     yield TokenEvent(out.new_token_ids, out.finish_reason, stages)
-                    return
+                    break
                 yield TokenEvent(out.new_token_ids)
+        if write_back and reuse is not None:
+            reuse.publish_later(request_id, [*token_ids, *generated])
 
     async def abort(self, request_id: str) -> bool:
         if self.decode_handler is None:
