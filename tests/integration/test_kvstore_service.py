@@ -17,7 +17,7 @@ import pytest
 from pdserve.kv.hashing import block_hashes
 from pdserve.kv.store_client import KVStoreClient, block_checksums
 from pdserve.kv.transfer import UcxTransport
-from pdserve.rpc.server import parse_ready_line
+from pdserve.rpc.ready import parse_ready_line
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 pytestmark = pytest.mark.integration

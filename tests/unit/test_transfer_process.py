@@ -45,6 +45,16 @@ PEER = textwrap.dedent(
 )
 
 
+async def read_address(stream: asyncio.StreamReader) -> bytes:
+    """The peer's address line (UCX may print log lines on stdout first)."""
+    while line := await asyncio.wait_for(stream.readline(), 60):
+        try:
+            return bytes.fromhex(line.decode().strip())
+        except ValueError:
+            continue
+    raise RuntimeError("peer exited before printing its address")
+
+
 async def test_layers_echo_between_processes_then_peer_death() -> None:
     t = await UcxTransport.create()
     child = await asyncio.create_subprocess_exec(
@@ -52,8 +62,7 @@ async def test_layers_echo_between_processes_then_peer_death() -> None:
     )
     try:
         assert child.stdout is not None
-        line = await asyncio.wait_for(child.stdout.readline(), 60)
-        peer = bytes.fromhex(line.decode().strip())
+        peer = await read_address(child.stdout)
         rng = np.random.default_rng(1)
         layers = [rng.integers(0, 256, LAYER_BYTES, dtype=np.uint8) for _ in range(LAYERS)]
         echoed = [np.zeros(LAYER_BYTES, np.uint8) for _ in range(LAYERS)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -146,10 +147,13 @@ async def run_bench(sizes: list[int], iters: int, inflight: int, repeats: int) -
     child = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
     try:
         assert child.stdout is not None
-        line = await asyncio.wait_for(child.stdout.readline(), 120)
-        if not line.strip():
-            raise RuntimeError("receiver did not start")
-        peer = bytes.fromhex(line.decode().strip())
+        peer = b""
+        while not peer:  # UCX may print log lines on stdout before the address
+            line = await asyncio.wait_for(child.stdout.readline(), 120)
+            if not line:
+                raise RuntimeError("receiver exited before printing its address")
+            with contextlib.suppress(ValueError):
+                peer = bytes.fromhex(line.decode().strip())
         timings: dict[tuple[int, str], float] = {}
         for b, size, mode in batches(sizes, repeats):
             buf = np.random.default_rng(b).integers(0, 256, size=size, dtype=np.uint8)

@@ -109,7 +109,11 @@ class _Context:
             ucxx.init(progress_mode="thread", enable_python_future=True)
             cls.loop = loop
         cls.users += 1
-        return ucxx.core._get_ctx()  # the ApplicationContext (worker, address)
+        ctx = ucxx.core._get_ctx()  # the ApplicationContext (worker, address)
+        # The notifier thread fills the pool of Python futures asynchronously; a request made
+        # before that works but makes UCXX print a warning on stdout: fill it now.
+        ctx.worker.populate_python_futures_pool()
+        return ctx
 
     @classmethod
     def release(cls) -> None:
