@@ -193,13 +193,19 @@ class Cluster:
         proc.wait(10)
 
     def restart(self, name: str, timeout: float = 120.0) -> None:
-        """Start a (killed) worker again under the same name and wait until it registers."""
+        """Start a (killed) process again under the same name and wait until it is ready: a
+        worker until it registers; the kvstore on its old port (the router and the workers
+        keep the address they were given), empty."""
         old = self.processes[name]
         if old.alive:
             self.kill(name)
+        deadline = time.monotonic() + timeout
+        if name == "kvstore":
+            new = self._spawn(name, self._kvstore_argv(port=self.kvstore_port or 0))
+            self.kvstore_port = new.wait_ready(deadline)
+            return
         role = name.rstrip("0123456789")
         new = self._spawn(name, self._worker_argv(role), cpu=old.cpu)
-        deadline = time.monotonic() + timeout
         new.wait_ready(deadline)
         self.wait_registered(len(self.worker_names()), deadline)
 
@@ -268,9 +274,9 @@ class Cluster:
         self.processes[name] = proc
         return proc
 
-    def _kvstore_argv(self) -> list[str]:
+    def _kvstore_argv(self, port: int = 0) -> list[str]:
         return [
-            sys.executable, "-m", "pdserve_kvstore", "--port", "0",
+            sys.executable, "-m", "pdserve_kvstore", "--port", str(port),
             "--capacity-bytes", str(self.config.kvstore_capacity_bytes),
         ]  # fmt: skip
 
