@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 import pytest
 
@@ -156,8 +157,8 @@ async def test_eviction_under_small_capacity_and_rss(client: KVStoreClient, stor
     assert store.rss_bytes() - rss_before <= CAPACITY + STAGING + (16 << 20)
 
 
-async def test_store_killed_calls_return_zero_promptly() -> None:
-    s = start_store()
+async def test_uncommitted_put_expires_then_store_killed() -> None:
+    s = start_store("--put-timeout-s", "0.5")
     transport = await UcxTransport.create()
     c = KVStoreClient(s.addr, transport, rpc_timeout_s=1.0, transfer_timeout_s=2.0)
     try:
@@ -165,6 +166,25 @@ async def test_store_killed_calls_return_zero_promptly() -> None:
         assert await c.put(NS, h, 0, data) == 4
         out = np.zeros(4 * BPB, np.uint8)
         assert await c.fetch(NS, h, out) == 4
+        # a put whose bytes and commit never come is dropped and its slots freed
+        stub = kvstore_pb2_grpc.KVStoreStub(c._channel)
+        h2 = chain(6, 2)
+        req = kvstore_pb2.BeginPutRequest(namespace=NS, block_hashes=h2, bytes_per_block=BPB)
+        begin = await stub.BeginPut(req)
+        assert begin.num_accepted == 2
+        stats = await c.stats()
+        assert stats is not None and stats.used_bytes == 6 * BPB
+        for _ in range(100):  # the reaper runs every put_timeout_s / 4
+            await asyncio.sleep(0.1)
+            stats = await c.stats()
+            if stats is not None and stats.used_bytes == 4 * BPB:
+                break
+        assert stats is not None and stats.used_bytes == 4 * BPB
+        commit = kvstore_pb2.CommitPutRequest(put_id=begin.put_id)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.CommitPut(commit)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        # kill -9 the store
         s.proc.send_signal(signal.SIGKILL)
         s.proc.wait(10)
         # a hang guard, not a timing assertion: each call must give up on its own
