@@ -29,8 +29,14 @@ def router(model_dir):
 
 async def run_cli(*args: str, stdin: str = "") -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pdserve.cli.main", *args, stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "pdserve.cli.main",
+        *args,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), 60)
     return proc.returncode, out.decode(), err.decode()
 
@@ -40,8 +46,16 @@ async def test_chat_via_pipe_keeps_history(router):
     p = await FakeWorker("cli-p", 1, log).start(router.addr)
     d = await FakeWorker("cli-d", 2, log).start(router.addr)
     try:
-        rc, out, err = await run_cli("chat", "--addr", router.addr, "--max-tokens", "3",
-                                     "--system", "Be brief.", stdin="hello\nand again\n/exit\nnot sent\n")
+        rc, out, err = await run_cli(
+            "chat",
+            "--addr",
+            router.addr,
+            "--max-tokens",
+            "3",
+            "--system",
+            "Be brief.",
+            stdin="hello\nand again\n/exit\nnot sent\n",
+        )
     finally:
         await p.stop()
         await d.stop()
@@ -52,8 +66,9 @@ async def test_chat_via_pipe_keeps_history(router):
 
 
 async def test_chat_reports_errors(router):
-    rc, _out, err = await run_cli("chat", "--addr", router.addr, "--max-tokens", "4",
-                                  stdin="hello\n")
+    rc, _out, err = await run_cli(
+        "chat", "--addr", router.addr, "--max-tokens", "4", stdin="hello\n"
+    )
     assert rc == 1 and "Unavailable" in err  # no workers registered
 
 

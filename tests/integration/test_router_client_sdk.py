@@ -51,19 +51,35 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
             if i == 1 and self.fail_after_first_token is not None:
                 await context.abort(self.fail_after_first_token, "died mid-stream")
             resp = router_pb2.GenerateResponse(
-                request_id=request.request_id, token_ids=[ids[0] + i], text=f"t{i} ",
-                finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0)
+                request_id=request.request_id,
+                token_ids=[ids[0] + i],
+                text=f"t{i} ",
+                finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
+            )
             if last:
-                resp.usage.CopyFrom(router_pb2.Usage(
-                    prompt_tokens=len(ids), completion_tokens=n, cached_tokens=1,
-                    stages=common_pb2.StageCosts(prefill_ms=3.0), prefill_instance="p0"))
+                resp.usage.CopyFrom(
+                    router_pb2.Usage(
+                        prompt_tokens=len(ids),
+                        completion_tokens=n,
+                        cached_tokens=1,
+                        stages=common_pb2.StageCosts(prefill_ms=3.0),
+                        prefill_instance="p0",
+                    )
+                )
             yield resp
 
     async def Status(self, request, context):
         return router_pb2.StatusResponse(
-            instances=[router_pb2.InstanceStatus(instance_id="p0", address="127.0.0.1:9",
-                                                 role=1, state="serving")],
-            requests_total=4, prompt_tokens_total=100, cached_tokens_total=25, model="m")
+            instances=[
+                router_pb2.InstanceStatus(
+                    instance_id="p0", address="127.0.0.1:9", role=1, state="serving"
+                )
+            ],
+            requests_total=4,
+            prompt_tokens_total=100,
+            cached_tokens_total=25,
+            model="m",
+        )
 
 
 @pytest.fixture
@@ -81,8 +97,16 @@ async def fake():
 async def test_stream_events_and_result(fake):
     async with AsyncClient(fake.addr) as c:
         events = [e async for e in c.generate_stream(token_ids=[7, 8], max_tokens=3)]
-        res = await c.generate(token_ids=[7, 8], max_tokens=3, temperature=0.5, top_p=0.9,
-                               top_k=4, seed=11, ignore_eos=True, session_id="s-1")
+        res = await c.generate(
+            token_ids=[7, 8],
+            max_tokens=3,
+            temperature=0.5,
+            top_p=0.9,
+            top_k=4,
+            seed=11,
+            ignore_eos=True,
+            session_id="s-1",
+        )
     assert [e.token_ids for e in events] == [[7], [8], [9]]
     assert [e.finish_reason for e in events] == [None, None, "length"]
     assert events[-1].usage.stages["prefill_ms"] == 3.0 and events[0].usage is None
@@ -96,15 +120,18 @@ async def test_stream_events_and_result(fake):
     assert abs(sent.sampling.temperature - 0.5) < 1e-6 and abs(sent.sampling.top_p - 0.9) < 1e-6
 
 
-@pytest.mark.parametrize("code, cls", [
-    (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhausted),
-    (grpc.StatusCode.UNAVAILABLE, Unavailable),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceeded),
-    (grpc.StatusCode.CANCELLED, Cancelled),
-    (grpc.StatusCode.INTERNAL, Internal),
-    (grpc.StatusCode.NOT_FOUND, PdserveClientError),
-])
+@pytest.mark.parametrize(
+    "code, cls",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhausted),
+        (grpc.StatusCode.UNAVAILABLE, Unavailable),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceeded),
+        (grpc.StatusCode.CANCELLED, Cancelled),
+        (grpc.StatusCode.INTERNAL, Internal),
+        (grpc.StatusCode.NOT_FOUND, PdserveClientError),
+    ],
+)
 async def test_typed_errors_carry_server_message(fake, code, cls):
     fake.fail_first = [code]
     async with AsyncClient(fake.addr, max_retries=0) as c:
@@ -161,9 +188,12 @@ async def test_async_chat_session_keeps_history(fake):
         await chat.send("again", max_tokens=1)
     assert r1.text == "t0 t1 "
     assert chat.messages == [
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
-        {"role": "assistant", "content": "t0 t1 "}, {"role": "user", "content": "again"},
-        {"role": "assistant", "content": "t0 "}]
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "t0 t1 "},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "t0 "},
+    ]
     sent = fake.requests[-1]
     assert [m.role for m in sent.chat.messages] == ["system", "user", "assistant", "user"]
     assert sent.session_id == chat.session_id == fake.requests[0].session_id

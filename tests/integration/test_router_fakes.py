@@ -41,19 +41,35 @@ def make_model_dir(path: Path, max_len: int = 256) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([TEXT], trainer=trainer)
     tok.save(str(path / "tokenizer.json"))
     eos = tok.token_to_id("<|eos|>")
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": CHAT_TEMPLATE}))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": tok.get_vocab_size(), "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": max_len, "hidden_act": "silu", "eos_token_id": eos,
-        "bos_token_id": tok.token_to_id("<|bos|>")}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": CHAT_TEMPLATE})
+    )
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": tok.get_vocab_size(),
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": max_len,
+                "hidden_act": "silu",
+                "eos_token_id": eos,
+                "bos_token_id": tok.token_to_id("<|bos|>"),
+            }
+        )
+    )
     return path
 
 
@@ -61,14 +77,28 @@ class RouterProcess:
     """`python -m pdserve_router` on a free port; ready when it prints PDSERVE_READY."""
 
     def __init__(self, model_dir: Path | None, *extra: str, timeout: float = 60.0) -> None:
-        argv = [sys.executable, "-m", "pdserve_router", "--port", "0",
-                "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1.0",
-                "--log-format", "console", "--log-level", "warning", *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "pdserve_router",
+            "--port",
+            "0",
+            "--heartbeat-interval-s",
+            "0.2",
+            "--heartbeat-timeout-s",
+            "2.0",
+            "--log-format",
+            "console",
+            "--log-level",
+            "warning",
+            *extra,
+        ]
         if model_dir is not None:
             argv += ["--model", str(model_dir)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
         deadline = time.monotonic() + timeout
         self.port = 0
         while time.monotonic() < deadline:
@@ -126,8 +156,14 @@ def fake_first_token(token_ids) -> int:
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, instance_id: str, role: int, log: Log, behaviour: Behaviour | None = None,
-                 fingerprint: str = FINGERPRINT) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        role: int,
+        log: Log,
+        behaviour: Behaviour | None = None,
+        fingerprint: str = FINGERPRINT,
+    ) -> None:
         self.instance_id, self.role, self.log = instance_id, role, log
         self.b = behaviour or Behaviour()
         self.fingerprint = fingerprint
@@ -155,17 +191,30 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return self
 
     async def register(self) -> router_pb2.RegisterResponse:
-        return await self.registry.Register(router_pb2.RegisterRequest(
-            instance_id=self.instance_id, address=self.address, role=self.role,
-            model_fingerprint=self.fingerprint, block_size=4,
-            load=common_pb2.WorkerLoad(free_blocks=100, total_blocks=100)), timeout=5)
+        return await self.registry.Register(
+            router_pb2.RegisterRequest(
+                instance_id=self.instance_id,
+                address=self.address,
+                role=self.role,
+                model_fingerprint=self.fingerprint,
+                block_size=4,
+                load=common_pb2.WorkerLoad(free_blocks=100, total_blocks=100),
+            ),
+            timeout=5,
+        )
 
     async def _heartbeat(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            resp = await self.registry.Heartbeat(router_pb2.HeartbeatRequest(
-                instance_id=self.instance_id, role=self.role, state="serving",
-                load=common_pb2.WorkerLoad(free_blocks=100, total_blocks=100)), timeout=5)
+            resp = await self.registry.Heartbeat(
+                router_pb2.HeartbeatRequest(
+                    instance_id=self.instance_id,
+                    role=self.role,
+                    state="serving",
+                    load=common_pb2.WorkerLoad(free_blocks=100, total_blocks=100),
+                ),
+                timeout=5,
+            )
             if not resp.known:
                 await self.register()
 
@@ -181,7 +230,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             if deregister:
                 try:
                     await self.registry.Deregister(
-                        router_pb2.DeregisterRequest(instance_id=self.instance_id), timeout=5)
+                        router_pb2.DeregisterRequest(instance_id=self.instance_id), timeout=5
+                    )
                 except grpc.RpcError:
                     pass
             await self._channel.close()
@@ -200,19 +250,29 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.log.calls.append((self.instance_id, "Reserve", self._rid(request, context)))
         self.aborted.discard(request.request_id)  # a retry re-reserves under the same id
         self.tickets += 1
-        return worker_pb2.ReserveResponse(ticket=worker_pb2.Ticket(
-            ticket_id=self.tickets, decode_instance_id=self.instance_id, tag_base=1000,
-            num_blocks=(request.num_prompt_tokens + 3) // 4))
+        return worker_pb2.ReserveResponse(
+            ticket=worker_pb2.Ticket(
+                ticket_id=self.tickets,
+                decode_instance_id=self.instance_id,
+                tag_base=1000,
+                num_blocks=(request.num_prompt_tokens + 3) // 4,
+            )
+        )
 
     async def Prefill(self, request, context):
         self.log.calls.append((self.instance_id, "Prefill", self._rid(request, context)))
         self.prompts.append(list(request.token_ids))
         if self.b.prefill_error is not None:
             await context.abort(self.b.prefill_error, f"{self.instance_id} is broken")
-        first = self.b.first_token if self.b.first_token is not None else fake_first_token(
-            request.token_ids)
-        return worker_pb2.PrefillResponse(first_token_id=first, stages=common_pb2.StageCosts(
-            prefill_ms=1.5, cached_tokens=2, transfer_bytes=100))
+        first = (
+            self.b.first_token
+            if self.b.first_token is not None
+            else fake_first_token(request.token_ids)
+        )
+        return worker_pb2.PrefillResponse(
+            first_token_id=first,
+            stages=common_pb2.StageCosts(prefill_ms=1.5, cached_tokens=2, transfer_bytes=100),
+        )
 
     async def _stream(self, request_id, first, max_tokens, context):
         if self.b.decode_gate is not None:
@@ -228,15 +288,18 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             if self.b.chunk_delay_s:
                 await asyncio.sleep(self.b.chunk_delay_s)
             yield worker_pb2.TokenChunk(
-                token_ids=[tok], finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
-                stages=common_pb2.StageCosts(decode_ms=2.5) if last else None)
+                token_ids=[tok],
+                finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
+                stages=common_pb2.StageCosts(decode_ms=2.5) if last else None,
+            )
 
     async def Decode(self, request, context):
         self.log.calls.append((self.instance_id, "Decode", self._rid(request, context)))
         if self.b.decode_error is not None:
             await context.abort(self.b.decode_error, f"{self.instance_id} decode is broken")
-        async for chunk in self._stream(request.request_id, request.first_token_id,
-                                        request.sampling.max_tokens, context):
+        async for chunk in self._stream(
+            request.request_id, request.first_token_id, request.sampling.max_tokens, context
+        ):
             yield chunk
 
     async def Generate(self, request, context):
@@ -244,8 +307,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.prompts.append(list(request.token_ids))
         first = fake_first_token(request.token_ids)
         yield worker_pb2.TokenChunk(token_ids=[first])
-        async for chunk in self._stream(request.request_id, first, request.sampling.max_tokens,
-                                        context):
+        async for chunk in self._stream(
+            request.request_id, first, request.sampling.max_tokens, context
+        ):
             yield chunk
 
     async def Abort(self, request, context):

@@ -30,10 +30,18 @@ def test_build_request_prompt_kinds():
 
 
 def test_collect_timings_and_fields():
-    evs = [GenerationEvent("r", [1, 2], "ab", arrival_s=10.1),
-           GenerationEvent("r", [3], "c", arrival_s=10.3),
-           GenerationEvent("r", [4], "", arrival_s=10.4, finish_reason="stop",
-                           usage=Usage(prompt_tokens=5, cached_tokens=4))]
+    evs = [
+        GenerationEvent("r", [1, 2], "ab", arrival_s=10.1),
+        GenerationEvent("r", [3], "c", arrival_s=10.3),
+        GenerationEvent(
+            "r",
+            [4],
+            "",
+            arrival_s=10.4,
+            finish_reason="stop",
+            usage=Usage(prompt_tokens=5, cached_tokens=4),
+        ),
+    ]
     res = collect(evs, start_s=10.0)
     assert (res.token_ids, res.text, res.finish_reason) == ([1, 2, 3, 4], "abc", "stop")
     assert res.token_times == [10.1, 10.1, 10.3, 10.4]
@@ -72,11 +80,23 @@ def test_status_table_and_hit_rate():
     from pdserve.cli.status import format_table
 
     st = ClusterStatus(
-        instances=[InstanceInfo("p-1", "127.0.0.1:5", "prefill", "serving", 0.4,
-                                {"num_running": 2, "num_waiting": 1, "free_blocks": 90,
-                                 "total_blocks": 100})],
-        requests_total=10, requests_running=1, prompt_tokens_total=200,
-        cached_tokens_total=50, model="tiny", kvstore_address="")
+        instances=[
+            InstanceInfo(
+                "p-1",
+                "127.0.0.1:5",
+                "prefill",
+                "serving",
+                0.4,
+                {"num_running": 2, "num_waiting": 1, "free_blocks": 90, "total_blocks": 100},
+            )
+        ],
+        requests_total=10,
+        requests_running=1,
+        prompt_tokens_total=200,
+        cached_tokens_total=50,
+        model="tiny",
+        kvstore_address="",
+    )
     table = format_table(st)
     assert "p-1" in table and "prefill" in table and "90/100" in table
     assert "hit rate 25.0%" in table

@@ -16,14 +16,23 @@ from pdserve.kv.hashing import block_hashes
 
 
 def inst(iid, inflight_tokens=0, inflight_requests=0, block_size=4, **load):
-    return Instance(instance_id=iid, address=f"{iid}:1", role=1, model_fingerprint="fp",
-                    block_size=block_size, load=LoadReport(**load), last_heartbeat=0.0,
-                    inflight_tokens=inflight_tokens, inflight_requests=inflight_requests)
+    return Instance(
+        instance_id=iid,
+        address=f"{iid}:1",
+        role=1,
+        model_fingerprint="fp",
+        block_size=block_size,
+        load=LoadReport(**load),
+        last_heartbeat=0.0,
+        inflight_tokens=inflight_tokens,
+        inflight_requests=inflight_requests,
+    )
 
 
 def req(tokens=(1, 2, 3), session=""):
-    return RouteRequest("r", list(tokens), session_id=session,
-                        hasher=lambda ids, bs: block_hashes(ids, bs, "ns"))
+    return RouteRequest(
+        "r", list(tokens), session_id=session, hasher=lambda ids, bs: block_hashes(ids, bs, "ns")
+    )
 
 
 def test_round_robin_cycles_per_phase():
@@ -35,8 +44,11 @@ def test_round_robin_cycles_per_phase():
 
 def test_least_loaded_prefill_uses_router_tokens_then_reported_queue():
     p = LeastLoaded()
-    cands = [inst("a", inflight_tokens=500), inst("b", inflight_tokens=100),
-             inst("c", inflight_tokens=100, tokens_in_flight=50)]
+    cands = [
+        inst("a", inflight_tokens=500),
+        inst("b", inflight_tokens=100),
+        inst("c", inflight_tokens=100, tokens_in_flight=50),
+    ]
     assert p.pick_prefill(req(), cands).instance_id == "b"
     cands = [inst("a", inflight_tokens=0, tokens_in_flight=900), inst("b", tokens_in_flight=10)]
     assert p.pick_prefill(req(), cands).instance_id == "b"
@@ -44,8 +56,11 @@ def test_least_loaded_prefill_uses_router_tokens_then_reported_queue():
 
 def test_least_loaded_decode_prefers_fewer_running_then_free_blocks():
     p = LeastLoaded()
-    cands = [inst("a", inflight_requests=3), inst("b", inflight_requests=1, free_blocks=10),
-             inst("c", inflight_requests=1, free_blocks=90)]
+    cands = [
+        inst("a", inflight_requests=3),
+        inst("b", inflight_requests=1, free_blocks=10),
+        inst("c", inflight_requests=1, free_blocks=90),
+    ]
     assert p.pick_decode(req(), cands).instance_id == "c"
     cands = [inst("a", num_running=4), inst("b", num_running=1, num_reserved=1)]
     assert p.pick_decode(req(), cands).instance_id == "b"

@@ -12,8 +12,9 @@ from .settings import RouterSettings
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = load_settings(RouterSettings, sys.argv[1:] if argv is None else argv,
-                             prog="pdserve-router")
+    settings = load_settings(
+        RouterSettings, sys.argv[1:] if argv is None else argv, prog="pdserve-router"
+    )
     return serve(RouterApp(settings), settings)  # logging, uvloop, lifecycle, exit status
 
 

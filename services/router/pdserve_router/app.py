@@ -32,8 +32,10 @@ class RouterApp(ServiceApp):
 
     def __init__(self, settings: RouterSettings, metrics: Metrics | None = None) -> None:
         self.settings = settings
-        self.registry = Registry(heartbeat_timeout_s=settings.heartbeat_timeout_s,
-                                 suspect_s=settings.heartbeat_interval_s)
+        self.registry = Registry(
+            heartbeat_timeout_s=settings.heartbeat_timeout_s,
+            suspect_s=settings.heartbeat_interval_s,
+        )
         self.policy = make_policy(settings.policy, settings.session_affinity)
         self.registry.on_forget(self.policy.forget)
         self.workers = WorkerClients()
@@ -53,22 +55,38 @@ class RouterApp(ServiceApp):
         self.model = await asyncio.to_thread(ModelInfo.from_dir, s.model)
         kv = s.kvstore_addr or ""
         self.orchestrator = Orchestrator(
-            self.registry, self.policy,
-            EwmaPredictor(alpha=s.predictor_alpha, initial=s.predictor_initial), self.workers,
-            Deadlines(reserve_s=s.reserve_deadline_s, prefill_s=s.prefill_deadline_s,
-                      first_token_s=s.first_token_deadline_s,
-                      decode_idle_s=s.decode_idle_deadline_s, abort_s=s.abort_deadline_s),
-            eos_token_ids=self.model.eos_token_ids, max_prefill_attempts=s.max_prefill_attempts,
-            lease_s=s.lease_s, use_kvstore=bool(kv) and s.use_kvstore,
-            write_back=bool(kv) and s.use_kvstore, hasher=self._hasher)
-        self.router_servicer = RouterServicer(self.orchestrator, self.registry, self.model,
-                                              self.metrics, self.totals, kv)
+            self.registry,
+            self.policy,
+            EwmaPredictor(alpha=s.predictor_alpha, initial=s.predictor_initial),
+            self.workers,
+            Deadlines(
+                reserve_s=s.reserve_deadline_s,
+                prefill_s=s.prefill_deadline_s,
+                first_token_s=s.first_token_deadline_s,
+                decode_idle_s=s.decode_idle_deadline_s,
+                abort_s=s.abort_deadline_s,
+            ),
+            eos_token_ids=self.model.eos_token_ids,
+            max_prefill_attempts=s.max_prefill_attempts,
+            lease_s=s.lease_s,
+            use_kvstore=bool(kv) and s.use_kvstore,
+            write_back=bool(kv) and s.use_kvstore,
+            hasher=self._hasher,
+        )
+        self.router_servicer = RouterServicer(
+            self.orchestrator, self.registry, self.model, self.metrics, self.totals, kv
+        )
         router_pb2_grpc.add_RouterServicer_to_server(self.router_servicer, server)
         router_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(self.registry, s.heartbeat_interval_s, kv), server)
+            RegistryServicer(self.registry, s.heartbeat_interval_s, kv), server
+        )
         self._tasks.append(asyncio.create_task(self._housekeeping()))
-        log.info("router ready", model=self.model.name or None, policy=self.policy.name,
-                 kvstore=kv or None)
+        log.info(
+            "router ready",
+            model=self.model.name or None,
+            policy=self.policy.name,
+            kvstore=kv or None,
+        )
 
     async def drain(self) -> None:
         """Refuse new requests, wait for the running ones."""
@@ -99,6 +117,7 @@ class RouterApp(ServiceApp):
             for inst in self.registry.instances():
                 counts[inst.role_name] += 1
                 self.metrics.inflight.labels(inst.instance_id, inst.role_name).set(
-                    inst.inflight_requests)
+                    inst.inflight_requests
+                )
             for role, n in counts.items():
                 self.metrics.instances.labels(role).set(n)

@@ -26,18 +26,28 @@ class RouterMetrics:
         m = metrics
         self.requests = m.counter("router_requests", "finished requests", ["finish_reason"])
         self.errors = m.counter("router_request_errors", "requests failed with a status", ["code"])
-        self.ttft = m.histogram("router_ttft_seconds", "arrival to first token sent",
-                                buckets=_LATENCY_BUCKETS)
-        self.tpot = m.histogram("router_tpot_seconds",
-                                "mean time per output token after the first", buckets=_TPOT_BUCKETS)
-        self.e2e = m.histogram("router_e2e_seconds", "arrival to last token",
-                               buckets=_LATENCY_BUCKETS)
+        self.ttft = m.histogram(
+            "router_ttft_seconds", "arrival to first token sent", buckets=_LATENCY_BUCKETS
+        )
+        self.tpot = m.histogram(
+            "router_tpot_seconds",
+            "mean time per output token after the first",
+            buckets=_TPOT_BUCKETS,
+        )
+        self.e2e = m.histogram(
+            "router_e2e_seconds", "arrival to last token", buckets=_LATENCY_BUCKETS
+        )
         self.prompt_tokens = m.counter("router_prompt_tokens", "prompt tokens")
-        self.cached_tokens = m.counter("router_cached_tokens", "prompt tokens served from a KV cache")
+        self.cached_tokens = m.counter(
+            "router_cached_tokens", "prompt tokens served from a KV cache"
+        )
         self.completion_tokens = m.counter("router_completion_tokens", "generated tokens")
-        self.prefill_retries = m.counter("router_prefill_retries",
-                                         "prefill attempts beyond the first")
-        self.inflight = m.gauge("router_instance_inflight",
-                                "requests the router has in flight per instance",
-                                ["instance", "role"])
+        self.prefill_retries = m.counter(
+            "router_prefill_retries", "prefill attempts beyond the first"
+        )
+        self.inflight = m.gauge(
+            "router_instance_inflight",
+            "requests the router has in flight per instance",
+            ["instance", "role"],
+        )
         self.instances = m.gauge("router_instances", "registered instances", ["role"])

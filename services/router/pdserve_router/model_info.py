@@ -44,14 +44,19 @@ class ModelInfo:
         config = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
         eos = list(dict.fromkeys([*config.eos_token_ids, *tokenizer.eos_token_ids]))
-        return cls(name=str(model_dir), vocab_size=config.vocab_size,
-                   max_model_len=config.max_position_embeddings, eos_token_ids=eos,
-                   tokenizer=tokenizer)
+        return cls(
+            name=str(model_dir),
+            vocab_size=config.vocab_size,
+            max_model_len=config.max_position_embeddings,
+            eos_token_ids=eos,
+            tokenizer=tokenizer,
+        )
 
     def _need_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
             raise FailedPreconditionError(
-                f"{what} needs a tokenizer: start the router with --model DIR (token_ids work)")
+                f"{what} needs a tokenizer: start the router with --model DIR (token_ids work)"
+            )
         return self.tokenizer
 
     def encode(self, text: str) -> list[int]:
@@ -63,7 +68,8 @@ class ModelInfo:
         tok = self._need_tokenizer("a chat prompt")
         try:
             rendered = tok.apply_chat_template(
-                [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True)
+                [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True
+            )
         except ChatTemplateError as exc:  # the template refused these messages
             raise InvalidRequestError("chat", str(exc)) from None
         # The template already carries the special tokens (bos, role markers).

@@ -66,12 +66,20 @@ def add_stages(total: common_pb2.StageCosts, part: common_pb2.StageCosts) -> Non
 
 
 class Orchestrator:
-    def __init__(self, registry: Registry, policy: PlacementPolicy,
-                 predictor: OutputLengthPredictor, workers: WorkerClients,
-                 deadlines: Deadlines, eos_token_ids: Sequence[int] = (),
-                 max_prefill_attempts: int = 3, lease_s: float = 0.0,
-                 use_kvstore: bool = False, write_back: bool = False,
-                 hasher=None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        policy: PlacementPolicy,
+        predictor: OutputLengthPredictor,
+        workers: WorkerClients,
+        deadlines: Deadlines,
+        eos_token_ids: Sequence[int] = (),
+        max_prefill_attempts: int = 3,
+        lease_s: float = 0.0,
+        use_kvstore: bool = False,
+        write_back: bool = False,
+        hasher=None,
+    ) -> None:
         self.registry, self.policy, self.predictor = registry, policy, predictor
         self.workers, self.deadlines = workers, deadlines
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -84,8 +92,9 @@ class Orchestrator:
     async def run(self, job: Job) -> AsyncIterator[Chunk]:
         prefills = self.registry.candidates(ROLE_PREFILL)
         decodes = self.registry.candidates(ROLE_DECODE)
-        route = RouteRequest(job.request_id, job.token_ids, session_id=job.session_id,
-                             hasher=self.hasher)
+        route = RouteRequest(
+            job.request_id, job.token_ids, session_id=job.session_id, hasher=self.hasher
+        )
         route.predicted_tokens = self.predictor.predict(len(job.token_ids), job.params.max_tokens)
         if prefills and decodes:
             gen = self._disagg(job, route)
@@ -124,13 +133,23 @@ class Orchestrator:
                 try:
                     resp = await self.workers.stub(prefill.address).Prefill(
                         worker_pb2.PrefillRequest(
-                            request_id=job.request_id, token_ids=job.token_ids,
-                            sampling=job.sampling, ticket=ticket, use_kvstore=self.use_kvstore),
-                        timeout=self.deadlines.prefill_s, metadata=request_metadata(job.request_id))
+                            request_id=job.request_id,
+                            token_ids=job.token_ids,
+                            sampling=job.sampling,
+                            ticket=ticket,
+                            use_kvstore=self.use_kvstore,
+                        ),
+                        timeout=self.deadlines.prefill_s,
+                        metadata=request_metadata(job.request_id),
+                    )
                 except grpc.RpcError as err:
                     failure = remote_error(err, f"prefill instance {prefill.instance_id}")
-                    log.warning("prefill failed", instance=prefill.instance_id, code=str(failure.code),
-                                attempt=job.prefill_attempts)
+                    log.warning(
+                        "prefill failed",
+                        instance=prefill.instance_id,
+                        code=str(failure.code),
+                        attempt=job.prefill_attempts,
+                    )
                     if failure.code == grpc.StatusCode.UNAVAILABLE:
                         self.registry.mark_suspect(prefill.instance_id)
                     self._abort_later(prefill, job.request_id)
@@ -151,10 +170,15 @@ class Orchestrator:
                 return
             call = self.workers.stub(decode.address).Decode(
                 worker_pb2.DecodeRequest(
-                    request_id=job.request_id, ticket_id=ticket.ticket_id,
-                    prompt_token_ids=job.token_ids, first_token_id=first,
-                    sampling=job.sampling, write_back=self.write_back),
-                metadata=request_metadata(job.request_id))
+                    request_id=job.request_id,
+                    ticket_id=ticket.ticket_id,
+                    prompt_token_ids=job.token_ids,
+                    first_token_id=first,
+                    sampling=job.sampling,
+                    write_back=self.write_back,
+                ),
+                metadata=request_metadata(job.request_id),
+            )
             try:
                 async for chunk in self._relay(call, decode, job, "decode"):
                     if chunk.finish_reason:
@@ -190,9 +214,14 @@ class Orchestrator:
             try:
                 resp = await self.workers.stub(decode.address).Reserve(
                     worker_pb2.ReserveRequest(
-                        request_id=job.request_id, num_prompt_tokens=len(job.token_ids),
-                        num_predicted_tokens=route.predicted_tokens, lease_s=self.lease_s),
-                    timeout=self.deadlines.reserve_s, metadata=request_metadata(job.request_id))
+                        request_id=job.request_id,
+                        num_prompt_tokens=len(job.token_ids),
+                        num_predicted_tokens=route.predicted_tokens,
+                        lease_s=self.lease_s,
+                    ),
+                    timeout=self.deadlines.reserve_s,
+                    metadata=request_metadata(job.request_id),
+                )
             except grpc.RpcError as err:
                 failure = remote_error(err, f"decode instance {decode.instance_id}")
                 if failure.code == grpc.StatusCode.UNAVAILABLE:
@@ -200,8 +229,11 @@ class Orchestrator:
                 if failure.code not in RETRYABLE:
                     raise failure from None
                 self._abort_later(decode, job.request_id)
-                last = (OverloadedError(str(failure)) if failure.code ==
-                        grpc.StatusCode.RESOURCE_EXHAUSTED else failure)
+                last = (
+                    OverloadedError(str(failure))
+                    if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    else failure
+                )
                 continue
             job.decode_instance = decode.instance_id
             self.registry.charge(decode.instance_id, requests=1)
@@ -218,9 +250,14 @@ class Orchestrator:
             self.registry.charge(inst.instance_id, requests=1, tokens=len(job.token_ids))
             call = self.workers.stub(inst.address).Generate(
                 worker_pb2.WorkerGenerateRequest(
-                    request_id=job.request_id, token_ids=job.token_ids, sampling=job.sampling,
-                    use_kvstore=self.use_kvstore, write_back=self.write_back),
-                metadata=request_metadata(job.request_id))
+                    request_id=job.request_id,
+                    token_ids=job.token_ids,
+                    sampling=job.sampling,
+                    use_kvstore=self.use_kvstore,
+                    write_back=self.write_back,
+                ),
+                metadata=request_metadata(job.request_id),
+            )
             started = False
             try:
                 async for chunk in self._relay(call, inst, job, "colocated"):
@@ -250,7 +287,8 @@ class Orchestrator:
                     msg = await asyncio.wait_for(call.read(), wait)
                 except asyncio.TimeoutError:
                     raise DeadlineError(
-                        f"{what} instance {inst.instance_id} sent nothing for {wait:g} s") from None
+                        f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
+                    ) from None
                 except grpc.RpcError as err:
                     if first:
                         raise
@@ -260,7 +298,8 @@ class Orchestrator:
                     raise failure from None
                 if msg is grpc.aio.EOF:
                     raise UnavailableError(
-                        f"{what} instance {inst.instance_id} ended the stream without finishing")
+                        f"{what} instance {inst.instance_id} ended the stream without finishing"
+                    )
                 first = False
                 if msg.finish_reason:
                     add_stages(job.stages, msg.stages)
@@ -273,8 +312,9 @@ class Orchestrator:
                 call.cancel()
                 self._abort_later(inst, job.request_id)
 
-    def _pick(self, role: int, route: RouteRequest, exclude: set[str],
-              decode: Instance | None = None) -> Instance:
+    def _pick(
+        self, role: int, route: RouteRequest, exclude: set[str], decode: Instance | None = None
+    ) -> Instance:
         cands = [c for c in self.registry.candidates(role) if c.instance_id not in exclude]
         if not cands:
             kind = {ROLE_PREFILL: "prefill", ROLE_DECODE: "decode"}.get(role, "colocated")
@@ -293,7 +333,8 @@ class Orchestrator:
         left = [c for c in self.registry.candidates(role) if c.instance_id not in tried]
         if not left or job.prefill_attempts >= self.max_prefill_attempts:
             raise UnavailableError(
-                f"prefill failed on {job.prefill_attempts} instance(s); last: {failure}") from None
+                f"prefill failed on {job.prefill_attempts} instance(s); last: {failure}"
+            ) from None
 
     def _finish_after_first(self, params: SamplingParams, token: int) -> int:
         if not params.ignore_eos and token in self.eos_token_ids:
@@ -308,7 +349,9 @@ class Orchestrator:
         try:
             await self.workers.stub(inst.address).Abort(
                 worker_pb2.AbortRequest(request_id=request_id),
-                timeout=self.deadlines.abort_s, metadata=request_metadata(request_id))
+                timeout=self.deadlines.abort_s,
+                metadata=request_metadata(request_id),
+            )
         except grpc.RpcError as err:
             log.info("abort failed", instance=inst.instance_id, code=str(err.code()))
 

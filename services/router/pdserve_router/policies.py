@@ -50,8 +50,9 @@ class PlacementPolicy(ABC):
     @abstractmethod
     def pick_decode(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance: ...
 
-    def on_routed(self, request: RouteRequest, prefill: Instance | None,
-                  decode: Instance | None) -> None:
+    def on_routed(
+        self, request: RouteRequest, prefill: Instance | None, decode: Instance | None
+    ) -> None:
         """The request was placed (prefill may be a colocated instance)."""
         return None
 
@@ -87,8 +88,11 @@ def prefill_load(inst: Instance) -> tuple[float, ...]:
 
 def decode_load(inst: Instance) -> tuple[float, ...]:
     """Lower is better: running requests (router view, then reported), then free blocks."""
-    return (inst.inflight_requests, inst.load.num_running + inst.load.num_reserved,
-            -inst.load.free_blocks)
+    return (
+        inst.inflight_requests,
+        inst.load.num_running + inst.load.num_reserved,
+        -inst.load.free_blocks,
+    )
 
 
 class LeastLoaded(PlacementPolicy):
@@ -129,15 +133,18 @@ class PrefixAware(LeastLoaded):
         least = super().pick_prefill(request, candidates)
         best, best_tokens = least, 0
         for inst in candidates:
-            tokens = self.matched_blocks(inst, request.hashes_for(inst.block_size)) * inst.block_size
+            tokens = (
+                self.matched_blocks(inst, request.hashes_for(inst.block_size)) * inst.block_size
+            )
             if tokens > best_tokens:
                 best, best_tokens = inst, tokens
         if best is not least and best.inflight_tokens - least.inflight_tokens > self.balance_tokens:
             return least
         return best
 
-    def on_routed(self, request: RouteRequest, prefill: Instance | None,
-                  decode: Instance | None) -> None:
+    def on_routed(
+        self, request: RouteRequest, prefill: Instance | None, decode: Instance | None
+    ) -> None:
         if prefill is None:
             return
         lru = self._lru.setdefault(prefill.instance_id, OrderedDict())
@@ -155,8 +162,13 @@ class SessionAffinity(PlacementPolicy):
     """Same session_id -> same prefill (or colocated) instance while it lives;
     everything else is decided by the wrapped policy. Bounded LRU with a TTL."""
 
-    def __init__(self, inner: PlacementPolicy, max_sessions: int = 65536, ttl_s: float = 3600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        inner: PlacementPolicy,
+        max_sessions: int = 65536,
+        ttl_s: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.inner = inner
         self.name = f"{inner.name}+session"
         self.max_sessions = max_sessions
@@ -176,8 +188,9 @@ class SessionAffinity(PlacementPolicy):
     def pick_decode(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
         return self.inner.pick_decode(request, candidates)
 
-    def on_routed(self, request: RouteRequest, prefill: Instance | None,
-                  decode: Instance | None) -> None:
+    def on_routed(
+        self, request: RouteRequest, prefill: Instance | None, decode: Instance | None
+    ) -> None:
         self.inner.on_routed(request, prefill, decode)
         if request.session_id and prefill is not None:
             self._sessions[request.session_id] = (prefill.instance_id, self._clock())

@@ -19,8 +19,12 @@ from pdserve.errors import FailedPreconditionError, InvalidRequestError
 ROLE_PREFILL = 1
 ROLE_DECODE = 2
 ROLE_COLOCATED = 3
-ROLE_NAMES = {0: "unspecified", ROLE_PREFILL: "prefill", ROLE_DECODE: "decode",
-              ROLE_COLOCATED: "colocated"}
+ROLE_NAMES = {
+    0: "unspecified",
+    ROLE_PREFILL: "prefill",
+    ROLE_DECODE: "decode",
+    ROLE_COLOCATED: "colocated",
+}
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,12 @@ class Instance:
 
 
 class Registry:
-    def __init__(self, heartbeat_timeout_s: float = 3.0, suspect_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        heartbeat_timeout_s: float = 3.0,
+        suspect_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.suspect_s = suspect_s  # a suspect instance stays skipped at least this long
         self._clock = clock
@@ -69,8 +77,15 @@ class Registry:
         self._listeners: list[Callable[[str], None]] = []
 
     # -- worker-facing -----------------------------------------------------
-    def register(self, instance_id: str, address: str, role: int, model_fingerprint: str,
-                 block_size: int, load: LoadReport | None = None) -> Instance:
+    def register(
+        self,
+        instance_id: str,
+        address: str,
+        role: int,
+        model_fingerprint: str,
+        block_size: int,
+        load: LoadReport | None = None,
+    ) -> Instance:
         if not instance_id:
             raise InvalidRequestError("instance_id", "must not be empty")
         if not address:
@@ -81,15 +96,25 @@ class Registry:
         if others and self.fingerprint and model_fingerprint != self.fingerprint:
             raise FailedPreconditionError(
                 f"model fingerprint {model_fingerprint!r} differs from the cluster's "
-                f"{self.fingerprint!r}: every instance must serve the same model")
+                f"{self.fingerprint!r}: every instance must serve the same model"
+            )
         if not others:
             self.fingerprint = model_fingerprint
-        inst = Instance(instance_id=instance_id, address=address, role=role,
-                        model_fingerprint=model_fingerprint, block_size=block_size,
-                        load=load or LoadReport(), last_heartbeat=self._clock())
+        inst = Instance(
+            instance_id=instance_id,
+            address=address,
+            role=role,
+            model_fingerprint=model_fingerprint,
+            block_size=block_size,
+            load=load or LoadReport(),
+            last_heartbeat=self._clock(),
+        )
         old = self._instances.get(instance_id)
         if old is not None:  # re-registration (e.g. after a role flip) keeps router counters
-            inst.inflight_requests, inst.inflight_tokens = old.inflight_requests, old.inflight_tokens
+            inst.inflight_requests, inst.inflight_tokens = (
+                old.inflight_requests,
+                old.inflight_tokens,
+            )
             inst.routed_total = old.routed_total
         self._instances[instance_id] = inst
         return inst
@@ -126,8 +151,11 @@ class Registry:
     def expire(self) -> list[str]:
         """Drop instances whose last heartbeat is older than the timeout."""
         now = self._clock()
-        dead = [i.instance_id for i in self._instances.values()
-                if now - i.last_heartbeat > self.heartbeat_timeout_s]
+        dead = [
+            i.instance_id
+            for i in self._instances.values()
+            if now - i.last_heartbeat > self.heartbeat_timeout_s
+        ]
         for iid in dead:
             del self._instances[iid]
             self._forgotten(iid)
@@ -136,10 +164,16 @@ class Registry:
     def candidates(self, role: int) -> list[Instance]:
         now = self._clock()
         return sorted(
-            (i for i in self._instances.values()
-             if i.role == role and i.state == "serving" and i.suspect_since is None
-             and now - i.last_heartbeat <= self.heartbeat_timeout_s),
-            key=lambda i: i.instance_id)
+            (
+                i
+                for i in self._instances.values()
+                if i.role == role
+                and i.state == "serving"
+                and i.suspect_since is None
+                and now - i.last_heartbeat <= self.heartbeat_timeout_s
+            ),
+            key=lambda i: i.instance_id,
+        )
 
     def charge(self, instance_id: str, requests: int = 0, tokens: int = 0) -> None:
         """Adjust the router-side in-flight counters (negative to release); the

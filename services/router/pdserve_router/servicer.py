@@ -24,23 +24,36 @@ log = get_logger("pdserve.router")
 
 
 def load_from_proto(load: common_pb2.WorkerLoad) -> LoadReport:
-    return LoadReport(num_waiting=load.num_waiting, num_running=load.num_running,
-                      free_blocks=load.free_blocks, total_blocks=load.total_blocks,
-                      tokens_in_flight=load.tokens_in_flight, num_reserved=load.num_reserved,
-                      step_ms_ewma=load.step_ms_ewma)
+    return LoadReport(
+        num_waiting=load.num_waiting,
+        num_running=load.num_running,
+        free_blocks=load.free_blocks,
+        total_blocks=load.total_blocks,
+        tokens_in_flight=load.tokens_in_flight,
+        num_reserved=load.num_reserved,
+        step_ms_ewma=load.step_ms_ewma,
+    )
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, orchestrator: Orchestrator, registry: Registry, model: ModelInfo,
-                 metrics: RouterMetrics, totals: Totals, kvstore_addr: str = "") -> None:
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        registry: Registry,
+        model: ModelInfo,
+        metrics: RouterMetrics,
+        totals: Totals,
+        kvstore_addr: str = "",
+    ) -> None:
         self.orch, self.registry, self.model = orchestrator, registry, model
         self.metrics, self.totals, self.kvstore_addr = metrics, totals, kvstore_addr
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
 
-    async def Generate(self, request: router_pb2.GenerateRequest, context
-                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
         t0 = time.perf_counter()
         rid = request.request_id or uuid.uuid4().hex
         bind_request_id(rid)
@@ -67,8 +80,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if text.matcher.matched is not None:
                         finish = common_pb2.FINISH_REASON_STOP
                 resp = router_pb2.GenerateResponse(
-                    request_id=rid, token_ids=step.token_ids, text=delta,
-                    server_ms=(time.perf_counter() - t0) * 1000.0, finish_reason=finish)
+                    request_id=rid,
+                    token_ids=step.token_ids,
+                    text=delta,
+                    server_ms=(time.perf_counter() - t0) * 1000.0,
+                    finish_reason=finish,
+                )
                 if finish:
                     resp.usage.CopyFrom(self._usage(job, n_out, t0, t_first))
                     yield resp
@@ -88,24 +105,34 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self.idle.set()
         self._observe(job, finish, n_out, t0, t_first)
 
-    async def Status(self, request: router_pb2.StatusRequest, context
-                     ) -> router_pb2.StatusResponse:
+    async def Status(self, request: router_pb2.StatusRequest, context) -> router_pb2.StatusResponse:
         resp = router_pb2.StatusResponse(
-            requests_total=self.totals.requests, requests_running=self.totals.running,
+            requests_total=self.totals.requests,
+            requests_running=self.totals.running,
             prompt_tokens_total=self.totals.prompt_tokens,
             cached_tokens_total=self.totals.cached_tokens,
-            model=self.model.name, kvstore_address=self.kvstore_addr)
+            model=self.model.name,
+            kvstore_address=self.kvstore_addr,
+        )
         for inst in self.registry.instances():
             state = "suspect" if inst.suspect_since is not None else inst.state
-            resp.instances.append(router_pb2.InstanceStatus(
-                instance_id=inst.instance_id, address=inst.address, role=inst.role, state=state,
-                load=common_pb2.WorkerLoad(**inst.load.__dict__),
-                heartbeat_age_s=self.registry.heartbeat_age(inst),
-                model_fingerprint=inst.model_fingerprint))
+            resp.instances.append(
+                router_pb2.InstanceStatus(
+                    instance_id=inst.instance_id,
+                    address=inst.address,
+                    role=inst.role,
+                    state=state,
+                    load=common_pb2.WorkerLoad(**inst.load.__dict__),
+                    heartbeat_age_s=self.registry.heartbeat_age(inst),
+                    model_fingerprint=inst.model_fingerprint,
+                )
+            )
         return resp
 
     # -------------------------------------------------------------- helpers
-    async def _prepare(self, request: router_pb2.GenerateRequest, rid: str) -> tuple[Job, list[str]]:
+    async def _prepare(
+        self, request: router_pb2.GenerateRequest, rid: str
+    ) -> tuple[Job, list[str]]:
         kind = request.WhichOneof("prompt")
         if kind == "text":
             if not request.text:
@@ -121,24 +148,39 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise InvalidRequestError("prompt", "set one of text, chat or token_ids")
         stops = list(request.sampling.stop)
         params = to_params(request.sampling, len(token_ids), self.model.max_model_len)
-        check_request(token_ids, params, stops, request.session_id, self.model.vocab_size,
-                      self.model.max_model_len)
+        check_request(
+            token_ids,
+            params,
+            stops,
+            request.session_id,
+            self.model.vocab_size,
+            self.model.max_model_len,
+        )
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         sampling.max_tokens = params.max_tokens
         del sampling.stop[:]  # stop strings are the router's business
         self.totals.prompt_tokens += len(token_ids)
         self.metrics.prompt_tokens.inc(len(token_ids))
-        return Job(request_id=rid, token_ids=token_ids, params=params, sampling=sampling,
-                   session_id=request.session_id), stops
+        return Job(
+            request_id=rid,
+            token_ids=token_ids,
+            params=params,
+            sampling=sampling,
+            session_id=request.session_id,
+        ), stops
 
     def _usage(self, job: Job, n_out: int, t0: float, t_first: float) -> router_pb2.Usage:
         now = time.perf_counter()
         usage = router_pb2.Usage(
-            prompt_tokens=len(job.token_ids), completion_tokens=n_out,
+            prompt_tokens=len(job.token_ids),
+            completion_tokens=n_out,
             cached_tokens=job.stages.cached_tokens,
-            ttft_ms=(t_first - t0) * 1000.0 if t_first else 0.0, e2e_ms=(now - t0) * 1000.0,
-            prefill_instance=job.prefill_instance, decode_instance=job.decode_instance)
+            ttft_ms=(t_first - t0) * 1000.0 if t_first else 0.0,
+            e2e_ms=(now - t0) * 1000.0,
+            prefill_instance=job.prefill_instance,
+            decode_instance=job.decode_instance,
+        )
         usage.stages.CopyFrom(job.stages)
         return usage
 
@@ -156,36 +198,57 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if n_out > 1:
                 self.metrics.tpot.observe((now - t_first) / (n_out - 1))
         self.metrics.e2e.observe(now - t0)
-        log.info("request finished", finish_reason=reason, prompt_tokens=len(job.token_ids),
-                 completion_tokens=n_out, cached_tokens=job.stages.cached_tokens,
-                 prefill=job.prefill_instance, decode=job.decode_instance)
+        log.info(
+            "request finished",
+            finish_reason=reason,
+            prompt_tokens=len(job.token_ids),
+            completion_tokens=n_out,
+            cached_tokens=job.stages.cached_tokens,
+            prefill=job.prefill_instance,
+            decode=job.decode_instance,
+        )
 
 
 class RegistryServicer(router_pb2_grpc.RegistryServicer):
-    def __init__(self, registry: Registry, heartbeat_interval_s: float, kvstore_addr: str = ""
-                 ) -> None:
+    def __init__(
+        self, registry: Registry, heartbeat_interval_s: float, kvstore_addr: str = ""
+    ) -> None:
         self.registry = registry
         self.heartbeat_interval_s = heartbeat_interval_s
         self.kvstore_addr = kvstore_addr
 
-    async def Register(self, request: router_pb2.RegisterRequest, context
-                       ) -> router_pb2.RegisterResponse:
+    async def Register(
+        self, request: router_pb2.RegisterRequest, context
+    ) -> router_pb2.RegisterResponse:
         inst = self.registry.register(
-            request.instance_id, request.address, request.role, request.model_fingerprint,
-            request.block_size, load_from_proto(request.load))
-        log.info("instance registered", instance=inst.instance_id, address=inst.address,
-                 role=inst.role_name)
-        return router_pb2.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s,
-                                           kvstore_address=self.kvstore_addr)
+            request.instance_id,
+            request.address,
+            request.role,
+            request.model_fingerprint,
+            request.block_size,
+            load_from_proto(request.load),
+        )
+        log.info(
+            "instance registered",
+            instance=inst.instance_id,
+            address=inst.address,
+            role=inst.role_name,
+        )
+        return router_pb2.RegisterResponse(
+            heartbeat_interval_s=self.heartbeat_interval_s, kvstore_address=self.kvstore_addr
+        )
 
-    async def Heartbeat(self, request: router_pb2.HeartbeatRequest, context
-                        ) -> router_pb2.HeartbeatResponse:
-        known = self.registry.heartbeat(request.instance_id, request.role, request.state,
-                                        load_from_proto(request.load))
+    async def Heartbeat(
+        self, request: router_pb2.HeartbeatRequest, context
+    ) -> router_pb2.HeartbeatResponse:
+        known = self.registry.heartbeat(
+            request.instance_id, request.role, request.state, load_from_proto(request.load)
+        )
         return router_pb2.HeartbeatResponse(known=known)
 
-    async def Deregister(self, request: router_pb2.DeregisterRequest, context
-                         ) -> router_pb2.DeregisterResponse:
+    async def Deregister(
+        self, request: router_pb2.DeregisterRequest, context
+    ) -> router_pb2.DeregisterResponse:
         if self.registry.deregister(request.instance_id):
             log.info("instance deregistered", instance=request.instance_id)
         return router_pb2.DeregisterResponse()

@@ -14,29 +14,42 @@ class RouterSettings(ServiceSettings):
 
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
     model: str | None = Field(
-        None, description="model directory (tokenizer + config.json); none = token ids only")
+        None, description="model directory (tokenizer + config.json); none = token ids only"
+    )
     policy: Literal["round_robin", "least_loaded", "prefix_aware"] = Field(
-        "least_loaded", description="placement policy")
+        "least_loaded", description="placement policy"
+    )
     session_affinity: bool = Field(
-        True, description="same session_id -> same prefill/colocated instance while it lives")
+        True, description="same session_id -> same prefill/colocated instance while it lives"
+    )
     heartbeat_interval_s: float = Field(
-        1.0, gt=0, description="heartbeat interval handed to workers, seconds")
+        1.0, gt=0, description="heartbeat interval handed to workers, seconds"
+    )
     heartbeat_timeout_s: float = Field(
-        3.0, gt=0, description="drop an instance silent for this long, seconds")
+        3.0, gt=0, description="drop an instance silent for this long, seconds"
+    )
     reserve_deadline_s: float = Field(5.0, gt=0, description="Reserve RPC deadline, seconds")
     prefill_deadline_s: float = Field(120.0, gt=0, description="Prefill RPC deadline, seconds")
     first_token_deadline_s: float = Field(
-        120.0, gt=0, description="wait for the first chunk of a Decode/Generate stream, seconds")
+        120.0, gt=0, description="wait for the first chunk of a Decode/Generate stream, seconds"
+    )
     decode_idle_deadline_s: float = Field(
-        60.0, gt=0, description="longest gap between two chunks of a stream, seconds")
+        60.0, gt=0, description="longest gap between two chunks of a stream, seconds"
+    )
     abort_deadline_s: float = Field(2.0, gt=0, description="Abort RPC deadline, seconds")
     max_prefill_attempts: int = Field(
-        3, ge=1, description="prefill tries per request (other instances) before UNAVAILABLE")
+        3, ge=1, description="prefill tries per request (other instances) before UNAVAILABLE"
+    )
     kvstore_addr: str | None = Field(
-        None, description="HOST:PORT of the kvstore, handed to workers at registration")
+        None, description="HOST:PORT of the kvstore, handed to workers at registration"
+    )
     use_kvstore: bool = Field(True, description="ask workers to use the kvstore when configured")
-    lease_s: float = Field(0.0, ge=0, description="KV reservation lease, seconds (0 = worker default)")
+    lease_s: float = Field(
+        0.0, ge=0, description="KV reservation lease, seconds (0 = worker default)"
+    )
     predictor_alpha: float = Field(
-        0.2, gt=0, le=1, description="EWMA weight of the output-length predictor")
+        0.2, gt=0, le=1, description="EWMA weight of the output-length predictor"
+    )
     predictor_initial: float = Field(
-        64.0, gt=0, description="predicted output length before any request finished")
+        64.0, gt=0, description="predicted output length before any request finished"
+    )

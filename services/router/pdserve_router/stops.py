@@ -38,7 +38,7 @@ class StopMatcher:
             self._held = ""
             return text[: best[0]], True
         keep = self._partial_suffix(text)
-        self._held = text[len(text) - keep:] if keep else ""
+        self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False
 
     def flush(self) -> str:

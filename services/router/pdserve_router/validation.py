@@ -21,18 +21,22 @@ CHAT_ROLES = ("system", "user", "assistant")
 def check_session_id(session_id: str) -> None:
     if session_id and not SESSION_ID_RE.fullmatch(session_id):
         raise InvalidRequestError(
-            "session_id", "must match [A-Za-z0-9_.:-]{1,128} (1-128 letters, digits, _ . : -)")
+            "session_id", "must match [A-Za-z0-9_.:-]{1,128} (1-128 letters, digits, _ . : -)"
+        )
 
 
 def check_stops(stops: Sequence[str]) -> None:
     if len(stops) > MAX_STOP_STRINGS:
-        raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        raise InvalidRequestError(
+            "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}"
+        )
     for i, s in enumerate(stops):
         if not s:
             raise InvalidRequestError("stop", f"stop string {i} is empty")
         if len(s) > MAX_STOP_CHARS:
             raise InvalidRequestError(
-                "stop", f"stop string {i} has {len(s)} characters; at most {MAX_STOP_CHARS}")
+                "stop", f"stop string {i} has {len(s)} characters; at most {MAX_STOP_CHARS}"
+            )
 
 
 def check_messages(messages: Sequence[tuple[str, str]]) -> None:
@@ -41,11 +45,13 @@ def check_messages(messages: Sequence[tuple[str, str]]) -> None:
     for i, (role, _content) in enumerate(messages):
         if role not in CHAT_ROLES:
             raise InvalidRequestError(
-                "chat", f"message {i} has role {role!r}; allowed: {', '.join(CHAT_ROLES)}")
+                "chat", f"message {i} has role {role!r}; allowed: {', '.join(CHAT_ROLES)}"
+            )
 
 
-def to_params(sp: common_pb2.SamplingParams, num_prompt_tokens: int,
-              max_model_len: int) -> SamplingParams:
+def to_params(
+    sp: common_pb2.SamplingParams, num_prompt_tokens: int, max_model_len: int
+) -> SamplingParams:
     """Proto -> engine params; unset fields take the engine defaults. An unset
     max_tokens is clamped to the room left in the context."""
     if sp.HasField("max_tokens"):
@@ -63,8 +69,14 @@ def to_params(sp: common_pb2.SamplingParams, num_prompt_tokens: int,
     )
 
 
-def check_request(token_ids: Sequence[int], params: SamplingParams, stops: Sequence[str],
-                  session_id: str, vocab_size: int, max_model_len: int) -> None:
+def check_request(
+    token_ids: Sequence[int],
+    params: SamplingParams,
+    stops: Sequence[str],
+    session_id: str,
+    vocab_size: int,
+    max_model_len: int,
+) -> None:
     """Raise InvalidRequestError naming the field and its allowed range."""
     check_session_id(session_id)
     check_stops(stops)

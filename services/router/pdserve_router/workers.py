@@ -12,8 +12,13 @@ from pdserve.rpc.channels import make_channel, metadata_with_request_id
 from pdserve.v1 import worker_pb2_grpc
 
 # Worker failures after which another instance may succeed.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                       grpc.StatusCode.RESOURCE_EXHAUSTED})
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
 
 
 def request_metadata(request_id: str) -> tuple[tuple[str, str], ...]:

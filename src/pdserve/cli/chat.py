@@ -11,8 +11,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("chat", help="interactive multi-turn chat with a running router")
     p.add_argument("--addr", default="127.0.0.1:50051", help="router HOST:PORT")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="per reply (default: the router's, clamped to the context left)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="per reply (default: the router's, clamped to the context left)",
+    )
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--timeout", type=float, default=None, help="per-turn deadline, seconds")
     p.set_defaults(func=run)
@@ -24,8 +28,9 @@ def run(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     out = sys.stdout
     with Client(args.addr, timeout=args.timeout) as client:
-        session = ChatSession(client, system=args.system, max_tokens=args.max_tokens,
-                              temperature=args.temperature)
+        session = ChatSession(
+            client, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature
+        )
         while True:
             if interactive:
                 out.write("> ")

@@ -17,17 +17,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def format_table(status) -> str:
     """Plain-text table of a pdserve.client.ClusterStatus."""
-    header = ("INSTANCE", "ROLE", "STATE", "ADDRESS", "RUNNING", "WAITING", "FREE/TOTAL BLOCKS",
-              "HB AGE")
+    header = (
+        "INSTANCE",
+        "ROLE",
+        "STATE",
+        "ADDRESS",
+        "RUNNING",
+        "WAITING",
+        "FREE/TOTAL BLOCKS",
+        "HB AGE",
+    )
     rows = [header]
     for i in status.instances:
-        rows.append((i.instance_id, i.role, i.state, i.address, str(int(i.load["num_running"])),
-                     str(int(i.load["num_waiting"])),
-                     f"{int(i.load['free_blocks'])}/{int(i.load['total_blocks'])}",
-                     f"{i.heartbeat_age_s:.1f}s"))
+        rows.append(
+            (
+                i.instance_id,
+                i.role,
+                i.state,
+                i.address,
+                str(int(i.load["num_running"])),
+                str(int(i.load["num_waiting"])),
+                f"{int(i.load['free_blocks'])}/{int(i.load['total_blocks'])}",
+                f"{i.heartbeat_age_s:.1f}s",
+            )
+        )
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-             for r in rows]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    ]
     if not status.instances:
         lines.append("(no instances registered)")
     lines += [

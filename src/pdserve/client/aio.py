@@ -25,22 +25,34 @@ from .results import (
 )
 
 DEFAULT_ADDR = "127.0.0.1:50051"
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
-                    ("grpc.keepalive_time_ms", 30_000)]
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 30_000),
+]
 
 
-def build_request(*, prompt: str | None = None, token_ids: Sequence[int] | None = None,
-                  messages: Sequence[dict[str, str]] | None = None, max_tokens: int | None = None,
-                  temperature: float | None = None, top_p: float | None = None, top_k: int = 0,
-                  seed: int | None = None, ignore_eos: bool = False,
-                  stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                  session_id: str | None = None, request_id: str | None = None,
-                  ) -> router_pb2.GenerateRequest:
+def build_request(
+    *,
+    prompt: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int = 0,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    session_id: str | None = None,
+    request_id: str | None = None,
+) -> router_pb2.GenerateRequest:
     given = [x is not None for x in (prompt, token_ids, messages)]
     if sum(given) != 1:
         raise ValueError("pass exactly one of prompt, token_ids or messages")
     sampling = common_pb2.SamplingParams(
-        top_k=top_k, ignore_eos=ignore_eos, stop=list(stop), stop_token_ids=list(stop_token_ids))
+        top_k=top_k, ignore_eos=ignore_eos, stop=list(stop), stop_token_ids=list(stop_token_ids)
+    )
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
     if temperature is not None:
@@ -49,38 +61,56 @@ def build_request(*, prompt: str | None = None, token_ids: Sequence[int] | None 
         sampling.top_p = top_p
     if seed is not None:
         sampling.seed = seed
-    req = router_pb2.GenerateRequest(request_id=request_id or "", sampling=sampling,
-                                     session_id=session_id or "")
+    req = router_pb2.GenerateRequest(
+        request_id=request_id or "", sampling=sampling, session_id=session_id or ""
+    )
     if prompt is not None:
         req.text = prompt
     elif token_ids is not None:
         req.token_ids.ids.extend(token_ids)
     else:
         req.chat.messages.extend(
-            router_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ())
+            router_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()
+        )
     return req
 
 
 def _usage(u: router_pb2.Usage) -> Usage:
     stages = {f.name: getattr(u.stages, f.name) for f in common_pb2.StageCosts.DESCRIPTOR.fields}
-    return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                 cached_tokens=u.cached_tokens, ttft_ms=u.ttft_ms, e2e_ms=u.e2e_ms,
-                 stages=stages, prefill_instance=u.prefill_instance,
-                 decode_instance=u.decode_instance)
+    return Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        cached_tokens=u.cached_tokens,
+        ttft_ms=u.ttft_ms,
+        e2e_ms=u.e2e_ms,
+        stages=stages,
+        prefill_instance=u.prefill_instance,
+        decode_instance=u.decode_instance,
+    )
 
 
 def _status(resp: router_pb2.StatusResponse) -> ClusterStatus:
     load_fields = [f.name for f in common_pb2.WorkerLoad.DESCRIPTOR.fields]
     return ClusterStatus(
-        instances=[InstanceInfo(
-            instance_id=i.instance_id, address=i.address, role=ROLES.get(i.role, str(i.role)),
-            state=i.state, heartbeat_age_s=i.heartbeat_age_s,
-            load={f: getattr(i.load, f) for f in load_fields},
-            model_fingerprint=i.model_fingerprint) for i in resp.instances],
-        requests_total=resp.requests_total, requests_running=resp.requests_running,
+        instances=[
+            InstanceInfo(
+                instance_id=i.instance_id,
+                address=i.address,
+                role=ROLES.get(i.role, str(i.role)),
+                state=i.state,
+                heartbeat_age_s=i.heartbeat_age_s,
+                load={f: getattr(i.load, f) for f in load_fields},
+                model_fingerprint=i.model_fingerprint,
+            )
+            for i in resp.instances
+        ],
+        requests_total=resp.requests_total,
+        requests_running=resp.requests_running,
         prompt_tokens_total=resp.prompt_tokens_total,
-        cached_tokens_total=resp.cached_tokens_total, model=resp.model,
-        kvstore_address=resp.kvstore_address)
+        cached_tokens_total=resp.cached_tokens_total,
+        model=resp.model,
+        kvstore_address=resp.kvstore_address,
+    )
 
 
 class AsyncClient:
@@ -88,8 +118,14 @@ class AsyncClient:
     with UNAVAILABLE before the first token are retried `max_retries` times with
     exponential backoff from `retry_backoff_s`."""
 
-    def __init__(self, addr: str = DEFAULT_ADDR, *, timeout: float | None = None,
-                 max_retries: int = 3, retry_backoff_s: float = 0.1) -> None:
+    def __init__(
+        self,
+        addr: str = DEFAULT_ADDR,
+        *,
+        timeout: float | None = None,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.1,
+    ) -> None:
         self.addr = addr
         self.timeout = timeout
         self.max_retries = max_retries
@@ -106,8 +142,9 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def generate_stream(self, *, timeout: float | None = None, **kwargs: Any
-                              ) -> AsyncIterator[GenerationEvent]:
+    async def generate_stream(
+        self, *, timeout: float | None = None, **kwargs: Any
+    ) -> AsyncIterator[GenerationEvent]:
         """Yields one GenerationEvent per router message; the last one has
         finish_reason and usage. Keyword arguments: see `build_request`."""
         kwargs.setdefault("request_id", uuid.uuid4().hex)
@@ -117,8 +154,9 @@ class AsyncClient:
         attempt = 0
         while True:
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            call = self._stub.Generate(req, timeout=left,
-                                       metadata=(("x-request-id", req.request_id),))
+            call = self._stub.Generate(
+                req, timeout=left, metadata=(("x-request-id", req.request_id),)
+            )
             got_any = False
             try:
                 while True:
@@ -127,16 +165,23 @@ class AsyncClient:
                         return
                     got_any = True
                     yield GenerationEvent(
-                        request_id=msg.request_id, token_ids=list(msg.token_ids), text=msg.text,
-                        arrival_s=time.perf_counter(), server_ms=msg.server_ms,
+                        request_id=msg.request_id,
+                        token_ids=list(msg.token_ids),
+                        text=msg.text,
+                        arrival_s=time.perf_counter(),
+                        server_ms=msg.server_ms,
                         finish_reason=FINISH_REASONS.get(msg.finish_reason),
-                        usage=_usage(msg.usage) if msg.HasField("usage") else None)
+                        usage=_usage(msg.usage) if msg.HasField("usage") else None,
+                    )
             except grpc.RpcError as err:
                 error = from_rpc_error(err)
-                backoff = self.retry_backoff_s * (2 ** attempt)
-                retry = (isinstance(error, Unavailable) and not got_any
-                         and attempt < self.max_retries
-                         and (deadline is None or time.monotonic() + backoff < deadline))
+                backoff = self.retry_backoff_s * (2**attempt)
+                retry = (
+                    isinstance(error, Unavailable)
+                    and not got_any
+                    and attempt < self.max_retries
+                    and (deadline is None or time.monotonic() + backoff < deadline)
+                )
                 if not retry:
                     raise error from None
             finally:

@@ -14,8 +14,9 @@ from .sync import Client
 
 
 class _History:
-    def __init__(self, system: str | None, session_id: str | None, defaults: dict[str, Any]
-                 ) -> None:
+    def __init__(
+        self, system: str | None, session_id: str | None, defaults: dict[str, Any]
+    ) -> None:
         self.session_id = session_id or uuid.uuid4().hex
         self.messages: list[dict[str, str]] = []
         if system:
@@ -24,8 +25,11 @@ class _History:
 
     def request(self, text: str, overrides: dict[str, Any]) -> dict[str, Any]:
         kwargs = {**self.defaults, **overrides}
-        return {**kwargs, "messages": [*self.messages, {"role": "user", "content": text}],
-                "session_id": self.session_id}
+        return {
+            **kwargs,
+            "messages": [*self.messages, {"role": "user", "content": text}],
+            "session_id": self.session_id,
+        }
 
     def commit(self, text: str, reply: str) -> None:
         """Only a completed turn enters the history."""
@@ -37,8 +41,13 @@ class ChatSession:
     """`ChatSession(Client(addr), system="...")`; `send(text)` -> GenerationResult,
     `stream(text)` yields events. Default generation keywords via `**defaults`."""
 
-    def __init__(self, client: Client, system: str | None = None, session_id: str | None = None,
-                 **defaults: Any) -> None:
+    def __init__(
+        self,
+        client: Client,
+        system: str | None = None,
+        session_id: str | None = None,
+        **defaults: Any,
+    ) -> None:
         self.client = client
         self._h = _History(system, session_id, defaults)
 
@@ -66,8 +75,13 @@ class ChatSession:
 class AsyncChatSession:
     """The asyncio twin of ChatSession, on an AsyncClient."""
 
-    def __init__(self, client: AsyncClient, system: str | None = None,
-                 session_id: str | None = None, **defaults: Any) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        system: str | None = None,
+        session_id: str | None = None,
+        **defaults: Any,
+    ) -> None:
         self.client = client
         self._h = _History(system, session_id, defaults)
 

@@ -42,8 +42,14 @@ class Internal(PdserveClientError):
 
 _BY_CODE: dict[grpc.StatusCode, type[PdserveClientError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, ResourceExhausted, Unavailable, DeadlineExceeded, Cancelled,
-                Internal)
+    for cls in (
+        InvalidArgument,
+        ResourceExhausted,
+        Unavailable,
+        DeadlineExceeded,
+        Cancelled,
+        Internal,
+    )
 }
 
 

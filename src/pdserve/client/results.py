@@ -48,10 +48,16 @@ class GenerationResult:
     start_s: float = 0.0  # perf_counter() when the call started
 
     def to_dict(self) -> dict[str, Any]:
-        return {"token_ids": self.token_ids, "text": self.text,
-                "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
-                "cached_tokens": self.cached_tokens, "ttft_ms": self.ttft_ms,
-                "tpot_ms": self.tpot_ms, "e2e_ms": self.e2e_ms}
+        return {
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "ttft_ms": self.ttft_ms,
+            "tpot_ms": self.tpot_ms,
+            "e2e_ms": self.e2e_ms,
+        }
 
 
 @dataclass(frozen=True)
@@ -77,15 +83,19 @@ class ClusterStatus:
 
     @property
     def cache_hit_rate(self) -> float:
-        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+        return (
+            self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "instances": [vars(i) for i in self.instances],
-            "requests_total": self.requests_total, "requests_running": self.requests_running,
+            "requests_total": self.requests_total,
+            "requests_running": self.requests_running,
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
-            "cache_hit_rate": self.cache_hit_rate, "model": self.model,
+            "cache_hit_rate": self.cache_hit_rate,
+            "model": self.model,
             "kvstore_address": self.kvstore_address,
         }
 
@@ -102,11 +112,16 @@ def collect(events: list[GenerationEvent], start_s: float) -> GenerationResult:
     ttft = (times[0] - start_s) * 1000.0 if times else 0.0
     tpot = (times[-1] - times[0]) * 1000.0 / (len(times) - 1) if len(times) > 1 else 0.0
     return GenerationResult(
-        token_ids=ids, text="".join(ev.text for ev in events),
+        token_ids=ids,
+        text="".join(ev.text for ev in events),
         finish_reason=last.finish_reason if last else None,
         prompt_tokens=usage.prompt_tokens if usage else 0,
         cached_tokens=usage.cached_tokens if usage else 0,
-        ttft_ms=ttft, tpot_ms=tpot,
+        ttft_ms=ttft,
+        tpot_ms=tpot,
         e2e_ms=((last.arrival_s - start_s) * 1000.0) if last else 0.0,
-        token_times=times, usage=usage, request_id=last.request_id if last else "",
-        start_s=start_s)
+        token_times=times,
+        usage=usage,
+        request_id=last.request_id if last else "",
+        start_s=start_s,
+    )

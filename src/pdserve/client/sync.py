@@ -16,17 +16,25 @@ T = TypeVar("T")
 
 
 class Client:
-    def __init__(self, addr: str = DEFAULT_ADDR, *, timeout: float | None = None,
-                 max_retries: int = 3, retry_backoff_s: float = 0.1) -> None:
+    def __init__(
+        self,
+        addr: str = DEFAULT_ADDR,
+        *,
+        timeout: float | None = None,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.1,
+    ) -> None:
         self.addr = addr
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="pdserve-client",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="pdserve-client", daemon=True
+        )
         self._thread.start()
 
         async def make() -> AsyncClient:  # the channel must be created on its loop
-            return AsyncClient(addr, timeout=timeout, max_retries=max_retries,
-                               retry_backoff_s=retry_backoff_s)
+            return AsyncClient(
+                addr, timeout=timeout, max_retries=max_retries, retry_backoff_s=retry_backoff_s
+            )
 
         self._aclient = self._run(make())
         self._closed = False
@@ -34,8 +42,9 @@ class Client:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def generate_stream(self, *, timeout: float | None = None, **kwargs: Any
-                        ) -> Iterator[GenerationEvent]:
+    def generate_stream(
+        self, *, timeout: float | None = None, **kwargs: Any
+    ) -> Iterator[GenerationEvent]:
         agen = self._aclient.generate_stream(timeout=timeout, **kwargs)
         try:
             while True:
