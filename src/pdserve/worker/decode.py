@@ -197,8 +197,14 @@ class DecodeHandler:
     async def _release(self, res: Reservation) -> None:
         if res.state in ("released", "admitted"):
             return
+        never_waited = res.state == "waiting"
         res.state = "released"
         self._forget(res)
+        if never_waited:
+            # Layers that already arrived count as received (e.g. a 1-token request: the router
+            # releases the ticket right after prefill); wait(0) on a finished receive counts it.
+            arrived = [h for h in res.handles if h.done]
+            await asyncio.gather(*(h.wait(0) for h in arrived), return_exceptions=True)
         await asyncio.gather(*(h.cancel() for h in res.handles), return_exceptions=True)
         engine = self._engine.engine
         try:
