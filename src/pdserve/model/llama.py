@@ -71,7 +71,8 @@ class RotaryCache:
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
+        cos = self.cos.index_select(0, positions)[:, None, :]  # [T, 1, D]
+        return cos, self.sin.index_select(0, positions)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -122,8 +122,11 @@ class TorchAttentionBackend(AttentionBackend):
             if window is not None:
                 m &= j[None, :] > lens - 1 - window
             mask = plan.dec_masks[window] = m[:, None, None, :]
-        ck = flat[plan.dec_rows].transpose(1, 2)
-        cv = flat[plan.dec_rows + plan.block_size].transpose(1, 2)
+        # index_select (row memcpy) is ~8x faster than advanced indexing here
+        s_max = plan.dec_rows.shape[1]
+        rows = plan.dec_rows.view(-1)
+        ck = flat.index_select(0, rows).view(bd, s_max, hkv, d).transpose(1, 2)
+        cv = flat.index_select(0, rows + plan.block_size).view(bd, s_max, hkv, d).transpose(1, 2)
         qg = q.view(bd, hkv, -1, d)
         o = F.scaled_dot_product_attention(qg, ck, cv, attn_mask=mask, scale=self.scale)
         return o.reshape(bd, -1, d)  # [Bd, H, D]
@@ -145,8 +148,8 @@ class TorchAttentionBackend(AttentionBackend):
             ck = k[p.start : p.end].transpose(0, 1)  # [Hkv, S, D]
             cv = v[p.start : p.end].transpose(0, 1)
         else:
-            ck = flat[p.rows].transpose(0, 1)
-            cv = flat[p.rows + bs].transpose(0, 1)
+            ck = flat.index_select(0, p.rows).transpose(0, 1)
+            cv = flat.index_select(0, p.rows + bs).transpose(0, 1)
         if window not in p.masks:
             p.masks[window] = _causal_mask(tq, p.seq_len, window, q.device)
         mask = p.masks[window]
