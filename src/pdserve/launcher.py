@@ -9,7 +9,6 @@ Torch-free.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-READY_PREFIX = "PDSERVE_READY "
+from pdserve.rpc.ready import parse_ready_line
 
 
 @dataclass
@@ -66,12 +65,9 @@ class ManagedProcess:
         except FileNotFoundError:
             return None
         for line in text.splitlines():
-            idx = line.find(READY_PREFIX)
-            if idx >= 0:
-                try:
-                    return json.loads(line[idx + len(READY_PREFIX) :])
-                except json.JSONDecodeError:
-                    continue
+            info = parse_ready_line(line)
+            if info is not None:
+                return info
         return None
 
     def wait_ready(self, deadline: float) -> int:
@@ -207,17 +203,22 @@ class Cluster:
         role = name.rstrip("0123456789")
         new = self._spawn(name, self._worker_argv(role), cpu=old.cpu)
         new.wait_ready(deadline)
-        self.wait_registered(len(self.worker_names()), deadline)
+        # Other workers may be dead on purpose (fault tests): count and watch the live ones.
+        live = [n for n in self.worker_names() if self.processes[n].alive]
+        self.wait_registered(len(live), deadline, names=live)
 
-    def wait_registered(self, count: int, deadline: float) -> None:
-        """Poll the router's Status until `count` instances are registered."""
+    def wait_registered(
+        self, count: int, deadline: float, names: Sequence[str] | None = None
+    ) -> None:
+        """Poll the router's Status until `count` instances are registered; fail at once
+        when one of the workers `names` (default: all) dies meanwhile."""
         while time.monotonic() < deadline:
             try:
                 if registered_instances(self.addr, timeout=2.0) >= count:
                     return
             except Exception:  # router still starting
                 pass
-            for name in self.worker_names():
+            for name in self.worker_names() if names is None else names:
                 proc = self.processes[name]
                 if not proc.alive:
                     raise RuntimeError(f"{name} died during start-up; log:\n{proc.tail()}")
