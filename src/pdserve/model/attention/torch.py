@@ -142,23 +142,31 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
     ) -> torch.Tensor:
         tq = q.shape[0]
-        hkv, d = self.num_kv_heads, self.head_dim
-        g = self.num_heads // hkv
         if p.rows is None:  # the chunk is the whole context: use fresh k/v
             ck = k[p.start : p.end].transpose(0, 1)  # [Hkv, S, D]
             cv = v[p.start : p.end].transpose(0, 1)
         else:
             ck = flat.index_select(0, p.rows).transpose(0, 1)
             cv = flat.index_select(0, p.rows + bs).transpose(0, 1)
-        if window not in p.masks:
-            p.masks[window] = _causal_mask(tq, p.seq_len, window, q.device)
-        mask = p.masks[window]
-        # [Tq, H, D] -> [Hkv, G, Tq, D]; k/v broadcast over G: [Hkv, 1, S, D]
-        qg = q.view(tq, hkv, g, d).permute(1, 2, 0, 3)
-        o = F.scaled_dot_product_attention(
-            qg, ck[:, None], cv[:, None], attn_mask=mask, scale=self.scale
-        )
-        return o.permute(2, 0, 1, 3).reshape(tq, -1, d)
+        # q: [Tq, H, D] -> [1, H, Tq, D]; enable_gqa maps query head h to kv head h // G
+        # without copying K/V (3-4x faster on CPU than broadcasting a group axis)
+        qh = q.transpose(0, 1)[None]
+        if p.rows is None and window is None:  # plain causal: no mask to build
+            o = F.scaled_dot_product_attention(
+                qh, ck[None], cv[None], is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            if window not in p.masks:
+                p.masks[window] = _causal_mask(tq, p.seq_len, window, q.device)
+            o = F.scaled_dot_product_attention(
+                qh,
+                ck[None],
+                cv[None],
+                attn_mask=p.masks[window],
+                scale=self.scale,
+                enable_gqa=True,
+            )
+        return o[0].transpose(0, 1)  # [Tq, H, D]
 
 
 def _causal_mask(tq: int, s: int, window: int | None, device: torch.device) -> torch.Tensor:
