@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -79,12 +80,16 @@ def test_missing_and_unexpected_tensor(tiny, tmp_path):
     sd = load_file(d / "model.safetensors")
     del sd["model.layers.0.mlp.up_proj.weight"]
     save_file(sd, d / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"missing tensor.*model\.layers\.0\.mlp\.up_proj\.weight"):
+    with pytest.raises(
+        ModelLoadError, match=r"missing tensor.*model\.layers\.0\.mlp\.up_proj\.weight"
+    ):
         load_model(d)
     sd["model.layers.0.mlp.up_proj.weight"] = torch.zeros(192, 64)
     sd["model.layers.0.extra.weight"] = torch.zeros(3)
     save_file(sd, d / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model\.layers\.0\.extra\.weight'"):
+    with pytest.raises(
+        ModelLoadError, match=r"unexpected tensor 'model\.layers\.0\.extra\.weight'"
+    ):
         load_model(d)
 
 
@@ -204,6 +209,14 @@ def test_ensure_builtin_tiny(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "home").iterdir()] == ["tiny-llama"]  # no temp left
     assert load_model(d).config.architecture == "LlamaForCausalLM"
     assert ensure_builtin_tiny(tmp_path / "other") == tmp_path / "other" / "tiny-llama"
+
+
+def test_ensure_builtin_tiny_concurrent(tmp_path):
+    with ThreadPoolExecutor(3) as pool:
+        dirs = list(pool.map(lambda _: ensure_builtin_tiny(tmp_path), range(3)))
+    assert dirs == [tmp_path / "tiny-llama"] * 3
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama"]
+    assert load_model(dirs[0]).tokenizer.encode("hello")[0] == 0
 
 
 def test_config_and_tokenizer_import_without_torch():

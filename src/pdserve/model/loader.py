@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -36,8 +37,8 @@ class LoadedModel:
     device: torch.device
     model_dir: Path
 
-    @property
-    def tokenizer(self):
+    @cached_property
+    def tokenizer(self):  # -> pdserve.model.tokenizer.Tokenizer; ModelLoadError if missing
         from pdserve.model.tokenizer import Tokenizer
 
         return Tokenizer.from_dir(self.model_dir)
