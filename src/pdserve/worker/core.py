@@ -123,17 +123,31 @@ class WorkerCore:
             raise UnavailableError(f"worker is {self.state}; cannot change role now")
         self.state = "flipping"
         try:
-            await self._idle.wait()
+            await self._wait_quiet()
             assert self.decode_handler is not None
-            await self.decode_handler.release_all()
+            await self.decode_handler.release_all()  # nothing left by now; kept as a guard
             _log.info("role changed", old=self.role, new=role)
             self.role = role
         finally:
             self.state = "serving"
         return role
 
-    def _admit(self, *roles: str) -> None:
-        if self.state != "serving":
+    async def _wait_quiet(self) -> None:
+        """Until no request runs here and no reservation waits for its Decode: a ticket
+        between Reserve and Decode is in-flight work too (its prefill is running elsewhere).
+        Bounded: every reservation ends by admission, abort or lease expiry."""
+        handler = self.decode_handler
+        while self._inflight or (handler is not None and handler.num_reserved):
+            if self._inflight:
+                await self._idle.wait()
+            else:
+                await asyncio.sleep(0.02)  # reservations have no event of their own
+
+    def _admit(self, *roles: str, finishing: bool = False) -> None:
+        """`finishing`: the call completes work accepted earlier (a Decode of a ticket this
+        worker issued), so it is admitted while flipping too; new work is not."""
+        allowed = ("serving", "flipping") if finishing else ("serving",)
+        if self.state not in allowed:
             raise UnavailableError(f"worker {self.instance_id} is {self.state}")
         if self.role not in roles:
             raise FailedPreconditionError(
@@ -181,7 +195,7 @@ class WorkerCore:
         params: SamplingParams,
         write_back: bool = False,
     ) -> AsyncIterator[TokenEvent]:
-        self._admit("decode", "colocated")
+        self._admit("decode", "colocated", finishing=True)
         assert self.decode_handler is not None
         generated = [first_token]
         with self._track():
