@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.params import SamplingParams
-from pdserve.errors import FailedPreconditionError, UnavailableError
+from pdserve.errors import UnavailableError
 from pdserve.kv.transfer import UcxTransport
 from pdserve.logging import get_logger
 from pdserve.worker.decode import DecodeHandler
@@ -150,7 +150,9 @@ class WorkerCore:
         if self.state not in allowed:
             raise UnavailableError(f"worker {self.instance_id} is {self.state}")
         if self.role not in roles:
-            raise FailedPreconditionError(
+            # UNAVAILABLE, not FAILED_PRECONDITION: the router's view of a role can lag one
+            # heartbeat behind a flip; it retries such a request on another instance.
+            raise UnavailableError(
                 f"worker {self.instance_id} is in role {self.role}, not {'/'.join(roles)}"
             )
 
