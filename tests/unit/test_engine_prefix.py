@@ -25,6 +25,7 @@ def test_shared_three_block_prefix_is_reused(make_engine):
             cached = o.num_cached_tokens
     assert cached == 48
     assert engine.pool.stats.hit_blocks - hits_before == 3
+    assert engine.stats()["prefix_hit_tokens"] >= 48
     assert out == ref_b
 
 

@@ -30,6 +30,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=3, help="best of N timed runs")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time, or process CPU time (steadier on a shared machine; use --threads 1)",
+    )
     p.add_argument("--json", dest="json_out", default=None, help="write results to this file")
     p.set_defaults(func=run)
 
@@ -64,12 +70,14 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[lis
     return torch.randint(3, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def bench_ours(engine: Any, prompts: list[list[int]], gen_len: int) -> tuple[float, float]:
-    """(prefill seconds, decode seconds) for one batch."""
+def bench_ours(
+    engine: Any, prompts: list[list[int]], gen_len: int, clock: Any = time.perf_counter
+) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) for one batch, measured with `clock`."""
     from pdserve.engine.params import SamplingParams
 
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
+    t0 = clock()
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
     started: set[str] = set()
@@ -78,24 +86,26 @@ def bench_ours(engine: Any, prompts: list[list[int]], gen_len: int) -> tuple[flo
         for out in engine.step():
             started.add(out.request_id)
         if t_first is None and len(started) == len(prompts):
-            t_first = time.perf_counter()
-    t_end = time.perf_counter()
+            t_first = clock()
+    t_end = clock()
     assert t_first is not None
     return t_first - t0, t_end - t_first
 
 
-def bench_hf(model: Any, prompts: list[list[int]], gen_len: int) -> tuple[float, float]:
+def bench_hf(
+    model: Any, prompts: list[list[int]], gen_len: int, clock: Any = time.perf_counter
+) -> tuple[float, float]:
     import torch
 
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=mask)
     with torch.inference_mode():
-        t0 = time.perf_counter()
+        t0 = clock()
         model.generate(ids, max_new_tokens=1, **kw)
-        t1 = time.perf_counter()
+        t1 = clock()
         out = model.generate(ids, max_new_tokens=gen_len, min_new_tokens=gen_len, **kw)
-        t2 = time.perf_counter()
+        t2 = clock()
     assert out.shape[1] == ids.shape[1] + gen_len
     prefill = t1 - t0
     return prefill, max(1e-9, (t2 - t1) - prefill)
@@ -108,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     model_dir = Path(args.model) if args.model else preset_model(args.cache_dir)
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     max_b, plen, glen = max(batches), args.prompt_len, args.gen_len
@@ -139,9 +150,9 @@ def run(args: argparse.Namespace) -> int:
         prompts = _prompts(b, plen, vocab, seed=b)
         ours, ref = [], []
         for _ in range(args.repeats):  # interleaved, so both see the same machine load
-            ours.append(bench_ours(engine, prompts, glen))
+            ours.append(bench_ours(engine, prompts, glen, clock))
             if hf is not None:
-                ref.append(bench_hf(hf, prompts, glen))
+                ref.append(bench_hf(hf, prompts, glen, clock))
         # best of N per phase: the least disturbed run on a shared machine
         row: dict[str, Any] = {
             "batch": b,
@@ -153,17 +164,20 @@ def run(args: argparse.Namespace) -> int:
             row["hf_decode_tok_s"] = b * (glen - 1) / min(t[1] for t in ref)
         rows.append(row)
         print(f"  batch {b}: done", flush=True)
-    print_table(rows, model_dir, plen, glen, torch.get_num_threads())
+    print_table(rows, model_dir, plen, glen, torch.get_num_threads(), args.clock)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(
-            {"model": str(model_dir), "prompt_len": plen, "gen_len": glen,
+            {"model": str(model_dir), "prompt_len": plen, "gen_len": glen, "clock": args.clock,
              "threads": torch.get_num_threads(), "rows": rows}, indent=2))
     return 0
 
 
-def print_table(rows: list[dict], model_dir: Path, plen: int, glen: int, threads: int) -> None:
-    print(f"model {model_dir}  prompt_len {plen}  gen_len {glen}  threads {threads}")
+def print_table(
+    rows: list[dict], model_dir: Path, plen: int, glen: int, threads: int, clock: str
+) -> None:
+    print(f"model {model_dir}  prompt_len {plen}  gen_len {glen}  threads {threads}  "
+          f"clock {clock}")
     head = f"{'batch':>5} | {'prefill tok/s':>13} {'hf':>9} {'ratio':>6} | "
     head += f"{'decode tok/s':>12} {'hf':>9} {'ratio':>6}"
     print(head)

@@ -302,6 +302,22 @@ class LLMEngine:
         self.pool.free(blocks)
         return len(todo)
 
+    def stats(self) -> dict[str, float]:
+        """Load and cache counters (for heartbeats / metrics)."""
+        st = self.pool.stats
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": self.pool.num_free_blocks,
+            "num_reserved_blocks": len(self._reserved),
+            "num_cached_blocks": self.pool.num_cached_blocks,
+            "prefix_hit_blocks": st.hit_blocks,
+            "prefix_hit_tokens": st.hit_tokens,
+            "prefix_queried_blocks": st.queries_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
     # ---- checks -----------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.pool.check_integrity()
