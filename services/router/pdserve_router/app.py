@@ -13,6 +13,8 @@ from pdserve.rpc.metrics import Metrics
 from pdserve.rpc.server import ServiceApp
 from pdserve.v1 import router_pb2_grpc
 
+from .flip import FlipController, FlipMetrics
+from .flip_policy import FlipPolicy, FlipThresholds
 from .metrics import RouterMetrics, Totals
 from .model_info import ModelInfo
 from .orchestrator import Deadlines, Orchestrator
@@ -39,12 +41,14 @@ class RouterApp(ServiceApp):
         self.policy = make_policy(settings.policy, settings.session_affinity)
         self.registry.on_forget(self.policy.forget)
         self.workers = WorkerClients()
-        self.metrics = RouterMetrics(metrics if metrics is not None else Metrics())
+        self.raw_metrics = metrics if metrics is not None else Metrics()
+        self.metrics = RouterMetrics(self.raw_metrics)
         self.totals = Totals()
         self.model = ModelInfo()
         self.orchestrator: Orchestrator | None = None
         self.router_servicer: RouterServicer | None = None
         self._tasks: list[asyncio.Task] = []
+        self.flip: FlipController | None = None  # set when settings.flip_enabled
 
     def _hasher(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
         # Router-local prefix identity: any namespace shared by all instances works.
@@ -81,11 +85,35 @@ class RouterApp(ServiceApp):
             RegistryServicer(self.registry, s.heartbeat_interval_s, kv), server
         )
         self._tasks.append(asyncio.create_task(self._housekeeping()))
+        if s.flip_enabled:
+            self.flip = self._flip_controller()
+            self._tasks.append(asyncio.create_task(self.flip.run()))
         log.info(
             "router ready",
             model=self.model.name or None,
             policy=self.policy.name,
             kvstore=kv or None,
+            flip=s.flip_enabled,
+        )
+
+    def _flip_controller(self) -> FlipController:
+        s = self.settings
+        thresholds = FlipThresholds(
+            prefill_tokens_full=s.flip_prefill_tokens,
+            decode_seqs_full=s.flip_decode_seqs,
+            starved=s.flip_starved,
+            ratio=s.flip_ratio,
+            ticks=s.flip_ticks,
+            cooldown_s=s.flip_cooldown_s,
+        )
+        return FlipController(
+            self.registry,
+            self.workers,
+            FlipPolicy(thresholds),
+            FlipMetrics(self.raw_metrics),
+            interval_s=s.flip_interval_s,
+            set_role_timeout_s=s.flip_timeout_s,
+            on_role_changed=self.policy.forget,  # prefix LRU / session affinity of the old role
         )
 
     async def drain(self) -> None:

@@ -53,3 +53,27 @@ class RouterSettings(ServiceSettings):
     predictor_initial: float = Field(
         64.0, gt=0, description="predicted output length before any request finished"
     )
+    # -- flip controller (flip.py): move workers between the prefill and decode pools
+    flip_enabled: bool = Field(
+        False, description="let the router flip workers between prefill and decode"
+    )
+    flip_interval_s: float = Field(2.0, gt=0, description="flip controller period, seconds")
+    flip_ticks: int = Field(
+        3, ge=1, description="consecutive ticks a pool must stay starved before a flip"
+    )
+    flip_cooldown_s: float = Field(30.0, ge=0, description="no flip this soon after the last one")
+    flip_ratio: float = Field(
+        3.0, ge=1, description="starved pool's pressure / the other pool's, at least"
+    )
+    flip_starved: float = Field(
+        1.0, gt=0, description="pressure at which a pool counts as starved (1 = full)"
+    )
+    flip_prefill_tokens: float = Field(
+        2048.0, gt=0, description="prompt tokens in flight per prefill instance = pressure 1"
+    )
+    flip_decode_seqs: float = Field(
+        32.0, gt=0, description="running sequences per decode instance = pressure 1"
+    )
+    flip_timeout_s: float = Field(
+        120.0, gt=0, description="SetRole deadline (the worker drains first), seconds"
+    )
