@@ -61,25 +61,27 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryCache:
-    """cos/sin tables [max_pos, D] (halves duplicated, HF rotate_half convention)."""
+    """cos / signed-sin tables [max_pos, D] in the HF rotate_half convention.
+
+    HF: x * cos + cat(-x2, x1) * sin. We store sin_signed = cat(-sin_half, sin_half) and
+    compute x * cos + roll(x, D/2) * sin_signed: the same products bit for bit (negation is
+    exact), in fewer ops."""
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, rope_inv_freq(config))  # [P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(device=device, dtype=dtype)
+        sin = freqs.sin()
+        self.sin_signed = torch.cat([-sin, sin], -1).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos.index_select(0, positions)[:, None, :]  # [T, 1, D]
-        return cos, self.sin.index_select(0, positions)[:, None, :]
+        return cos, self.sin_signed.index_select(0, positions)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos/sin: [T, 1, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos/sin_signed: [T, 1, D]
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class DecoderLayer(nn.Module):
@@ -110,12 +112,18 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))  # [T, (H + 2*Hkv) * D]
-        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is not None and self.k_norm is not None:  # qwen3: per-head norms first
+            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(
+                qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+            )
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # one RoPE over q and k together: [T, H + Hkv, D]
+            qk = apply_rope(
+                qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin
+            )
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = backend.forward(plan, q, k, v, kv_cache, self.window)  # [T, H, D]
         x = x + self.o_proj(o.reshape(t, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
