@@ -66,7 +66,7 @@ class TinySpec:
 
 
 PRESETS = {
-    # Llama-shaped, ~41M parameters (untied 16k vocab): the engine benchmark model
+    # Llama-shaped, ~47M parameters (untied 16k vocab): the benchmark model
     "bench50m": TinySpec(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=2048, vocab=16384),
 }
 
