@@ -31,6 +31,13 @@ log = get_logger("pdserve.router.orchestrator")
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 
 
+DECODE_WATCH_S = 0.25  # how often a running Prefill checks that its decode still lives
+
+
+class _DecodeLost(Exception):
+    """The decode holding a request's ticket died while the prefill pushed its KV."""
+
+
 @dataclass(frozen=True)
 class Deadlines:
     reserve_s: float = 5.0
@@ -131,7 +138,7 @@ class Orchestrator:
                 job.prefill_instance = prefill.instance_id
                 self.registry.charge(prefill.instance_id, requests=1, tokens=n)
                 try:
-                    resp = await self.workers.stub(prefill.address).Prefill(
+                    call = self.workers.stub(prefill.address).Prefill(
                         worker_pb2.PrefillRequest(
                             request_id=job.request_id,
                             token_ids=job.token_ids,
@@ -142,6 +149,19 @@ class Orchestrator:
                         timeout=self.deadlines.prefill_s,
                         metadata=request_metadata(job.request_id),
                     )
+                    resp = await self._prefill_while_decode_lives(call, decode)
+                except _DecodeLost:  # the prefill is fine: retry it with another decode
+                    log.warning("decode lost during prefill", instance=decode.instance_id)
+                    self._abort_later(prefill, job.request_id)
+                    self.registry.charge(decode.instance_id, requests=-1)
+                    ticket, decode = None, None
+                    tried.discard(prefill.instance_id)
+                    if job.prefill_attempts >= self.max_prefill_attempts:
+                        raise UnavailableError(
+                            "the decode instance was lost during prefill "
+                            f"({job.prefill_attempts} attempt(s))"
+                        ) from None
+                    continue
                 except grpc.RpcError as err:
                     failure = remote_error(err, f"prefill instance {prefill.instance_id}")
                     log.warning(
@@ -198,6 +218,29 @@ class Orchestrator:
                         self._abort_later(inst, job.request_id)
             if decode is not None:
                 self.registry.charge(decode.instance_id, requests=-1)
+
+    async def _prefill_while_decode_lives(self, call, decode: Instance):
+        """Await a Prefill call; cancel it when its decode instance turns suspect or stops
+        heartbeating: a KV push to a dead decode would otherwise hang until the prefill's
+        transfer timeout. A draining decode still counts as alive (it finishes its work)."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DECODE_WATCH_S)
+                if done:
+                    return task.result()
+                inst = self.registry.get(decode.instance_id)
+                if (
+                    inst is None
+                    or inst.suspect_since is not None
+                    or self.registry.heartbeat_age(inst) > self.registry.heartbeat_timeout_s
+                ):
+                    self.registry.mark_suspect(decode.instance_id)
+                    raise _DecodeLost
+        finally:
+            if not task.done():
+                call.cancel()
+                task.cancel()
 
     async def _reserve(self, job: Job, route: RouteRequest) -> tuple[Instance, worker_pb2.Ticket]:
         """Reserve on a decode instance; another one when it is dead or full."""
