@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-TOOLS = ("engine", "transfer", "serve", "compare", "multiturn")
+TOOLS = ("engine", "transfer", "serve", "compare", "multiturn", "admission")
 
 
 def add_parser(subparsers: Any) -> None:
