@@ -57,7 +57,18 @@ class KVStoreClient:
         self.transfer_timeout_s = transfer_timeout_s
         self.backoff_s = backoff_s
         self.raise_errors = raise_errors
-        self._channel = make_channel(addr)
+        # gRPC's default reconnect backoff grows to 120 s while the store is down, and calls
+        # fail fast until the next attempt: after a long outage a restarted store would stay
+        # unused for up to 2 minutes. Cap it near our own backoff.
+        reconnect_ms = max(500, int(backoff_s * 1000))
+        self._channel = make_channel(
+            addr,
+            options=(
+                ("grpc.initial_reconnect_backoff_ms", 500),
+                ("grpc.min_reconnect_backoff_ms", 500),
+                ("grpc.max_reconnect_backoff_ms", reconnect_ms),
+            ),
+        )
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self._down_until = 0.0
         self.failures = 0
