@@ -48,6 +48,7 @@ def test_prefill_killed_with_requests_in_flight(cluster, reference_engine):
     expected = reference_tokens(reference_engine, requests)
     survivor = worker_info(cluster, "prefill1").instance_id
     reservations0 = counter(cluster, "decode0", "decode_reservations")
+    expired0 = counter(cluster, "decode0", "decode_leases_expired")
     # Freeze prefill0 so that the requests routed to it are certainly in flight there
     # (its socket still accepts the calls), then kill -9 it while they wait.
     cluster.processes["prefill0"].signal(signal.SIGSTOP)
@@ -75,8 +76,10 @@ def test_prefill_killed_with_requests_in_flight(cluster, reference_engine):
         assert res.usage.prefill_instance == survivor  # retried on the other prefill worker
     # at least one request was re-reserved after its prefill on prefill0 failed
     assert counter(cluster, "decode0", "decode_reservations") - reservations0 > len(requests)
-    # the lost transfers' reservations are released (router Abort, or the 3 s lease)
+    # the lost transfers' reservations come back: the router Aborts the ticket (awaited) before
+    # it re-reserves, so no lease has to expire
     wait_until(lambda: pool_idle(cluster, "decode0"), 30, "decode blocks back after the kill")
+    assert counter(cluster, "decode0", "decode_leases_expired") == expired0
 
 
 async def _stream(addr: str, prompt: list[int], started: asyncio.Event) -> None:
