@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,6 +43,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tie lm_head to the embedding (default: --no-tie)",
     )
     mk.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    mk.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="do nothing when DIR already holds a checkpoint (config.json); for init jobs",
+    )
     mk.set_defaults(func=_make_tiny)
 
     info = sub.add_parser("info", help="print a checkpoint's parsed config and fingerprint")
@@ -52,6 +58,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _make_tiny(args: argparse.Namespace) -> int:
     from pdserve.model.tiny import PRESETS, TinySpec, make_tiny, resolve
+
+    if args.if_missing and (Path(args.dir) / "config.json").exists():
+        print(json.dumps({"dir": str(args.dir), "skipped": "config.json exists"}))
+        return 0
 
     spec = PRESETS[args.preset] if args.preset else TinySpec()
     overrides = {
