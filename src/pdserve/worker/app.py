@@ -3,12 +3,14 @@ itself registered with the router."""
 
 from __future__ import annotations
 
+import prometheus_client
 from grpc import aio
 
 from pdserve.logging import get_logger
 from pdserve.rpc.server import ServiceApp
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.worker.core import WorkerCore
+from pdserve.worker.metrics import WorkerCollector
 from pdserve.worker.registration import Registration, advertised_address
 from pdserve.worker.servicer import WorkerServicer
 from pdserve.worker.settings import WorkerSettings
@@ -24,12 +26,15 @@ class WorkerApp(ServiceApp):
         self.settings = settings
         self.core = WorkerCore(settings)
         self.registration: Registration | None = None
+        self._collector: WorkerCollector | None = None
 
     async def start(self, server: aio.Server) -> None:
         await self.core.load()
         if self.settings.kvstore_addr:
             self.core.attach_kvstore(self.settings.kvstore_addr)
         worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(self.core), server)
+        self._collector = WorkerCollector(self.core)
+        prometheus_client.REGISTRY.register(self._collector)
 
     async def on_serving(self, port: int) -> None:
         """Register only once health says SERVING, with the port actually bound."""
@@ -47,6 +52,9 @@ class WorkerApp(ServiceApp):
         await self.core.drain()
 
     async def close(self) -> None:
+        if self._collector is not None:
+            prometheus_client.REGISTRY.unregister(self._collector)
+            self._collector = None
         if self.registration is not None:
             await self.registration.stop()
         await self.core.close()
