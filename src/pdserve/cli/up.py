@@ -39,6 +39,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="FLAG",
         help="extra flag for every worker, e.g. --worker-arg=--num-blocks=512 (repeatable)",
     )
+    p.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flag for the router, e.g. --router-arg=--flip-enabled (repeatable)",
+    )
     p.set_defaults(func=run)
 
 
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy,
         log_dir=args.log_dir,
         worker_args=list(args.worker_arg),
+        router_args=list(args.router_arg),
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

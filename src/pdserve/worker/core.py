@@ -33,6 +33,7 @@ class WorkerCore:
         self.state = "starting"  # starting -> serving <-> flipping -> draining
         self.model_dir = ""
         self._inflight = 0
+        self._tokens_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self.engine: AsyncEngine | None = None
@@ -80,9 +81,9 @@ class WorkerCore:
         )
 
     async def drain(self) -> None:
-        """Stop taking work; wait for what is in flight."""
+        """Stop taking work; wait for what is in flight, reservations included."""
         self.state = "draining"
-        await self._idle.wait()
+        await self._wait_quiet()
 
     def attach_kvstore(self, addr: str) -> None:
         """Use the kvstore at `addr` for prefix reuse and write-back (idempotent)."""
@@ -145,8 +146,8 @@ class WorkerCore:
 
     def _admit(self, *roles: str, finishing: bool = False) -> None:
         """`finishing`: the call completes work accepted earlier (a Decode of a ticket this
-        worker issued), so it is admitted while flipping too; new work is not."""
-        allowed = ("serving", "flipping") if finishing else ("serving",)
+        worker issued), so it is admitted while flipping or draining; new work is not."""
+        allowed = ("serving", "flipping", "draining") if finishing else ("serving",)
         if self.state not in allowed:
             raise UnavailableError(f"worker {self.instance_id} is {self.state}")
         if self.role not in roles:
@@ -157,13 +158,16 @@ class WorkerCore:
             )
 
     @contextlib.contextmanager
-    def _track(self) -> Iterator[None]:
+    def _track(self, num_tokens: int) -> Iterator[None]:
+        """Count a request (and its prompt tokens) as in flight on this worker."""
         self._inflight += 1
+        self._tokens_in_flight += num_tokens
         self._idle.clear()
         try:
             yield
         finally:
             self._inflight -= 1
+            self._tokens_in_flight -= num_tokens
             if self._inflight == 0:
                 self._idle.set()
 
@@ -183,7 +187,7 @@ class WorkerCore:
     ) -> tuple[int, StageCosts]:
         self._admit("prefill", "colocated")
         assert self.prefill_handler is not None
-        with self._track():
+        with self._track(len(token_ids)):
             return await self.prefill_handler.prefill(
                 request_id, token_ids, params, ticket, use_kvstore and self.kv_reuse is not None
             )
@@ -200,7 +204,7 @@ class WorkerCore:
         self._admit("decode", "colocated", finishing=True)
         assert self.decode_handler is not None
         generated = [first_token]
-        with self._track():
+        with self._track(len(prompt_token_ids)):
             async for ev in self.decode_handler.decode(
                 request_id, ticket_id, prompt_token_ids, first_token, params
             ):
@@ -225,7 +229,7 @@ class WorkerCore:
         stages = StageCosts()
         reuse = self.kv_reuse
         generated: list[int] = []
-        with self._track():
+        with self._track(len(token_ids)):
             if use_kvstore and reuse is not None:
                 stages.kvstore_tokens = await reuse.fetch_prefix(request_id, token_ids)
             async for out in self.engine.generate(request_id, token_ids, params):
@@ -259,7 +263,7 @@ class WorkerCore:
             num_running=llm.num_running,
             free_blocks=llm.pool.num_free_blocks,
             total_blocks=llm.num_blocks,
-            tokens_in_flight=self._inflight,
+            tokens_in_flight=self._tokens_in_flight,
             num_reserved=self.decode_handler.num_reserved if self.decode_handler else 0,
         )
 
@@ -270,9 +274,11 @@ class WorkerCore:
         if self.decode_handler is not None:
             out.update({f"decode_{k}": v for k, v in self.decode_handler.counters.items()})
         if self.engine is not None:
-            pool = self.llm.pool
-            out["pool_free_blocks"] = float(pool.num_free_blocks)
-            out["pool_total_blocks"] = float(self.llm.num_blocks)
+            stats = self.llm.stats()  # plain int reads; approximate while a step runs
+            out["pool_free_blocks"] = float(stats["num_free_blocks"])
+            out["pool_total_blocks"] = float(stats["num_blocks"])
+            for name in ("prefix_hit_tokens", "prefix_hit_blocks", "num_preemptions"):
+                out[f"engine_{name}"] = float(stats[name])
         if self.kv_reuse is not None:
             out.update(self.kv_reuse.counters())
         return out

@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 
 from pdserve.worker.core import WorkerCore
 
-_GAUGES = {"pool_free_blocks", "pool_total_blocks"}
+_GAUGES = {"pool_free_blocks", "pool_total_blocks"}  # the rest only grow
 
 
 class WorkerCollector(Collector):
