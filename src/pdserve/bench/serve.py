@@ -80,22 +80,33 @@ def model_limits(args: argparse.Namespace) -> tuple[int, int | None]:
     return int(vocab or 1000), max_len
 
 
-def base_requests(args: argparse.Namespace, n_hint: int | None = None) -> list[BenchRequest]:
+WARMUP_SALT = 1000  # the warm-up's prompts differ from every run's
+
+
+def prompt_seed(args: argparse.Namespace, salt: int) -> int:
+    """The seed of run `salt`'s prompt tokens. Every run of a sweep (and the warm-up) gets
+    its own prompts: re-sending the same ones would hit the prefix cache of the run before."""
+    return args.seed + 7919 * salt
+
+
+def base_requests(
+    args: argparse.Namespace, n_hint: int | None = None, salt: int = 0
+) -> list[BenchRequest]:
     """The workload before arrivals are assigned (trace requests keep the trace's times)."""
     vocab, max_len = model_limits(args)
+    seed = prompt_seed(args, salt)
     if args.trace:
         records = read_trace(args.trace, args.trace_format, limit=args.num_requests)
-        return trace_requests(records, vocab, args.seed, args.length_scale, max_len,
-                              args.block_size)
+        return trace_requests(records, vocab, seed, args.length_scale, max_len, args.block_size)
     n = n_hint if n_hint is not None else (args.num_requests or 100)
     return synthetic_requests(n, LengthDist.parse(args.input_len),
-                              LengthDist.parse(args.output_len), vocab, args.seed, max_len)
+                              LengthDist.parse(args.output_len), vocab, seed, max_len)
 
 
-def workload_at(args: argparse.Namespace, rate: float | None) -> list[BenchRequest]:
+def workload_at(args: argparse.Namespace, rate: float | None, salt: int = 0) -> list[BenchRequest]:
     """Requests with arrival times for one run at `rate` (None: the default rate)."""
     if args.trace:
-        reqs = base_requests(args)
+        reqs = base_requests(args, salt=salt)
         times = arrivals.replay_arrivals([r.arrival_s for r in reqs], args.time_scale, rate)
         out = [replace(r, arrival_s=t) for r, t in zip(reqs, times, strict=True)]
         if args.duration:
@@ -106,12 +117,14 @@ def workload_at(args: argparse.Namespace, rate: float | None) -> list[BenchReque
         times = arrivals.arrivals_for_duration(args.duration, rate, args.burstiness, args.seed)
     else:
         times = arrivals.gamma_arrivals(args.num_requests or 100, rate, args.burstiness, args.seed)
-    reqs = base_requests(args, n_hint=len(times))
+    reqs = base_requests(args, n_hint=len(times), salt=salt)
     return [replace(r, arrival_s=t) for r, t in zip(reqs, times, strict=True)]
 
 
-def run_once(addr: str, args: argparse.Namespace, rate: float | None, slo: SLO) -> dict[str, Any]:
-    reqs = workload_at(args, rate)
+def run_once(
+    addr: str, args: argparse.Namespace, rate: float | None, slo: SLO, salt: int = 0
+) -> dict[str, Any]:
+    reqs = workload_at(args, rate, salt)
 
     async def go() -> tuple[list, float]:
         async with open_client(addr) as client:
@@ -155,7 +168,7 @@ def run_benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     if args.warmup > 0:
         warm = [replace(r, arrival_s=0.0, max_tokens=min(r.max_tokens, 4))
-                for r in base_requests(args, n_hint=args.warmup)[: args.warmup]]
+                for r in base_requests(args, n_hint=args.warmup, salt=WARMUP_SALT)[: args.warmup]]
         asyncio.run(_warmup(addr, warm, args.temperature))
     if args.sweep_rates:
         ts = slo.only("ttft", "tpot")
@@ -163,7 +176,7 @@ def run_benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("--sweep-rates needs both SLOs: --goodput ttft:MS tpot:MS")
 
         def measure(rate: float) -> float:
-            runs.append(run_once(addr, args, rate, slo))
+            runs.append(run_once(addr, args, rate, slo, salt=len(runs)))
             return runs[-1]["attainment_ttft_tpot"]
 
         if args.sweep_rates == "auto":
