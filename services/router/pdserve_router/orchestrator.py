@@ -261,6 +261,9 @@ class Orchestrator:
                         num_prompt_tokens=len(job.token_ids),
                         num_predicted_tokens=route.predicted_tokens,
                         lease_s=self.lease_s,
+                        # early admission: decoding starts the moment the KV lands
+                        prompt_token_ids=job.token_ids,
+                        sampling=job.sampling,
                     ),
                     timeout=self.deadlines.reserve_s,
                     metadata=request_metadata(job.request_id),

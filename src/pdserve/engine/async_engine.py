@@ -77,11 +77,15 @@ class AsyncEngine:
         first_token: int,
         params: SamplingParams,
         block_ids: Sequence[int],
+        before_add: Callable[[], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Decode side: stream tokens 1.. of a request whose KV was written into reserved
-        blocks (see LLMEngine.add_prefilled_request)."""
+        """Decode side: stream tokens 1.. of a request whose KV is in reserved blocks (see
+        LLMEngine.add_prefilled_request). `before_add` runs in the same engine command, right
+        before the request joins the batch (e.g. to write the received KV into the blocks)."""
 
         def add() -> RequestOutput | None:
+            if before_add is not None:
+                before_add()
             return self.engine.add_prefilled_request(
                 request_id, prompt_token_ids, first_token, params, block_ids
             )

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Ticket(_message.Message):
-    __slots__ = ("ticket_id", "decode_instance_id", "ucx_worker_address", "tag_base", "lease_expiry_unix_s", "num_blocks", "kv_fingerprint")
+    __slots__ = ("ticket_id", "decode_instance_id", "ucx_worker_address", "tag_base", "lease_expiry_unix_s", "num_blocks", "kv_fingerprint", "early_admission")
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Ticket(_message.Message):
     LEASE_EXPIRY_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EARLY_ADMISSION_FIELD_NUMBER: _ClassVar[int]
     ticket_id: int
     decode_instance_id: str
     ucx_worker_address: bytes
@@ -23,19 +24,24 @@ class Ticket(_message.Message):
     lease_expiry_unix_s: float
     num_blocks: int
     kv_fingerprint: str
-    def __init__(self, ticket_id: _Optional[int] = ..., decode_instance_id: _Optional[str] = ..., ucx_worker_address: _Optional[bytes] = ..., tag_base: _Optional[int] = ..., lease_expiry_unix_s: _Optional[float] = ..., num_blocks: _Optional[int] = ..., kv_fingerprint: _Optional[str] = ...) -> None: ...
+    early_admission: bool
+    def __init__(self, ticket_id: _Optional[int] = ..., decode_instance_id: _Optional[str] = ..., ucx_worker_address: _Optional[bytes] = ..., tag_base: _Optional[int] = ..., lease_expiry_unix_s: _Optional[float] = ..., num_blocks: _Optional[int] = ..., kv_fingerprint: _Optional[str] = ..., early_admission: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "num_predicted_tokens", "lease_s")
+    __slots__ = ("request_id", "num_prompt_tokens", "num_predicted_tokens", "lease_s", "prompt_token_ids", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREDICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     num_predicted_tokens: int
     lease_s: float
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_predicted_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_predicted_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("ticket",)

@@ -44,6 +44,7 @@ def ticket_to_proto(t: Ticket) -> worker_pb2.Ticket:
         lease_expiry_unix_s=t.lease_expiry_unix_s,
         num_blocks=t.num_blocks,
         kv_fingerprint=t.kv_fingerprint,
+        early_admission=t.early_admission,
     )
 
 
@@ -56,6 +57,7 @@ def ticket_from_proto(p: worker_pb2.Ticket) -> Ticket:
         lease_expiry_unix_s=p.lease_expiry_unix_s,
         num_blocks=p.num_blocks,
         kv_fingerprint=p.kv_fingerprint,
+        early_admission=p.early_admission,
     )
 
 

@@ -172,10 +172,21 @@ class WorkerCore:
                 self._idle.set()
 
     # ------------------------------------------------------------------ requests
-    async def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float) -> Ticket:
+    async def reserve(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        lease_s: float,
+        prompt_token_ids: Sequence[int] = (),
+        params: SamplingParams | None = None,
+    ) -> Ticket:
+        """With the prompt and sampling, the request is admitted as soon as its KV and token 0
+        arrive (early admission); the Decode call then only collects its tokens."""
         self._admit("decode", "colocated")
         assert self.decode_handler is not None
-        return await self.decode_handler.reserve(request_id, num_prompt_tokens, lease_s or None)
+        return await self.decode_handler.reserve(
+            request_id, num_prompt_tokens, lease_s or None, prompt_token_ids, params
+        )
 
     async def prefill(
         self,

@@ -12,6 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import FailedPreconditionError, InvalidRequestError, UnavailableError
@@ -45,15 +47,20 @@ class LayerPusher:
 
         return kv_sink
 
-    def _start(self, layer: int, kv: Any) -> None:
+    def _start(self, layer: int, kv: Any, count_bytes: bool = True) -> None:
         if self.first_send_at is None:
             self.first_send_at = time.perf_counter()
-        self.bytes += kv.numel() * kv.element_size()
+        if count_bytes:
+            self.bytes += kv.numel() * kv.element_size()
         tag = self._ticket.tag_base + layer
         addr = self._ticket.ucx_worker_address
         self._sends.append(
             asyncio.ensure_future(self._transport.send(addr, tag, kv, self._timeout_s))
         )
+
+    def push_token(self, token: int, num_layers: int) -> None:
+        """Early admission: token 0 follows the layers (int32, tag tag_base + num_layers)."""
+        self._start(num_layers, np.array([token], dtype=np.int32), count_bytes=False)
 
     async def wait(self, expected_layers: int) -> None:
         if len(self._sends) != expected_layers:
@@ -116,7 +123,11 @@ class PrefillHandler:
                 if out.finish_reason == "abort":
                     raise asyncio.CancelledError(f"request {request_id} aborted")
             computed = time.perf_counter()
-            await pusher.wait(self._spec.num_layers)
+            expected = self._spec.num_layers
+            if ticket.early_admission and first_token is not None:
+                pusher.push_token(first_token, self._spec.num_layers)
+                expected += 1
+            await pusher.wait(expected)
         except BaseException:
             pusher.cancel()
             raise

@@ -18,8 +18,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Reserve(
         self, request: worker_pb2.ReserveRequest, context: aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
+        early = bool(request.prompt_token_ids) and request.HasField("sampling")
         ticket = await self._core.reserve(
-            request.request_id, request.num_prompt_tokens, request.lease_s
+            request.request_id,
+            request.num_prompt_tokens,
+            request.lease_s,
+            list(request.prompt_token_ids),
+            convert.sampling_from_proto(request.sampling) if early else None,
         )
         return worker_pb2.ReserveResponse(ticket=convert.ticket_to_proto(ticket))
 
