@@ -79,7 +79,8 @@ def test_concurrent_greedy_matches_engine_and_kv_bytes(topology, reference_engin
     # the spec's formula, recomputed from the model's shape (float32 K and V, every layer)
     assert bytes_per_block == info.num_layers * 2 * BLOCK_SIZE * 2 * 16 * 4
     implied = sum(math.ceil(len(p) / BLOCK_SIZE) * bytes_per_block for p, _ in requests)
-    assert received == implied
+    # + token 0 of each request (one int32 message: early admission, worker.proto Ticket)
+    assert received == implied + 4 * len(requests)
     # each request reports the bytes of its own transfer (usage.stages.transfer_bytes)
     for (prompt, _), res in zip(requests, results, strict=True):
         assert (
