@@ -65,6 +65,7 @@ class RouterApp(ServiceApp):
             self.workers,
             Deadlines(
                 reserve_s=s.reserve_deadline_s,
+                kv_queue_s=s.kv_queue_timeout_s,
                 prefill_s=s.prefill_deadline_s,
                 first_token_s=s.first_token_deadline_s,
                 decode_idle_s=s.decode_idle_deadline_s,

@@ -12,6 +12,7 @@ aborts the request on every instance still holding it; aborts are idempotent.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ class _DecodeLost(Exception):
 @dataclass(frozen=True)
 class Deadlines:
     reserve_s: float = 5.0
+    kv_queue_s: float = 30.0  # wait this long for free decode KV blocks before giving up
     prefill_s: float = 120.0
     first_token_s: float = 120.0  # colocated Generate / Decode: wait for the first chunk
     decode_idle_s: float = 60.0  # longest gap between two chunks of a stream
@@ -243,16 +245,25 @@ class Orchestrator:
                 task.cancel()
 
     async def _reserve(self, job: Job, route: RouteRequest) -> tuple[Instance, worker_pb2.Ticket]:
-        """Reserve on a decode instance; another one when it is dead or full."""
+        """Reserve on a decode instance; another one when it is dead or full. When every
+        decode instance is full, the request queues (backing off) for up to `kv_queue_s`:
+        overload becomes waiting, as in a single engine, not an error."""
         tried: set[str] = set()
         last: Exception | None = None
+        queue_deadline = time.monotonic() + self.deadlines.kv_queue_s
+        backoff = 0.01
         while True:
             try:
                 decode = self._pick(ROLE_DECODE, route, exclude=tried)
             except UnavailableError:
-                if isinstance(last, OverloadedError):
+                if not isinstance(last, OverloadedError):
+                    raise
+                if time.monotonic() + backoff > queue_deadline:
                     raise last from None
-                raise
+                await asyncio.sleep(backoff)  # blocks free as running requests finish
+                backoff = min(backoff * 2, 0.2)
+                tried, last = set(), None
+                continue
             tried.add(decode.instance_id)
             try:
                 resp = await self.workers.stub(decode.address).Reserve(

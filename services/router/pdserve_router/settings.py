@@ -17,7 +17,9 @@ class RouterSettings(ServiceSettings):
         None, description="model directory (tokenizer + config.json); none = token ids only"
     )
     policy: Literal["round_robin", "least_loaded", "prefix_aware"] = Field(
-        "least_loaded", description="placement policy"
+        "prefix_aware",
+        description="placement policy (prefix_aware: least loaded, preferring the prefill "
+        "instance that holds the prompt's prefix)",
     )
     session_affinity: bool = Field(
         True, description="same session_id -> same prefill/colocated instance while it lives"
@@ -29,6 +31,9 @@ class RouterSettings(ServiceSettings):
         3.0, gt=0, description="drop an instance silent for this long, seconds"
     )
     reserve_deadline_s: float = Field(5.0, gt=0, description="Reserve RPC deadline, seconds")
+    kv_queue_timeout_s: float = Field(
+        30.0, ge=0, description="wait for free decode KV blocks before RESOURCE_EXHAUSTED, s"
+    )
     prefill_deadline_s: float = Field(120.0, gt=0, description="Prefill RPC deadline, seconds")
     first_token_deadline_s: float = Field(
         120.0, gt=0, description="wait for the first chunk of a Decode/Generate stream, seconds"
