@@ -46,3 +46,30 @@ def test_no_prefix_caching_counts_nothing(make_engine):
     engine = make_engine(enable_prefix_caching=False)
     engine.generate([p, p], GREEDY)
     assert engine.pool.stats.hit_blocks == 0
+
+
+def test_held_prefix_is_pinned_until_scheduled_or_aborted(make_engine):
+    """hold_prefix takes a ref on each cached prefix block (out of the evictable free list)
+    while its request waits; scheduling or abort drops it (the make_engine fixture checks
+    that every block is free at the end)."""
+    from pdserve.engine.params import SamplingParams
+
+    engine = make_engine(num_blocks=16)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt = list(range(5, 5 + 48))  # 3 full blocks
+    engine.generate([prompt], params)
+    hashes = engine.compute_block_hashes(prompt)
+    blocks = engine.cached_prefix(hashes)
+    assert len(blocks) == 3 and engine.pool.num_free_blocks == 16
+    assert engine.hold_prefix("later", hashes) == 3
+    assert [engine.pool.ref_counts[b] for b in blocks] == [1, 1, 1]
+    assert engine.pool.num_free_blocks == 13  # held blocks cannot be evicted
+    engine.check_integrity()
+    engine.add_request("later", [*prompt, 7, 8], params)
+    engine.step()  # scheduled: the sequence's own refs replace the hold
+    assert [engine.pool.ref_counts[b] for b in blocks] == [1, 1, 1]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.hold_prefix("never-added", hashes) == 3
+    engine.abort_request("never-added")  # abort frees a hold even for an unknown request
+    assert engine.pool.num_free_blocks == 16

@@ -79,6 +79,9 @@ class LLMEngine:
         )
         self._seqs: dict[str, Seq] = {}
         self._reserved: set[int] = set()  # blocks held by reserve_blocks, not yet a request's
+        # request_id -> cached prefix blocks held (one ref each) until that request is
+        # scheduled: KV fetched from the kvstore must not be evicted while the request waits
+        self._held: dict[str, list[int]] = {}
         self._arrival = itertools.count()
 
     def _num_blocks(self, config: EngineConfig) -> int:
@@ -112,9 +115,13 @@ class LLMEngine:
         kv_sink: KVSink | None = None,
     ) -> None:
         params = params or SamplingParams()
-        if request_id in self._seqs:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        self.validate(prompt_token_ids, params)
+        try:
+            if request_id in self._seqs:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+            self.validate(prompt_token_ids, params)
+        except InvalidRequestError:
+            self.release_held(request_id)
+            raise
         seq = Seq(
             request_id,
             list(prompt_token_ids),
@@ -128,6 +135,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Idempotent. Returns True if the request was live."""
+        self.release_held(request_id)
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
@@ -150,6 +158,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
+        if self._held:  # scheduled requests now hold their prefix themselves
+            for entry in plan.scheduled:
+                self.release_held(entry.seq.request_id)
         sinks = [
             e.seq for e in plan.scheduled if e.sample and e.seq.prefill_only and e.seq.kv_sink
         ]
@@ -318,6 +329,20 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
         }
 
+    def hold_prefix(self, request_id: str, hashes: Sequence[bytes]) -> int:
+        """Take one ref on each block of the longest locally cached prefix of `hashes` until
+        `request_id` is scheduled (or aborted), so eviction cannot break the prefix while the
+        request waits. Returns the blocks held."""
+        blocks = self.pool.find_prefix(hashes, record=False)
+        self.pool.touch(blocks)
+        self._held.setdefault(request_id, []).extend(blocks)
+        return len(blocks)
+
+    def release_held(self, request_id: str) -> None:
+        blocks = self._held.pop(request_id, None)
+        if blocks:
+            self.pool.free(blocks)
+
     # ---- checks -----------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.pool.check_integrity()
@@ -327,5 +352,8 @@ class LLMEngine:
                 owned[b] = owned.get(b, 0) + 1
         for b in self._reserved:
             owned[b] = owned.get(b, 0) + 1
+        for blocks in self._held.values():
+            for b in blocks:
+                owned[b] = owned.get(b, 0) + 1
         for b, rc in enumerate(self.pool.ref_counts):
             assert rc == owned.get(b, 0), f"block {b}: ref {rc} but {owned.get(b, 0)} owners"

@@ -242,7 +242,11 @@ class WorkerCore:
         generated: list[int] = []
         with self._track(len(token_ids)):
             if use_kvstore and reuse is not None:
-                stages.kvstore_tokens = await reuse.fetch_prefix(request_id, token_ids)
+                try:
+                    stages.kvstore_tokens = await reuse.fetch_prefix(request_id, token_ids)
+                except BaseException:
+                    await self.engine.abort(request_id)  # releases the prefix hold
+                    raise
             async for out in self.engine.generate(request_id, token_ids, params):
                 now = time.perf_counter()
                 generated.extend(out.new_token_ids)

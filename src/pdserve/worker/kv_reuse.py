@@ -46,14 +46,17 @@ class KVReuse:
 
     # ------------------------------------------------------------------ fetch
     async def fetch_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """Import the store's part of the prompt's cached prefix into the local block pool
-        (as free, cached blocks the prefill then hits). Returns the tokens fetched."""
+        """Import the store's part of the prompt's cached prefix into the local block pool and
+        hold the whole cached prefix until the request is scheduled (the caller must add or
+        abort `request_id` on the engine afterwards: either releases the hold). Returns the
+        tokens fetched."""
         llm = self._engine.engine
         hashes = llm.compute_block_hashes(token_ids)
         if not hashes:
             return 0
         n_local = len(await self._engine.call(lambda: llm.cached_prefix(hashes)))
         if n_local == len(hashes):
+            await self._engine.call(lambda: llm.hold_prefix(request_id, hashes))
             return 0
         started = time.perf_counter()
         n_store = await self.client.lookup(self._namespace, hashes)
@@ -61,6 +64,7 @@ class KVReuse:
         self._counters["lookup_ms_sum"] += (time.perf_counter() - started) * 1e3
         self._counters["hit_blocks"] += n_store
         if n_store <= n_local:
+            await self._engine.call(lambda: llm.hold_prefix(request_id, hashes))
             return 0
         wanted = hashes[n_local:n_store]
         buf = torch.empty(
@@ -70,10 +74,17 @@ class KVReuse:
         fetch_started = time.perf_counter()
         n_ok = await self.client.fetch(self._namespace, wanted, buf)
         self._counters["fetch_ms_sum"] += (time.perf_counter() - fetch_started) * 1e3
+        verified = wanted[:n_ok]
+
+        def import_and_hold() -> None:
+            # One engine command: nothing can evict the prefix between import and hold.
+            if n_ok:
+                llm.import_cached_blocks(verified, buf[:n_ok])
+            llm.hold_prefix(request_id, hashes)
+
+        await self._engine.call(import_and_hold)
         if n_ok == 0:
             return 0
-        verified = wanted[:n_ok]
-        await self._engine.call(lambda: llm.import_cached_blocks(verified, buf[:n_ok]))
         self._counters["fetched_blocks"] += n_ok
         _log.debug("kvstore prefix fetched", request_id=request_id, blocks=n_ok)
         return n_ok * self._spec.block_size

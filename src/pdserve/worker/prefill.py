@@ -108,12 +108,12 @@ class PrefillHandler:
         self._check_ticket(token_ids, ticket)
         started = time.perf_counter()
         stages = StageCosts()
-        if use_kvstore and self.kv_reuse is not None:
-            stages.kvstore_tokens = await self.kv_reuse.fetch_prefix(request_id, token_ids)
         pusher = LayerPusher(self._transport, ticket, self._timeout_s)
         loop = asyncio.get_running_loop()
         first_token: int | None = None
         try:
+            if use_kvstore and self.kv_reuse is not None:
+                stages.kvstore_tokens = await self.kv_reuse.fetch_prefix(request_id, token_ids)
             async for out in self._engine.generate(
                 request_id, token_ids, params, prefill_only=True, kv_sink=pusher.sink(loop)
             ):
@@ -130,6 +130,7 @@ class PrefillHandler:
             await pusher.wait(expected)
         except BaseException:
             pusher.cancel()
+            await self._engine.abort(request_id)  # idempotent; releases a prefix hold too
             raise
         done = time.perf_counter()
         if first_token is None:
