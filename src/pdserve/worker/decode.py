@@ -245,7 +245,7 @@ class DecodeHandler:
         the reserved blocks and admits the sequence in ONE engine command (the blocks become
         the sequence's own), then yields its tokens."""
         stages = res.stages
-        stages.transfer_ms = (time.perf_counter() - res.created) * 1e3
+        kv_wait_ms = (time.perf_counter() - res.created) * 1e3  # reservation -> all KV here
         engine = self._engine.engine
         res.state = "admitted"  # from here an abort goes to the engine, not to the blocks
 
@@ -254,10 +254,11 @@ class DecodeHandler:
                 engine.write_kv(res.block_ids, layer, res.staging[layer])
             res.admitted_at = time.perf_counter()
             self.counters["admitted"] += 1
-            self.counters["kv_wait_ms_sum"] += stages.transfer_ms
+            self.counters["kv_wait_ms_sum"] += kv_wait_ms
             if res.last_layer_at is not None:
                 delay_ms = (res.admitted_at - res.last_layer_at) * 1e3
                 self.counters["admission_delay_ms_sum"] += delay_ms
+                stages.queue_ms = delay_ms
 
         outputs = self._engine.generate_prefilled(
             res.request_id, prompt_token_ids, first_token, params, res.block_ids,

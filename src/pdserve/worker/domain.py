@@ -22,11 +22,13 @@ class Ticket:
 
 @dataclass
 class StageCosts:
-    queue_ms: float = 0.0
-    prefill_ms: float = 0.0
-    transfer_ms: float = 0.0
-    transfer_bytes: int = 0
-    decode_ms: float = 0.0
+    """Per-request stage costs; the router sums the prefill's and the decode's."""
+
+    queue_ms: float = 0.0  # decode: last KV layer landed -> admitted to the batch
+    prefill_ms: float = 0.0  # prefill (or colocated): arrival -> token 0 (incl. queueing)
+    transfer_ms: float = 0.0  # prefill: exposed transfer, token 0 computed -> every layer sent
+    transfer_bytes: int = 0  # KV bytes pushed to the decode
+    decode_ms: float = 0.0  # decode (or colocated): admission (token 0) -> last token
     cached_tokens: int = 0
     kvstore_tokens: int = 0
 
