@@ -73,3 +73,32 @@ def test_held_prefix_is_pinned_until_scheduled_or_aborted(make_engine):
     assert engine.hold_prefix("never-added", hashes) == 3
     engine.abort_request("never-added")  # abort frees a hold even for an unknown request
     assert engine.pool.num_free_blocks == 16
+
+
+def test_hold_on_finish_keeps_finished_blocks_until_released(make_engine):
+    """The write-back hold: a finished request's computed full blocks stay referenced (so
+    eviction cannot take them before the kvstore publish reads them) until release_held."""
+    from pdserve.engine.params import SamplingParams
+
+    engine = make_engine(num_blocks=16)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompt = list(range(5, 5 + 40))  # 40 + 20 tokens: 59 computed -> 3 full blocks
+    engine.hold_on_finish("wb")
+    engine.add_request("wb", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    answer = [t for o in outputs for t in o.new_token_ids]
+    hashes = engine.compute_block_hashes(prompt + answer)
+    held = engine.cached_prefix(hashes)
+    assert len(held) == 3
+    assert all(engine.pool.ref_counts[b] == 1 for b in held)
+    assert engine.pool.num_free_blocks == 13
+    engine.release_held("wb")
+    assert engine.pool.num_free_blocks == 16
+    # an aborted request keeps nothing
+    engine.hold_on_finish("gone")
+    engine.add_request("gone", prompt, params)
+    engine.step()
+    engine.abort_request("gone")
+    assert engine.pool.num_free_blocks == 16

@@ -44,6 +44,9 @@ class EngineConfig:
     seed: int | None = None  # generator for unseeded random sampling
 
 
+_FINISHED = "#finished"  # key suffix of a finished request's held blocks
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
         if loaded is None:
@@ -82,6 +85,9 @@ class LLMEngine:
         # request_id -> cached prefix blocks held (one ref each) until that request is
         # scheduled: KV fetched from the kvstore must not be evicted while the request waits
         self._held: dict[str, list[int]] = {}
+        # requests whose computed full blocks stay held after they finish, until
+        # release_held(): the worker's kvstore write-back reads them off the critical path
+        self._hold_on_finish: set[str] = set()
         self._arrival = itertools.count()
 
     def _num_blocks(self, config: EngineConfig) -> int:
@@ -160,7 +166,7 @@ class LLMEngine:
             return []
         if self._held:  # scheduled requests now hold their prefix themselves
             for entry in plan.scheduled:
-                self.release_held(entry.seq.request_id)
+                self._drop_hold(entry.seq.request_id)
         sinks = [
             e.seq for e in plan.scheduled if e.sample and e.seq.prefill_only and e.seq.kv_sink
         ]
@@ -171,7 +177,7 @@ class LLMEngine:
             seq = entry.seq
             reason = self._finish_reason(seq)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                self._finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
             outputs.append(self._output(seq, [seq.output_token_ids[-1]], reason))
         return outputs
@@ -279,7 +285,7 @@ class LLMEngine:
         reason = self._finish_reason(seq)
         if reason is None:
             return None
-        self.scheduler.finish(seq, reason)
+        self._finish(seq, reason)
         del self._seqs[request_id]
         return self._output(seq, [], reason)
 
@@ -338,10 +344,31 @@ class LLMEngine:
         self._held.setdefault(request_id, []).extend(blocks)
         return len(blocks)
 
+    def hold_on_finish(self, request_id: str) -> None:
+        """When `request_id` finishes normally, keep its computed full blocks (cached, one ref
+        each) until `release_held(request_id)`."""
+        self._hold_on_finish.add(request_id)
+
     def release_held(self, request_id: str) -> None:
-        blocks = self._held.pop(request_id, None)
+        """Drop every hold of `request_id`: its waiting prefix and its finished blocks."""
+        self._hold_on_finish.discard(request_id)
+        self._drop_hold(request_id)
+        self._drop_hold(request_id + _FINISHED)
+
+    def _drop_hold(self, key: str) -> None:
+        blocks = self._held.pop(key, None)
         if blocks:
             self.pool.free(blocks)
+
+    def _finish(self, seq: Seq, reason: str) -> None:
+        if seq.request_id in self._hold_on_finish:
+            self._hold_on_finish.discard(seq.request_id)
+            if reason != "abort":
+                n = min(seq.num_computed_tokens // self.spec.block_size, len(seq.block_table))
+                blocks = seq.block_table[:n]
+                self.pool.touch(blocks)  # the sequence's own refs go in finish()
+                self._held[seq.request_id + _FINISHED] = blocks
+        self.scheduler.finish(seq, reason)
 
     # ---- checks -----------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -21,6 +22,9 @@ from pdserve.worker.decode import DecodeHandler
 from pdserve.worker.domain import LoadSnapshot, StageCosts, Ticket, TokenEvent
 from pdserve.worker.prefill import PrefillHandler
 from pdserve.worker.settings import RoleName, WorkerSettings
+
+if TYPE_CHECKING:
+    from pdserve.worker.kv_reuse import KVReuse
 
 _log = get_logger(__name__)
 
@@ -94,6 +98,8 @@ class WorkerCore:
         self.kv_reuse = KVReuse(addr, self.engine, self.transport, self.settings.kvstore_timeout_s)
         if self.prefill_handler is not None:
             self.prefill_handler.kv_reuse = self.kv_reuse
+        if self.decode_handler is not None:
+            self.decode_handler.hold_finished = True  # keep finished blocks for write-back
         _log.info("kvstore attached", addr=addr)
 
     async def drain_for_rpc(self) -> int:
@@ -215,14 +221,19 @@ class WorkerCore:
         self._admit("decode", "colocated", finishing=True)
         assert self.decode_handler is not None
         generated = [first_token]
-        with self._track(len(prompt_token_ids)):
-            async for ev in self.decode_handler.decode(
-                request_id, ticket_id, prompt_token_ids, first_token, params
-            ):
-                generated.extend(ev.token_ids)
-                yield ev
-        if write_back and self.kv_reuse is not None:
-            self.kv_reuse.publish_later(request_id, [*prompt_token_ids, *generated])
+        finished = False
+        try:
+            with self._track(len(prompt_token_ids)):
+                async for ev in self.decode_handler.decode(
+                    request_id, ticket_id, prompt_token_ids, first_token, params
+                ):
+                    generated.extend(ev.token_ids)
+                    finished = ev.finish_reason not in (None, "abort")
+                    yield ev
+        finally:
+            await self._write_back(
+                request_id, [*prompt_token_ids, *generated], write_back and finished
+            )
 
     async def generate(
         self,
@@ -234,33 +245,76 @@ class WorkerCore:
     ) -> AsyncIterator[TokenEvent]:
         """Colocated: both phases here, chunked prefill in the same continuous batch."""
         self._admit("colocated")
-        assert self.engine is not None
-        started = time.perf_counter()
-        first_at: float | None = None
         stages = StageCosts()
         reuse = self.kv_reuse
         generated: list[int] = []
-        with self._track(len(token_ids)):
-            if use_kvstore and reuse is not None:
-                try:
-                    stages.kvstore_tokens = await reuse.fetch_prefix(request_id, token_ids)
-                except BaseException:
-                    await self.engine.abort(request_id)  # releases the prefix hold
-                    raise
-            async for out in self.engine.generate(request_id, token_ids, params):
-                now = time.perf_counter()
-                generated.extend(out.new_token_ids)
-                if first_at is None and out.new_token_ids:
-                    first_at = now
-                    stages.prefill_ms = (now - started) * 1e3
-                    stages.cached_tokens = out.num_cached_tokens
-                if out.finished:
-                    stages.decode_ms = (now - (first_at or now)) * 1e3
-                    yield TokenEvent(out.new_token_ids, out.finish_reason, stages)
-                    break
-                yield TokenEvent(out.new_token_ids)
-        if write_back and reuse is not None:
-            reuse.publish_later(request_id, [*token_ids, *generated])
+        finished = False
+        try:
+            with self._track(len(token_ids)):
+                if reuse is not None and (use_kvstore or write_back):
+                    stages.kvstore_tokens = await self._prepare_reuse(
+                        reuse, request_id, token_ids, use_kvstore, write_back
+                    )
+                async for ev in self._colocated_events(request_id, token_ids, params, stages):
+                    generated.extend(ev.token_ids)
+                    finished = ev.finish_reason not in (None, "abort")
+                    yield ev
+        finally:
+            await self._write_back(request_id, [*token_ids, *generated], write_back and finished)
+
+    async def _prepare_reuse(
+        self,
+        reuse: KVReuse,
+        request_id: str,
+        token_ids: Sequence[int],
+        fetch: bool,
+        hold_finished: bool,
+    ) -> int:
+        """Fetch the kvstore's prefix (holding it until scheduled) and/or ask the engine to
+        keep the request's blocks when it finishes, for the write-back."""
+        assert self.engine is not None
+        llm = self.llm
+        try:
+            if fetch:
+                return await reuse.fetch_prefix(request_id, token_ids, hold_finished)
+            await self.engine.call(lambda: llm.hold_on_finish(request_id))
+            return 0
+        except BaseException:
+            await self.engine.abort(request_id)  # releases every hold of the request
+            raise
+
+    async def _write_back(self, request_id: str, token_ids: list[int], publish: bool) -> None:
+        """After a stream: publish its blocks to the kvstore (which then releases them), or
+        just release what the engine held for it."""
+        reuse = self.kv_reuse
+        if reuse is None:
+            return
+        if publish:
+            reuse.publish_later(request_id, token_ids)
+        else:
+            await reuse.release(request_id)
+
+    async def _colocated_events(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        stages: StageCosts,
+    ) -> AsyncIterator[TokenEvent]:
+        assert self.engine is not None
+        started = time.perf_counter()
+        first_at: float | None = None
+        async for out in self.engine.generate(request_id, token_ids, params):
+            now = time.perf_counter()
+            if first_at is None and out.new_token_ids:
+                first_at = now
+                stages.prefill_ms = (now - started) * 1e3
+                stages.cached_tokens = out.num_cached_tokens
+            if out.finished:
+                stages.decode_ms = (now - (first_at or now)) * 1e3
+                yield TokenEvent(out.new_token_ids, out.finish_reason, stages)
+                return
+            yield TokenEvent(out.new_token_ids)
 
     async def abort(self, request_id: str) -> bool:
         if self.decode_handler is None:

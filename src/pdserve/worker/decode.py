@@ -83,6 +83,7 @@ class DecodeHandler:
         self._by_ticket: dict[int, Reservation] = {}
         self._by_request: dict[str, int] = {}
         self._background: set[asyncio.Task] = set()
+        self.hold_finished = False  # keep a finished request's blocks for the kvstore write-back
         self.counters: dict[str, float] = dict.fromkeys(
             ("reservations", "leases_expired", "transfers_failed", "admitted",
              "admission_delay_ms_sum", "kv_wait_ms_sum"), 0.0
@@ -252,6 +253,8 @@ class DecodeHandler:
         def write_kv_and_count() -> None:  # engine thread
             for layer in range(self._spec.num_layers):
                 engine.write_kv(res.block_ids, layer, res.staging[layer])
+            if self.hold_finished:
+                engine.hold_on_finish(res.request_id)
             res.admitted_at = time.perf_counter()
             self.counters["admitted"] += 1
             self.counters["kv_wait_ms_sum"] += kv_wait_ms

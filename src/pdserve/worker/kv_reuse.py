@@ -11,6 +11,7 @@ Block bytes on the wire: one logical block = all layers, `[L, 2, block_size, kvh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -45,35 +46,30 @@ class KVReuse:
         return {f"kvstore_{k}": v for k, v in self._counters.items()}
 
     # ------------------------------------------------------------------ fetch
-    async def fetch_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+    async def fetch_prefix(
+        self, request_id: str, token_ids: Sequence[int], hold_finished: bool = False
+    ) -> int:
         """Import the store's part of the prompt's cached prefix into the local block pool and
-        hold the whole cached prefix until the request is scheduled (the caller must add or
-        abort `request_id` on the engine afterwards: either releases the hold). Returns the
-        tokens fetched."""
+        hold the whole cached prefix until the request is scheduled; with `hold_finished`,
+        also keep the request's blocks when it finishes, for `publish_later`. The caller
+        must then add or abort `request_id` on the engine (abort releases every hold).
+        Returns the tokens fetched from the store."""
         llm = self._engine.engine
         hashes = llm.compute_block_hashes(token_ids)
-        if not hashes:
-            return 0
-        n_local = len(await self._engine.call(lambda: llm.cached_prefix(hashes)))
-        if n_local == len(hashes):
-            await self._engine.call(lambda: llm.hold_prefix(request_id, hashes))
-            return 0
-        started = time.perf_counter()
-        n_store = await self.client.lookup(self._namespace, hashes)
-        self._counters["lookups"] += 1
-        self._counters["lookup_ms_sum"] += (time.perf_counter() - started) * 1e3
-        self._counters["hit_blocks"] += n_store
-        if n_store <= n_local:
-            await self._engine.call(lambda: llm.hold_prefix(request_id, hashes))
-            return 0
-        wanted = hashes[n_local:n_store]
+        wanted: list[bytes] = []
+        if hashes:
+            n_local = len(await self._engine.call(lambda: llm.cached_prefix(hashes)))
+            if n_local < len(hashes):
+                wanted = hashes[n_local : n_local + await self._lookup_beyond(hashes, n_local)]
         buf = torch.empty(
             (len(wanted), self._spec.num_layers, *self._spec.block_shape),
             dtype=getattr(torch, self._spec.dtype),
         )
-        fetch_started = time.perf_counter()
-        n_ok = await self.client.fetch(self._namespace, wanted, buf)
-        self._counters["fetch_ms_sum"] += (time.perf_counter() - fetch_started) * 1e3
+        n_ok = 0
+        if wanted:
+            fetch_started = time.perf_counter()
+            n_ok = await self.client.fetch(self._namespace, wanted, buf)
+            self._counters["fetch_ms_sum"] += (time.perf_counter() - fetch_started) * 1e3
         verified = wanted[:n_ok]
 
         def import_and_hold() -> None:
@@ -81,18 +77,27 @@ class KVReuse:
             if n_ok:
                 llm.import_cached_blocks(verified, buf[:n_ok])
             llm.hold_prefix(request_id, hashes)
+            if hold_finished:
+                llm.hold_on_finish(request_id)
 
         await self._engine.call(import_and_hold)
-        if n_ok == 0:
-            return 0
         self._counters["fetched_blocks"] += n_ok
-        _log.debug("kvstore prefix fetched", request_id=request_id, blocks=n_ok)
         return n_ok * self._spec.block_size
+
+    async def _lookup_beyond(self, hashes: Sequence[bytes], n_local: int) -> int:
+        """How many blocks past the local `n_local` the store holds."""
+        started = time.perf_counter()
+        n_store = await self.client.lookup(self._namespace, hashes)
+        self._counters["lookups"] += 1
+        self._counters["lookup_ms_sum"] += (time.perf_counter() - started) * 1e3
+        self._counters["hit_blocks"] += n_store
+        return max(0, n_store - n_local)
 
     # ------------------------------------------------------------------ publish
     def publish_later(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Offer the full blocks of `token_ids` that sit in the local prefix cache to the
-        store, in the background (prefill: the prompt; decode: prompt + answer)."""
+        store, in the background (prefill: the prompt; decode: prompt + answer), then
+        release the request's holds (see `LLMEngine.hold_on_finish`)."""
         task = asyncio.ensure_future(self._publish(request_id, list(token_ids)))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -100,10 +105,8 @@ class KVReuse:
     async def _publish(self, request_id: str, token_ids: list[int]) -> None:
         llm = self._engine.engine
         hashes = llm.compute_block_hashes(token_ids)
-        if not hashes:
-            return
         try:
-            n_store = await self.client.lookup(self._namespace, hashes)
+            n_store = await self.client.lookup(self._namespace, hashes) if hashes else 0
             if n_store >= len(hashes):
                 return
 
@@ -123,6 +126,14 @@ class KVReuse:
         except Exception as exc:  # a cache: never fail the request for it
             self._counters["publish_failures"] += 1
             _log.warning("kvstore publish failed", request_id=request_id, error=repr(exc))
+        finally:
+            await self.release(request_id)
+
+    async def release(self, request_id: str) -> None:
+        """Drop the engine's holds for `request_id` (after publishing, or instead of it)."""
+        llm = self._engine.engine
+        with contextlib.suppress(Exception):  # engine shut down: nothing left to hold
+            await self._engine.call(lambda: llm.release_held(request_id))
 
     async def close(self) -> None:
         for task in list(self._background):

@@ -110,7 +110,9 @@ class PrefillHandler:
         first_token: int | None = None
         try:
             if use_kvstore and self.kv_reuse is not None:
-                stages.kvstore_tokens = await self.kv_reuse.fetch_prefix(request_id, token_ids)
+                stages.kvstore_tokens = await self.kv_reuse.fetch_prefix(
+                    request_id, token_ids, hold_finished=True
+                )
             async for out in self._engine.generate(
                 request_id, token_ids, params, prefill_only=True, kv_sink=pusher.sink(loop)
             ):
