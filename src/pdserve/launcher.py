@@ -22,6 +22,18 @@ from pathlib import Path
 from pdserve.rpc.ready import parse_ready_line
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL, so a
+    killed `pdserve up` never leaves orphan services behind (Linux only; else a no-op)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class ManagedProcess:
     """One child process and where its output goes."""
@@ -36,11 +48,11 @@ class ManagedProcess:
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
-        preexec = None
-        if self.cpu is not None and hasattr(os, "sched_setaffinity"):
-            cpu = self.cpu
+        cpu = self.cpu
 
-            def preexec() -> None:
+        def preexec() -> None:
+            _die_with_parent()
+            if cpu is not None and hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, {cpu})
 
         self.popen = subprocess.Popen(

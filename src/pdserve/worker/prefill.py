@@ -16,7 +16,12 @@ import numpy as np
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.params import SamplingParams
-from pdserve.errors import FailedPreconditionError, InvalidRequestError, UnavailableError
+from pdserve.errors import (
+    DeadlineError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    UnavailableError,
+)
 from pdserve.kv.spec import KVSpec
 from pdserve.kv.transfer import TransferFailedError, UcxTransport
 from pdserve.logging import get_logger
@@ -67,7 +72,9 @@ class LayerPusher:
         results = await asyncio.gather(*self._sends, return_exceptions=True)
         for result in results:
             if isinstance(result, TransferFailedError):
-                raise UnavailableError(f"KV transfer to decode failed: {result}") from result
+                # DEADLINE_EXCEEDED, not UNAVAILABLE: the decode side failed (gone, or its
+                # lease ran out), not this worker, so the router must not mark us suspect.
+                raise DeadlineError(f"KV transfer to decode failed: {result}") from result
             if isinstance(result, BaseException):
                 raise result
 

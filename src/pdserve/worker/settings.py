@@ -27,7 +27,12 @@ class WorkerSettings(ServiceSettings):
         None, description="host the router should dial (default: host, or this host's IP)"
     )
     heartbeat_interval_s: float = Field(1.0, gt=0, description="load report period")
-    lease_s: float = Field(20.0, gt=0, description="default lease of a KV reservation")
+    lease_s: float = Field(
+        120.0,
+        gt=0,
+        description="default lease of a KV reservation; must cover the prefill's queueing "
+        "(the router's prefill deadline), or an overloaded prefill pushes to released tags",
+    )
     transfer_timeout_s: float = Field(20.0, gt=0, description="timeout of one KV send")
     kvstore_addr: str | None = Field(
         None, description="kvstore HOST:PORT (default: the one the router hands out)"
