@@ -12,8 +12,9 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 if importlib.util.find_spec("pdserve.cli.up") is None:
-    pytest.skip("pdserve.cli.up (the `pdserve up` launcher) does not exist yet",
-                allow_module_level=True)
+    pytest.skip(
+        "pdserve.cli.up (the `pdserve up` launcher) does not exist yet", allow_module_level=True
+    )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -32,14 +33,36 @@ def test_bench_serve_against_a_real_cluster(tiny_model, tmp_path):
     out = tmp_path / "run.json"
     p = argparse.ArgumentParser()
     serve.add_parser(p.add_subparsers())
-    cluster = Cluster(["--model", str(tiny_model), "--mode", "colocated", "--colocated", "1"],
-                      port=0, ready_timeout_s=240, log_path=tmp_path / "up.log")
+    cluster = Cluster(
+        ["--model", str(tiny_model), "--mode", "colocated", "--colocated", "1"],
+        port=0,
+        ready_timeout_s=240,
+        log_path=tmp_path / "up.log",
+    )
     with cluster as addr:
-        args = p.parse_args([
-            "serve", "--addr", addr, "--model", str(tiny_model), "--num-requests", "8",
-            "--rate", "4", "--input-len", "uniform:8,40", "--output-len", "fixed:6",
-            "--goodput", "ttft:60000", "tpot:60000", "--out", str(out), "--no-progress",
-        ])
+        args = p.parse_args(
+            [
+                "serve",
+                "--addr",
+                addr,
+                "--model",
+                str(tiny_model),
+                "--num-requests",
+                "8",
+                "--rate",
+                "4",
+                "--input-len",
+                "uniform:8,40",
+                "--output-len",
+                "fixed:6",
+                "--goodput",
+                "ttft:60000",
+                "tpot:60000",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
         assert args.func(args) == 0
 
     data = json.loads(out.read_text())

@@ -30,9 +30,7 @@ def test_requests_wait_for_decode_blocks(serving_model_dir, reference_engine):
     rng = random.Random(7)
     # 8 prompts of 150-200 tokens (10-13 blocks each) against a 40-block decode pool:
     # at most three fit at once, the rest must wait for blocks.
-    requests = [
-        ([rng.randint(2, 500) for _ in range(rng.randint(150, 200))], 24) for _ in range(8)
-    ]
+    requests = [([rng.randint(2, 500) for _ in range(rng.randint(150, 200))], 24) for _ in range(8)]
     cluster = start_cluster(
         serving_model_dir, prefill=1, decode=1, worker_args=["--num-blocks", "40"]
     )

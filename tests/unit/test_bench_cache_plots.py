@@ -32,12 +32,12 @@ def test_parse_capacity():
 
 def test_chain_lru_evicts_from_tail_and_keeps_prefixes():
     c = ChainLRU(capacity_blocks=4)
-    c.insert([1, 2, 3])          # chain A
-    c.insert([1, 4])             # chain B shares block 1 (touched again)
+    c.insert([1, 2, 3])  # chain A
+    c.insert([1, 4])  # chain B shares block 1 (touched again)
     assert len(c) == 4 and c.lookup([1, 2, 3]) == 3
-    c.insert([5])                # over capacity: the LRU leaf is 3 (tail of A), not 1 or 2
+    c.insert([5])  # over capacity: the LRU leaf is 3 (tail of A), not 1 or 2
     assert 3 not in c.nodes and c.lookup([1, 2, 3]) == 2
-    c.insert([6])                # next LRU leaf: 2 (became a leaf when 3 left)
+    c.insert([6])  # next LRU leaf: 2 (became a leaf when 3 left)
     assert c.lookup([1, 2]) == 1 and c.lookup([1, 4]) == 2
     c.check_integrity()
     assert c.evictions == 2
@@ -58,8 +58,12 @@ def test_chain_lru_never_orphans_under_pressure():
 
 def test_simulate_hit_rates_and_best_case():
     # 512-token blocks; request 2 repeats request 1's two full blocks, the partial one is not cached
-    recs = [TraceRecord(0, 1100, 1, (0, 1, 2)), TraceRecord(1, 1100, 1, (0, 1, 3)),
-            TraceRecord(2, 512, 1, (9,)), TraceRecord(3, 1100, 1, (0, 1, 4))]
+    recs = [
+        TraceRecord(0, 1100, 1, (0, 1, 2)),
+        TraceRecord(1, 1100, 1, (0, 1, 3)),
+        TraceRecord(2, 512, 1, (9,)),
+        TraceRecord(3, 1100, 1, (0, 1, 4)),
+    ]
     best = simulate(recs, None, block_bytes=100)
     assert best.hit_tokens == 2 * 1024 and best.hit_rate == pytest.approx(2048 / 3812)
     tiny = simulate(recs, 200, block_bytes=100)  # 2 blocks: block 9 pushes out block 1
@@ -69,15 +73,27 @@ def test_simulate_hit_rates_and_best_case():
 
 def test_capacity_curve_cli(tmp_path):
     trace = tmp_path / "m.jsonl"
-    lines = [{"timestamp": i, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1 + i % 3]}
-             for i in range(30)]
+    lines = [
+        {"timestamp": i, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1 + i % 3]}
+        for i in range(30)
+    ]
     trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "cap.json"
     p = argparse.ArgumentParser()
     multiturn.add_parser(p.add_subparsers())
-    args = p.parse_args(["multiturn", "--trace", str(trace), "--capacity-curve",
-                         "1KiB,2KiB,unlimited", "--kv-bytes-per-token", "2",
-                         "--out", str(out)])
+    args = p.parse_args(
+        [
+            "multiturn",
+            "--trace",
+            str(trace),
+            "--capacity-curve",
+            "1KiB,2KiB,unlimited",
+            "--kv-bytes-per-token",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert args.func(args) == 0
     data = json.loads(out.read_text())
     rates = [r["hit_rate"] for r in data["rows"]]
@@ -87,11 +103,17 @@ def test_capacity_curve_cli(tmp_path):
 
 
 def test_plots_are_png(tmp_path):
-    paths = plot_latency_cdfs({"colocated": {"ttft": [1, 2, 3], "tpot": [0.5, 0.7]},
-                               "disagg": {"ttft": [2, 2.5], "tpot": []}}, tmp_path)
+    paths = plot_latency_cdfs(
+        {
+            "colocated": {"ttft": [1, 2, 3], "tpot": [0.5, 0.7]},
+            "disagg": {"ttft": [2, 2.5], "tpot": []},
+        },
+        tmp_path,
+    )
     assert {p.name for p in paths} == {"cdf_ttft.png", "cdf_tpot.png"}
-    paths.append(plot_attainment({"a": [(1, 1.0), (2, 0.8)], "b": [(1, 0.95)]},
-                                 tmp_path / "att.png"))
+    paths.append(
+        plot_attainment({"a": [(1, 1.0), (2, 0.8)], "b": [(1, 0.95)]}, tmp_path / "att.png")
+    )
     paths.append(plot_capacity_curve(["1GiB", "unlimited"], [0.1, 0.3], 0.3, tmp_path / "c.png"))
     for p in paths:
         assert p.read_bytes()[:8] == PNG_MAGIC
@@ -106,10 +128,14 @@ def test_compare_arms_and_ratio_table():
         compare.parse_arms("nonsense")
     assert compare.pick_ratio(["colocated", "disagg"], None) == ("disagg", "colocated")
     results = {
-        "disagg": {"summary": {"ttft_ms": {"p50": 50.0}, "request_throughput": 3.0},
-                   "goodput": {"vllm_req_s": 2.0}},
-        "colocated": {"summary": {"ttft_ms": {"p50": 100.0}, "request_throughput": 2.0},
-                      "goodput": {"vllm_req_s": 1.0}},
+        "disagg": {
+            "summary": {"ttft_ms": {"p50": 50.0}, "request_throughput": 3.0},
+            "goodput": {"vllm_req_s": 2.0},
+        },
+        "colocated": {
+            "summary": {"ttft_ms": {"p50": 100.0}, "request_throughput": 2.0},
+            "goodput": {"vllm_req_s": 1.0},
+        },
     }
     rows = {r["metric"]: r for r in ratio_table(results, "disagg", "colocated")}
     assert rows["TTFT p50 (ms)"]["ratio"] == pytest.approx(0.5)
@@ -135,8 +161,13 @@ def test_cluster_waits_for_ready_and_stops(tmp_path):
     script = tmp_path / "fake_up.py"
     script.write_text(FAKE_UP)
     log = tmp_path / "up.log"
-    cluster = Cluster(["--mode", "x"], port=50123, launcher=[sys.executable, str(script)],
-                      log_path=log, ready_timeout_s=30)
+    cluster = Cluster(
+        ["--mode", "x"],
+        port=50123,
+        launcher=[sys.executable, str(script)],
+        log_path=log,
+        ready_timeout_s=30,
+    )
     with cluster as addr:
         assert addr == "127.0.0.1:50123"
         assert cluster.proc.poll() is None

@@ -17,9 +17,17 @@ from pdserve.bench.metrics import RequestRecord, stats_ms, summarize
 
 
 def rec(i: int, send: float, times: list[float], n_in: int = 10, **kw) -> RequestRecord:
-    return RequestRecord(index=i, arrival_s=send, send_s=send, n_in=n_in, max_tokens=len(times),
-                         token_times=times, finish_s=times[-1] if times else None,
-                         n_out=len(times), **kw)
+    return RequestRecord(
+        index=i,
+        arrival_s=send,
+        send_s=send,
+        n_in=n_in,
+        max_tokens=len(times),
+        token_times=times,
+        finish_s=times[-1] if times else None,
+        n_out=len(times),
+        **kw,
+    )
 
 
 def test_per_request_ttft_tpot_itl_e2e():
@@ -52,9 +60,19 @@ def test_percentiles_known_values():
 
 
 def test_summary_counts_failures_and_stage_costs():
-    ok = rec(0, 0.0, [0.1, 0.2], cached_tokens=4,
-             stages={"prefill_ms": 30.0, "decode_ms": 70.0, "transfer_ms": 5.0,
-                     "transfer_bytes": 1024.0, "queue_ms": 1.0})
+    ok = rec(
+        0,
+        0.0,
+        [0.1, 0.2],
+        cached_tokens=4,
+        stages={
+            "prefill_ms": 30.0,
+            "decode_ms": 70.0,
+            "transfer_ms": 5.0,
+            "transfer_bytes": 1024.0,
+            "queue_ms": 1.0,
+        },
+    )
     ok2 = rec(1, 0.0, [0.1, 0.3], stages={"prefill_ms": 10.0, "decode_ms": 30.0})
     bad = rec(2, 0.0, [], error="Internal: x")
     s = summarize([ok, ok2, bad])
@@ -89,10 +107,10 @@ def test_slo_parse_and_errors():
 
 def test_meets_and_vllm_goodput():
     slo = SLO(ttft_ms=300, tpot_ms=100)
-    fast = rec(0, 0.0, [0.1, 0.15, 0.2])          # ttft 100, tpot 50
-    slow_ttft = rec(1, 0.0, [0.4, 0.45])          # ttft 400
-    slow_tpot = rec(2, 0.0, [0.1, 0.3])           # tpot 200
-    one_tok = rec(3, 0.0, [0.2])                  # tpot undefined -> meets
+    fast = rec(0, 0.0, [0.1, 0.15, 0.2])  # ttft 100, tpot 50
+    slow_ttft = rec(1, 0.0, [0.4, 0.45])  # ttft 400
+    slow_tpot = rec(2, 0.0, [0.1, 0.3])  # tpot 200
+    one_tok = rec(3, 0.0, [0.2])  # tpot undefined -> meets
     failed = rec(4, 0.0, [], error="x")
     records = [fast, slow_ttft, slow_tpot, one_tok, failed]
     assert [meets(r, slo) for r in records] == [True, False, False, True, False]
@@ -118,7 +136,7 @@ def test_search_brackets_and_bisects():
 
     pts = search_goodput_rate(measure, start_rate=1.0, bisect_steps=6)
     rates = [p.rate for p in pts]
-    assert rates[:3] == [1.0, 2.0, 4.0]          # doubled until the first failure
+    assert rates[:3] == [1.0, 2.0, 4.0]  # doubled until the first failure
     g = distserve_goodput(pts)
     assert 2.9 <= g["max_rate"] <= 3.0
 

@@ -43,10 +43,18 @@ class FakeClient:
     async def __aexit__(self, *exc: object) -> None:
         return None
 
-    async def generate_stream(self, *, token_ids, max_tokens, temperature, ignore_eos,
-                              seed=None, session_id=None):
-        self.calls.append(dict(token_ids=token_ids, max_tokens=max_tokens, seed=seed,
-                               ignore_eos=ignore_eos, session_id=session_id))
+    async def generate_stream(
+        self, *, token_ids, max_tokens, temperature, ignore_eos, seed=None, session_id=None
+    ):
+        self.calls.append(
+            dict(
+                token_ids=token_ids,
+                max_tokens=max_tokens,
+                seed=seed,
+                ignore_eos=ignore_eos,
+                session_id=session_id,
+            )
+        )
         if self.fail_index is not None and seed is not None and seed == self.fail_index:
             raise RuntimeError("worker died")
         prev = self.history.get(session_id or "", [])
@@ -60,17 +68,30 @@ class FakeClient:
         for i in range(1, max_tokens, 2):
             await asyncio.sleep(0.001)
             last = i + 2 >= max_tokens
-            usage = {"cached_tokens": cached, "stages": {"prefill_ms": 2.0, "decode_ms": 3.0,
-                     "transfer_ms": 0.5, "transfer_bytes": 4096, "queue_ms": 0.1}}
-            yield Ev(out[i:i + 2], time.perf_counter(), "length" if last else None,
-                     usage if last else None)
+            usage = {
+                "cached_tokens": cached,
+                "stages": {
+                    "prefill_ms": 2.0,
+                    "decode_ms": 3.0,
+                    "transfer_ms": 0.5,
+                    "transfer_bytes": 4096,
+                    "queue_ms": 0.1,
+                },
+            }
+            yield Ev(
+                out[i : i + 2],
+                time.perf_counter(),
+                "length" if last else None,
+                usage if last else None,
+            )
         if session_id:
             self.history[session_id] = list(token_ids) + out
 
 
 def test_run_load_sends_every_request_with_its_tokens():
-    reqs = [BenchRequest(i, [10 + i] * (3 + i), max_tokens=4, arrival_s=0.002 * i)
-            for i in range(5)]
+    reqs = [
+        BenchRequest(i, [10 + i] * (3 + i), max_tokens=4, arrival_s=0.002 * i) for i in range(5)
+    ]
     client = FakeClient(fail_index=3)
     records, wall = asyncio.run(run_load(client, reqs, seed=0, progress=False))
     assert wall > 0 and [r.index for r in records] == list(range(5))
@@ -94,11 +115,28 @@ def test_serve_sweep_writes_json_and_pngs(tmp_path, monkeypatch):
     client = FakeClient()
     monkeypatch.setattr(serve, "open_client", lambda addr: client)
     out = tmp_path / "run.json"
-    args = parse(serve, [
-        "serve", "--num-requests", "6", "--input-len", "uniform:4,12", "--output-len", "fixed:3",
-        "--vocab-size", "64", "--goodput", "ttft:5000", "tpot:5000", "--sweep-rates", "40,80",
-        "--out", str(out), "--no-progress",
-    ])
+    args = parse(
+        serve,
+        [
+            "serve",
+            "--num-requests",
+            "6",
+            "--input-len",
+            "uniform:4,12",
+            "--output-len",
+            "fixed:3",
+            "--vocab-size",
+            "64",
+            "--goodput",
+            "ttft:5000",
+            "tpot:5000",
+            "--sweep-rates",
+            "40,80",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+    )
     assert args.func(args) == 0
     assert len(client.calls) == 2 + 6 + 6  # warm-up, then one run per rate
     assert max(c["max_tokens"] for c in client.calls[:2]) <= 3
@@ -121,18 +159,44 @@ def test_serve_trace_replay_is_prefix_sharing(tmp_path, monkeypatch):
     trace = tmp_path / "t.jsonl"
     trace.write_text(
         '{"timestamp": 0, "input_length": 1024, "output_length": 16, "hash_ids": [0, 1]}\n'
-        '{"timestamp": 10, "input_length": 1024, "output_length": 16, "hash_ids": [0, 2]}\n')
-    args = parse(serve, ["serve", "--trace", str(trace), "--length-scale", "0.0625",
-                         "--time-scale", "0.001", "--vocab-size", "64",
-                         "--warmup", "0", "--out", str(tmp_path / "r.json"), "--no-progress"])
+        '{"timestamp": 10, "input_length": 1024, "output_length": 16, "hash_ids": [0, 2]}\n'
+    )
+    args = parse(
+        serve,
+        [
+            "serve",
+            "--trace",
+            str(trace),
+            "--length-scale",
+            "0.0625",
+            "--time-scale",
+            "0.001",
+            "--vocab-size",
+            "64",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path / "r.json"),
+            "--no-progress",
+        ],
+    )
     assert args.func(args) == 0
     a, b = sorted((c["token_ids"] for c in client.calls), key=len)
     assert len(a) == len(b) == 64 and a[:32] == b[:32] and a[32:] != b[32:]
 
 
 def test_sessions_extend_the_conversation_and_report_hits():
-    plan = SessionPlan(num_sessions=3, turns=3, first_len=40, user_len=8, output_len=4,
-                       think_time_s=0.001, ramp_s=0.002, vocab_size=64, seed=1)
+    plan = SessionPlan(
+        num_sessions=3,
+        turns=3,
+        first_len=40,
+        user_len=8,
+        output_len=4,
+        think_time_s=0.001,
+        ramp_s=0.002,
+        vocab_size=64,
+        seed=1,
+    )
     client = FakeClient()
     records, _ = asyncio.run(run_sessions(client, plan, progress=False))
     assert len(records) == 9
@@ -140,7 +204,7 @@ def test_sessions_extend_the_conversation_and_report_hits():
     for c in client.calls:
         by_session.setdefault(c["session_id"], []).append(c["token_ids"])
     for prompts in by_session.values():
-        assert [len(p) for p in prompts] == [40, 52, 64]     # + 4 answer + 8 user tokens
+        assert [len(p) for p in prompts] == [40, 52, 64]  # + 4 answer + 8 user tokens
         assert prompts[1][:40] == prompts[0] and prompts[2][:52] == prompts[1]
     rep = turn_report(records)
     assert rep["turn1"]["hit_rate"] == 0.0
@@ -152,10 +216,31 @@ def test_sessions_extend_the_conversation_and_report_hits():
 def test_multiturn_cli_sessions(tmp_path, monkeypatch):
     monkeypatch.setattr(multiturn, "open_client", lambda addr: FakeClient())
     out = tmp_path / "mt.json"
-    args = parse(multiturn, ["multiturn", "--sessions", "2", "--turns", "2", "--first-len", "20",
-                             "--user-len", "4", "--output-len", "2", "--think-time", "0.001",
-                             "--ramp", "0", "--vocab-size", "64", "--out", str(out),
-                             "--no-progress"])
+    args = parse(
+        multiturn,
+        [
+            "multiturn",
+            "--sessions",
+            "2",
+            "--turns",
+            "2",
+            "--first-len",
+            "20",
+            "--user-len",
+            "4",
+            "--output-len",
+            "2",
+            "--think-time",
+            "0.001",
+            "--ramp",
+            "0",
+            "--vocab-size",
+            "64",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+    )
     assert args.func(args) == 0
     data = json.loads(out.read_text())
     assert data["mode"] == "sessions" and len(data["records"]) == 4

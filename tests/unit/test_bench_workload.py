@@ -41,7 +41,7 @@ def test_gamma_burstiness_keeps_rate_changes_variance():
     assert mean_rate(bursty) == pytest.approx(2.0, rel=0.1)
     assert mean_rate(regular) == pytest.approx(2.0, rel=0.05)
     cv = lambda t: np.std(np.diff(t)) / np.mean(np.diff(t))  # noqa: E731
-    assert cv(bursty) == pytest.approx(2.0, rel=0.15)       # CV = 1 / sqrt(shape)
+    assert cv(bursty) == pytest.approx(2.0, rel=0.15)  # CV = 1 / sqrt(shape)
     assert cv(regular) == pytest.approx(0.5, rel=0.1)
     with pytest.raises(ValueError):
         gamma_arrivals(3, rate=0)
@@ -81,10 +81,22 @@ def test_clip_to_context():
 
 
 def test_synthetic_requests_seeded_prefix_stable_and_in_vocab():
-    a = synthetic_requests(20, LengthDist.parse("uniform:4,40"), LengthDist.parse("fixed:8"),
-                           vocab_size=100, seed=3, max_model_len=32)
-    b = synthetic_requests(30, LengthDist.parse("uniform:4,40"), LengthDist.parse("fixed:8"),
-                           vocab_size=100, seed=3, max_model_len=32)
+    a = synthetic_requests(
+        20,
+        LengthDist.parse("uniform:4,40"),
+        LengthDist.parse("fixed:8"),
+        vocab_size=100,
+        seed=3,
+        max_model_len=32,
+    )
+    b = synthetic_requests(
+        30,
+        LengthDist.parse("uniform:4,40"),
+        LengthDist.parse("fixed:8"),
+        vocab_size=100,
+        seed=3,
+        max_model_len=32,
+    )
     assert [r.prompt_ids for r in a] == [r.prompt_ids for r in b[:20]]
     assert all(len(r.prompt_ids) + r.max_tokens <= 32 for r in a)
     assert all(TOKEN_LO <= t < 100 for r in a for t in r.prompt_ids)
@@ -108,10 +120,10 @@ def test_mooncake_shared_ids_share_exact_prefix():
     p0, p1, p2, p3 = (r.prompt_ids for r in reqs)
     assert [len(p) for p in (p0, p1, p2)] == [138, 188, 112]
     assert [r.max_tokens for r in reqs] == [6, 2, 1, 1]
-    assert p0[:128] == p1[:128]          # ids (0, 1) shared: two scaled blocks
-    assert p0[128:138] != p1[128:138]    # then ids 2 vs 7 differ
+    assert p0[:128] == p1[:128]  # ids (0, 1) shared: two scaled blocks
+    assert p0[128:138] != p1[128:138]  # then ids 2 vs 7 differ
     assert p0[:64] == p2[:64] and p0[64:128] != p2[64:128]
-    assert p3[:64] != p0[:64]            # a different first id: no shared prefix
+    assert p3[:64] != p0[:64]  # a different first id: no shared prefix
     # the mapping does not depend on which request uses the id, nor on the request order
     assert mooncake_prompt((0, 1), 128, 64, 1000, seed=1) == p0[:128]
 

@@ -6,8 +6,16 @@ import pytest
 
 from pdserve.cli.main import main
 
-FIELDS = ("token_ids", "text", "finish_reason", "prompt_tokens", "cached_tokens",
-          "ttft_ms", "tpot_ms", "e2e_ms")
+FIELDS = (
+    "token_ids",
+    "text",
+    "finish_reason",
+    "prompt_tokens",
+    "cached_tokens",
+    "ttft_ms",
+    "tpot_ms",
+    "e2e_ms",
+)
 
 
 def run(capsys, *argv):
@@ -19,13 +27,25 @@ def run(capsys, *argv):
 def test_json_with_prompt_ids_matches_engine(capsys, tiny_llama_dir, make_engine):
     from pdserve.engine.params import SamplingParams
 
-    code, out, _ = run(capsys, "--model", str(tiny_llama_dir), "--prompt-ids", "3,4,5,6",
-                       "--max-tokens", "7", "--temperature", "0", "--ignore-eos", "--json")
+    code, out, _ = run(
+        capsys,
+        "--model",
+        str(tiny_llama_dir),
+        "--prompt-ids",
+        "3,4,5,6",
+        "--max-tokens",
+        "7",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+    )
     assert code == 0
     obj = json.loads(out)
     assert set(FIELDS) <= set(obj)
-    ref = make_engine().generate([[3, 4, 5, 6]], SamplingParams(max_tokens=7, temperature=0,
-                                                                ignore_eos=True))[0]
+    ref = make_engine().generate(
+        [[3, 4, 5, 6]], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    )[0]
     assert obj["token_ids"] == ref
     assert obj["finish_reason"] == "length" and obj["prompt_tokens"] == 4
     assert obj["e2e_ms"] >= obj["ttft_ms"] > 0
@@ -33,14 +53,38 @@ def test_json_with_prompt_ids_matches_engine(capsys, tiny_llama_dir, make_engine
 
 def test_text_prompt_with_tokenizer(capsys, make_tiny_dirs):
     model = str(make_tiny_dirs["llama"])
-    code, out, _ = run(capsys, "--model", model, "--prompt", "Hello there", "--max-tokens", "5",
-                       "--temperature", "0.7", "--seed", "3", "--json")
+    code, out, _ = run(
+        capsys,
+        "--model",
+        model,
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.7",
+        "--seed",
+        "3",
+        "--json",
+    )
     assert code == 0
     obj = json.loads(out)
     assert 1 <= len(obj["token_ids"]) <= 5 and isinstance(obj["text"], str)
     assert obj["prompt_tokens"] > 1
-    code2, out2, _ = run(capsys, "--model", model, "--prompt", "Hello there", "--max-tokens", "5",
-                         "--temperature", "0.7", "--seed", "3", "--json")
+    code2, out2, _ = run(
+        capsys,
+        "--model",
+        model,
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.7",
+        "--seed",
+        "3",
+        "--json",
+    )
     assert code2 == 0 and json.loads(out2)["token_ids"] == obj["token_ids"]  # seeded
 
 

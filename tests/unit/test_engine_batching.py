@@ -84,8 +84,10 @@ def test_stop_tokens_and_eos(make_engine):
     full = engine.generate([p], GREEDY)[0]
     stop_at = full[5]
     first = full.index(stop_at)
-    out = engine.generate([p], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                                              stop_token_ids=(stop_at,)))[0]
+    out = engine.generate(
+        [p],
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=(stop_at,)),
+    )[0]
     assert out == full[: first + 1]
     # the model's EOS (id 1 in the tiny config) stops unless ignore_eos
     engine.eos_token_ids = frozenset({stop_at})

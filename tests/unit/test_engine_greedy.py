@@ -25,7 +25,9 @@ def check_family(model_dir):
         loaded=loaded,
     )
     ps = prompts()
-    outs = engine.generate(ps, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    outs = engine.generate(
+        ps, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    )
     for p, out in zip(ps, outs, strict=True):
         assert len(out) == NEW_TOKENS
         ref, ref_logits = hf_greedy(model_dir, p, NEW_TOKENS)

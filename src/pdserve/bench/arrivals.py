@@ -13,9 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def gamma_arrivals(
-    n: int, rate: float, burstiness: float = 1.0, seed: int = 0
-) -> list[float]:
+def gamma_arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """`n` arrival times with mean rate `rate` req/s; the first request arrives at 0."""
     if rate <= 0:
         raise ValueError(f"rate must be > 0, got {rate}")

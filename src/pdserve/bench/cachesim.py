@@ -19,12 +19,22 @@ from dataclasses import dataclass
 
 from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_capacity(spec: str) -> int | None:
-    """"64MiB" | "1GiB" | "500MB" | "1048576" -> bytes; "unlimited" -> None."""
+    """ "64MiB" | "1GiB" | "500MB" | "1048576" -> bytes; "unlimited" -> None."""
     text = spec.strip().lower()
     if text in ("unlimited", "inf", "none"):
         return None

@@ -56,7 +56,7 @@ class Cluster:
             self._tail = [*self._tail[-30:], line.rstrip()]
             if line.startswith(READY_PREFIX) and not self._ready.is_set():
                 try:
-                    self._ready_port = int(json.loads(line[len(READY_PREFIX):]).get("port"))
+                    self._ready_port = int(json.loads(line[len(READY_PREFIX) :]).get("port"))
                 except (ValueError, TypeError, AttributeError):
                     self._ready_port = self.port
                 self._ready.set()
@@ -71,12 +71,18 @@ class Cluster:
             log = self.log_path.open("w")
             log.write("$ " + shlex.join(self.cmd) + "\n")
         self.proc = subprocess.Popen(
-            self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            self.cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         assert self.proc.stdout is not None
-        self._reader = threading.Thread(target=self._pump, args=(self.proc.stdout, log),
-                                        daemon=True)
+        self._reader = threading.Thread(
+            target=self._pump, args=(self.proc.stdout, log), daemon=True
+        )
         self._reader.start()
         deadline_hit = not self._wait_ready()
         if deadline_hit or self._ready_port is None:

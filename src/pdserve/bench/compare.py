@@ -31,11 +31,16 @@ DEFAULT_ARMS = {
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("compare", help="benchmark arms on fresh clusters, back to back")
-    p.add_argument("--arms", default="colocated,disagg",
-                   help=f"comma-separated arms; known: {', '.join(DEFAULT_ARMS)}; "
-                        "or NAME=FLAGS pairs separated by ';'")
-    p.add_argument("--ratio", help="NUM/DEN arm names for the ratio table "
-                                   "(default disagg/colocated, else second/first)")
+    p.add_argument(
+        "--arms",
+        default="colocated,disagg",
+        help=f"comma-separated arms; known: {', '.join(DEFAULT_ARMS)}; "
+        "or NAME=FLAGS pairs separated by ';'",
+    )
+    p.add_argument(
+        "--ratio",
+        help="NUM/DEN arm names for the ratio table (default disagg/colocated, else second/first)",
+    )
     p.add_argument("--port", type=int, default=0, help="router port per arm (0 = any free)")
     p.add_argument("--up-args", default="", help="extra flags for every `pdserve up`")
     p.add_argument("--ready-timeout", type=float, default=600.0)
@@ -46,7 +51,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def parse_arms(spec: str) -> dict[str, list[str]]:
-    """"colocated,disagg" or "a=--mode colocated --colocated 2; b=--mode disagg"."""
+    """ "colocated,disagg" or "a=--mode colocated --colocated 2; b=--mode disagg"."""
     arms: dict[str, list[str]] = {}
     parts = [s.strip() for s in (spec.split(";") if "=" in spec else spec.split(",")) if s.strip()]
     for part in parts:
@@ -86,17 +91,22 @@ def main(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, Any]] = {}
     for name, flags in arms.items():
         print(f"== arm {name}: pdserve up {shlex.join(flags + extra)}", flush=True)
-        cluster = Cluster(flags + extra, port=args.port, ready_timeout_s=args.ready_timeout,
-                          log_path=out.parent / f"{out.stem}_{name}_up.log")
+        cluster = Cluster(
+            flags + extra,
+            port=args.port,
+            ready_timeout_s=args.ready_timeout,
+            log_path=out.parent / f"{out.stem}_{name}_up.log",
+        )
         with cluster as addr:
             results[name] = run_benchmark(addr, args)
         print(format_summary(results[name]["summary"]), flush=True)
 
     saved: dict[str, Any] = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
-        "arms": {n: {"up_args": arms[n] + extra}
-                 | {k: v for k, v in r.items() if not k.startswith("_")}
-                 for n, r in results.items()},
+        "arms": {
+            n: {"up_args": arms[n] + extra} | {k: v for k, v in r.items() if not k.startswith("_")}
+            for n, r in results.items()
+        },
     }
     if ratio:
         rows = ratio_table(saved["arms"], *ratio)
@@ -106,10 +116,14 @@ def main(args: argparse.Namespace) -> int:
     paths = [write_json(out, saved)]
     # CDFs of each arm's headline run; attainment curves when arms were swept
     heads = {n: next(x for x in r["_runs"] if x["rate"] == r["rate"]) for n, r in results.items()}
-    paths += plot_latency_cdfs({n: latency_arrays(h["_records"]) for n, h in heads.items()},
-                               plots_dir)
-    curves = {n: [(x["rate"], x["attainment_ttft_tpot"]) for x in r["_runs"]]
-              for n, r in results.items() if r["_runs"][0]["attainment_ttft_tpot"] is not None}
+    paths += plot_latency_cdfs(
+        {n: latency_arrays(h["_records"]) for n, h in heads.items()}, plots_dir
+    )
+    curves = {
+        n: [(x["rate"], x["attainment_ttft_tpot"]) for x in r["_runs"]]
+        for n, r in results.items()
+        if r["_runs"][0]["attainment_ttft_tpot"] is not None
+    }
     if curves:
         paths.append(plot_attainment(curves, plots_dir / "attainment.png", args.target))
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -167,17 +167,26 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows, model_dir, plen, glen, torch.get_num_threads(), args.clock)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(
-            {"model": str(model_dir), "prompt_len": plen, "gen_len": glen, "clock": args.clock,
-             "threads": torch.get_num_threads(), "rows": rows}, indent=2))
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "model": str(model_dir),
+                    "prompt_len": plen,
+                    "gen_len": glen,
+                    "clock": args.clock,
+                    "threads": torch.get_num_threads(),
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 
 def print_table(
     rows: list[dict], model_dir: Path, plen: int, glen: int, threads: int, clock: str
 ) -> None:
-    print(f"model {model_dir}  prompt_len {plen}  gen_len {glen}  threads {threads}  "
-          f"clock {clock}")
+    print(f"model {model_dir}  prompt_len {plen}  gen_len {glen}  threads {threads}  clock {clock}")
     head = f"{'batch':>5} | {'prefill tok/s':>13} {'hf':>9} {'ratio':>6} | "
     head += f"{'decode tok/s':>12} {'hf':>9} {'ratio':>6}"
     print(head)
@@ -185,7 +194,11 @@ def print_table(
     for r in rows:
         hp, hd = r.get("hf_prefill_tok_s"), r.get("hf_decode_tok_s")
         line = f"{r['batch']:>5} | {r['ours_prefill_tok_s']:>13.0f} "
-        line += f"{hp:>9.0f} {r['ours_prefill_tok_s'] / hp:>5.2f}x | " if hp else f"{'-':>9} {'-':>6} | "
+        line += (
+            f"{hp:>9.0f} {r['ours_prefill_tok_s'] / hp:>5.2f}x | "
+            if hp
+            else f"{'-':>9} {'-':>6} | "
+        )
         line += f"{r['ours_decode_tok_s']:>12.0f} "
         line += f"{hd:>9.0f} {r['ours_decode_tok_s'] / hd:>5.2f}x" if hd else f"{'-':>9} {'-':>6}"
         print(line)

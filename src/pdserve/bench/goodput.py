@@ -58,7 +58,11 @@ class SLO:
 def meets(record: RequestRecord, slo: SLO) -> bool:
     if not record.ok:
         return False
-    checks = ((slo.ttft_ms, record.ttft_s), (slo.tpot_ms, record.tpot_s), (slo.e2e_ms, record.e2e_s))
+    checks = (
+        (slo.ttft_ms, record.ttft_s),
+        (slo.tpot_ms, record.tpot_s),
+        (slo.e2e_ms, record.e2e_s),
+    )
     for limit_ms, value_s in checks:
         if limit_ms is None or value_s is None:
             continue

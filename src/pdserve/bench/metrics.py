@@ -19,8 +19,13 @@ from typing import Any
 import numpy as np
 
 STAGE_FIELDS = (
-    "queue_ms", "prefill_ms", "transfer_ms", "transfer_bytes", "decode_ms",
-    "cached_tokens", "kvstore_tokens",
+    "queue_ms",
+    "prefill_ms",
+    "transfer_ms",
+    "transfer_bytes",
+    "decode_ms",
+    "cached_tokens",
+    "kvstore_tokens",
 )
 PERCENTILES = (50, 90, 99)
 
@@ -28,8 +33,8 @@ PERCENTILES = (50, 90, 99)
 @dataclass
 class RequestRecord:
     index: int
-    arrival_s: float                 # scheduled arrival
-    send_s: float                    # when the load generator actually sent it
+    arrival_s: float  # scheduled arrival
+    send_s: float  # when the load generator actually sent it
     n_in: int
     max_tokens: int
     token_times: list[float] = field(default_factory=list)  # one entry per output token

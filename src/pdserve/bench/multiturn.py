@@ -48,12 +48,20 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-kvstore", action="store_true")
-    p.add_argument("--port", type=int, default=0, help="router port of --compare-kvstore clusters (0 = any free)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="router port of --compare-kvstore clusters (0 = any free)",
+    )
     p.add_argument("--up-args", default="", help="extra `pdserve up` flags (--compare-kvstore)")
     p.add_argument("--trace", help="Mooncake JSONL trace")
     p.add_argument("--capacity-curve", help="e.g. 64MiB,256MiB,1GiB,unlimited (simulation)")
-    p.add_argument("--kv-bytes-per-token", type=int,
-                   help="KV bytes per token (default: from --model, else 8 KiB = bench50m fp32)")
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        help="KV bytes per token (default: from --model, else 8 KiB = bench50m fp32)",
+    )
     p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--replay", type=int, help="replay the first N trace requests on --addr")
@@ -91,33 +99,60 @@ def capacity_curve(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for spec, cap in zip(specs, caps, strict=True):
         res = best if cap is None else simulate(records, cap, block_bytes)
-        rows.append({"capacity": spec, "capacity_bytes": cap, "capacity_blocks":
-                     res.capacity_blocks, "hit_rate": res.hit_rate,
-                     "of_best": res.hit_rate / best.hit_rate if best.hit_rate else None,
-                     "evictions": res.evictions})
-    print(f"{len(records)} requests, block = {block_bytes / 2**20:.2f} MiB "
-          f"({per_tok} B/token), best-case hit rate {best.hit_rate:.1%}")
+        rows.append(
+            {
+                "capacity": spec,
+                "capacity_bytes": cap,
+                "capacity_blocks": res.capacity_blocks,
+                "hit_rate": res.hit_rate,
+                "of_best": res.hit_rate / best.hit_rate if best.hit_rate else None,
+                "evictions": res.evictions,
+            }
+        )
+    print(
+        f"{len(records)} requests, block = {block_bytes / 2**20:.2f} MiB "
+        f"({per_tok} B/token), best-case hit rate {best.hit_rate:.1%}"
+    )
     print(f"{'capacity':>12}{'blocks':>10}{'hit rate':>10}{'of best':>10}")
     for r in rows:
         of_best = f"{r['of_best']:.1%}" if r["of_best"] is not None else "-"
         blocks = r["capacity_blocks"] if r["capacity_blocks"] is not None else "all"
         print(f"{r['capacity']:>12}{blocks!s:>10}{r['hit_rate']:>10.1%}{of_best:>10}")
-    png = plot_capacity_curve(specs, [r["hit_rate"] for r in rows], best.hit_rate,
-                              Path(args.out).with_suffix(".png"))
-    return {"mode": "capacity_curve", "block_bytes": block_bytes, "kv_bytes_per_token": per_tok,
-            "best_hit_rate": best.hit_rate, "rows": rows, "plot": str(png)}
+    png = plot_capacity_curve(
+        specs, [r["hit_rate"] for r in rows], best.hit_rate, Path(args.out).with_suffix(".png")
+    )
+    return {
+        "mode": "capacity_curve",
+        "block_bytes": block_bytes,
+        "kv_bytes_per_token": per_tok,
+        "best_hit_rate": best.hit_rate,
+        "rows": rows,
+        "plot": str(png),
+    }
 
 
 def _limits(args: argparse.Namespace) -> tuple[int, int | None]:
     cfg = _model_cfg(args)
-    return (int(args.vocab_size or cfg.get("vocab_size") or 1000),
-            args.max_model_len or cfg.get("max_position_embeddings"))
+    return (
+        int(args.vocab_size or cfg.get("vocab_size") or 1000),
+        args.max_model_len or cfg.get("max_position_embeddings"),
+    )
 
 
 def sessions_once(addr: str, args: argparse.Namespace) -> dict[str, Any]:
     vocab, max_len = _limits(args)
-    plan = SessionPlan(args.sessions, args.turns, args.first_len, args.user_len, args.output_len,
-                       args.think_time, args.ramp, vocab, max_len, args.seed)
+    plan = SessionPlan(
+        args.sessions,
+        args.turns,
+        args.first_len,
+        args.user_len,
+        args.output_len,
+        args.think_time,
+        args.ramp,
+        vocab,
+        max_len,
+        args.seed,
+    )
 
     async def go() -> tuple[list, float]:
         async with open_client(addr) as client:
@@ -126,10 +161,16 @@ def sessions_once(addr: str, args: argparse.Namespace) -> dict[str, Any]:
     records, wall = asyncio.run(go())
     rep = turn_report(records)
     t2 = rep["turns2plus"]
-    print(f"turns 2+: hit rate {t2['hit_rate']:.1%}, TTFT p50 {t2['ttft_ms']['p50']} ms, "
-          f"p90 {t2['ttft_ms']['p90']} ms ({t2['turns']} turns, {t2['failed']} failed)")
-    return {"plan": plan.__dict__, "report": rep, "summary": summarize(records, wall),
-            "records": [r.to_json() for r in records]}
+    print(
+        f"turns 2+: hit rate {t2['hit_rate']:.1%}, TTFT p50 {t2['ttft_ms']['p50']} ms, "
+        f"p90 {t2['ttft_ms']['p90']} ms ({t2['turns']} turns, {t2['failed']} failed)"
+    )
+    return {
+        "plan": plan.__dict__,
+        "report": rep,
+        "summary": summarize(records, wall),
+        "records": [r.to_json() for r in records],
+    }
 
 
 def compare_kvstore(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,8 +179,9 @@ def compare_kvstore(args: argparse.Namespace) -> dict[str, Any]:
     arms: dict[str, dict[str, Any]] = {}
     for name, flag in (("kvstore", "--kvstore"), ("no-kvstore", "--no-kvstore")):
         print(f"== arm {name}", flush=True)
-        with Cluster([flag, *extra], port=args.port,
-                     log_path=out.parent / f"{out.stem}_{name}_up.log") as addr:
+        with Cluster(
+            [flag, *extra], port=args.port, log_path=out.parent / f"{out.stem}_{name}_up.log"
+        ) as addr:
             arms[name] = sessions_once(addr, args)
     a, b = (arms[n]["report"]["turns2plus"] for n in ("kvstore", "no-kvstore"))
     ratios = {
@@ -147,8 +189,10 @@ def compare_kvstore(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_p50_ms": (a["ttft_ms"]["p50"], b["ttft_ms"]["p50"]),
         "ttft_p90_ms": (a["ttft_ms"]["p90"], b["ttft_ms"]["p90"]),
     }
-    table = {k: {"kvstore": x, "no-kvstore": y, "ratio": (x / y if x is not None and y else None)}
-             for k, (x, y) in ratios.items()}
+    table = {
+        k: {"kvstore": x, "no-kvstore": y, "ratio": (x / y if x is not None and y else None)}
+        for k, (x, y) in ratios.items()
+    }
     print(f"{'turns 2+':<14}{'kvstore':>12}{'no-kvstore':>12}{'ratio':>8}")
     for k, row in table.items():
         cells = [f"{v:.3f}" if isinstance(v, float) else "-" for v in row.values()]
@@ -166,18 +210,30 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
 
     async def go() -> tuple[list, float]:
         async with open_client(args.addr) as client:
-            return await run_load(client, reqs, temperature=args.temperature,
-                                  progress=not args.no_progress, desc="replay")
+            return await run_load(
+                client,
+                reqs,
+                temperature=args.temperature,
+                progress=not args.no_progress,
+                desc="replay",
+            )
 
     recs, wall = asyncio.run(go())
     summary = summarize(recs, wall)
     best = simulate(records, None, 1).hit_rate
-    print(f"replayed {len(recs)} requests: hit rate {summary['cache_hit_rate']:.1%} "
-          f"(trace best case {best:.1%}), TTFT p50 {summary['ttft_ms']['p50']} ms")
-    plot_latency_cdfs({"replay": latency_arrays(recs)}, Path(args.out).parent,
-                      prefix=f"{Path(args.out).stem}_")
-    return {"mode": "replay", "summary": summary, "best_hit_rate": best,
-            "records": [r.to_json() for r in recs]}
+    print(
+        f"replayed {len(recs)} requests: hit rate {summary['cache_hit_rate']:.1%} "
+        f"(trace best case {best:.1%}), TTFT p50 {summary['ttft_ms']['p50']} ms"
+    )
+    plot_latency_cdfs(
+        {"replay": latency_arrays(recs)}, Path(args.out).parent, prefix=f"{Path(args.out).stem}_"
+    )
+    return {
+        "mode": "replay",
+        "summary": summary,
+        "best_hit_rate": best,
+        "records": [r.to_json() for r in recs],
+    }
 
 
 def main(args: argparse.Namespace) -> int:

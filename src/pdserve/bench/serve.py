@@ -51,13 +51,24 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--num-requests", type=int, help="number of requests (default 100)")
     a.add_argument("--duration", type=float, help="seconds of arrivals instead of a count")
     s = p.add_argument_group("SLOs and goodput")
-    s.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
-                   help="SLOs in ms, e.g. ttft:500 tpot:50 e2e:5000")
+    s.add_argument(
+        "--goodput",
+        nargs="*",
+        default=[],
+        metavar="KEY:MS",
+        help="SLOs in ms, e.g. ttft:500 tpot:50 e2e:5000",
+    )
     s.add_argument("--sweep-rates", help="comma-separated rates, or 'auto' (bracket + bisect)")
-    s.add_argument("--sweep-start", type=float, default=1.0, help="first rate of --sweep-rates auto")
+    s.add_argument(
+        "--sweep-start", type=float, default=1.0, help="first rate of --sweep-rates auto"
+    )
     s.add_argument("--target", type=float, default=0.9, help="DistServe attainment target")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="unmeasured requests sent one by one before the first run")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="unmeasured requests sent one by one before the first run",
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -99,8 +110,9 @@ def base_requests(
         records = read_trace(args.trace, args.trace_format, limit=args.num_requests)
         return trace_requests(records, vocab, seed, args.length_scale, max_len, args.block_size)
     n = n_hint if n_hint is not None else (args.num_requests or 100)
-    return synthetic_requests(n, LengthDist.parse(args.input_len),
-                              LengthDist.parse(args.output_len), vocab, seed, max_len)
+    return synthetic_requests(
+        n, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len), vocab, seed, max_len
+    )
 
 
 def workload_at(args: argparse.Namespace, rate: float | None, salt: int = 0) -> list[BenchRequest]:
@@ -128,9 +140,14 @@ def run_once(
 
     async def go() -> tuple[list, float]:
         async with open_client(addr) as client:
-            return await run_load(client, reqs, temperature=args.temperature, seed=args.seed,
-                                  progress=not args.no_progress,
-                                  desc=f"rate {rate}" if rate else "requests")
+            return await run_load(
+                client,
+                reqs,
+                temperature=args.temperature,
+                seed=args.seed,
+                progress=not args.no_progress,
+                desc=f"rate {rate}" if rate else "requests",
+            )
 
     records, wall = asyncio.run(go())
     summary = summarize(records, wall)
@@ -167,8 +184,10 @@ def run_benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
     slo = SLO.parse(args.goodput)
     runs: list[dict[str, Any]] = []
     if args.warmup > 0:
-        warm = [replace(r, arrival_s=0.0, max_tokens=min(r.max_tokens, 4))
-                for r in base_requests(args, n_hint=args.warmup, salt=WARMUP_SALT)[: args.warmup]]
+        warm = [
+            replace(r, arrival_s=0.0, max_tokens=min(r.max_tokens, 4))
+            for r in base_requests(args, n_hint=args.warmup, salt=WARMUP_SALT)[: args.warmup]
+        ]
         asyncio.run(_warmup(addr, warm, args.temperature))
     if args.sweep_rates:
         ts = slo.only("ttft", "tpot")
@@ -195,14 +214,20 @@ def run_benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
         "config": {k: v for k, v in vars(args).items() if k != "func"} | {"addr": addr},
         "rate": main_run["rate"],
         "summary": main_run["summary"],
-        "goodput": {"slo": slo.to_json(), "vllm_req_s": main_run["vllm_goodput_req_s"],
-                    "attainment_ttft_tpot": main_run["attainment_ttft_tpot"], "distserve": ds},
+        "goodput": {
+            "slo": slo.to_json(),
+            "vllm_req_s": main_run["vllm_goodput_req_s"],
+            "attainment_ttft_tpot": main_run["attainment_ttft_tpot"],
+            "distserve": ds,
+        },
         "sweep": [{k: v for k, v in r.items() if k != "_records"} for r in runs],
         "_runs": runs,
     }
 
 
-def save_result(result: dict[str, Any], out: str | Path, plots_dir: str | Path | None) -> list[Path]:
+def save_result(
+    result: dict[str, Any], out: str | Path, plots_dir: str | Path | None
+) -> list[Path]:
     """Write the JSON (without the in-memory records) and the plots; returns all paths."""
     out = Path(out)
     plots_dir = Path(plots_dir) if plots_dir else out.parent / f"{out.stem}_plots"
@@ -212,8 +237,11 @@ def save_result(result: dict[str, Any], out: str | Path, plots_dir: str | Path |
     paths += plot_latency_cdfs(arms, plots_dir)
     if len(runs) > 1 and runs[0]["attainment_ttft_tpot"] is not None:
         pts = [(r["rate"], r["attainment_ttft_tpot"]) for r in runs]
-        paths.append(plot_attainment({"this run": pts}, plots_dir / "attainment.png",
-                                     result["config"].get("target", 0.9)))
+        paths.append(
+            plot_attainment(
+                {"this run": pts}, plots_dir / "attainment.png", result["config"].get("target", 0.9)
+            )
+        )
     return paths
 
 
@@ -224,9 +252,14 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"pdserve bench serve: {exc}") from None
     paths = save_result(result, args.out, args.plots)
     g = result["goodput"]
-    print(format_summary(result["summary"], {
-        "vLLM (req/s meeting all SLOs)": g["vllm_req_s"],
-        "DistServe (max rate >= target)": (g["distserve"] or {}).get("interpolated"),
-    }))
+    print(
+        format_summary(
+            result["summary"],
+            {
+                "vLLM (req/s meeting all SLOs)": g["vllm_req_s"],
+                "DistServe (max rate >= target)": (g["distserve"] or {}).get("interpolated"),
+            },
+        )
+    )
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if result["summary"]["completed"] else 1

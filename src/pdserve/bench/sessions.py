@@ -29,8 +29,8 @@ class SessionPlan:
     first_len: int = 256
     user_len: int = 64
     output_len: int = 32
-    think_time_s: float = 1.0     # mean of the exponential pause between turns
-    ramp_s: float = 2.0           # session starts are uniform in [0, ramp_s)
+    think_time_s: float = 1.0  # mean of the exponential pause between turns
+    ramp_s: float = 2.0  # session starts are uniform in [0, ramp_s)
     vocab_size: int = 1000
     max_model_len: int | None = None
     seed: int = 0
@@ -56,8 +56,14 @@ async def run_session(
             break  # the conversation no longer fits the context: the session ends
         answer: list[int] = []
         req = BenchRequest(s * 1000 + turn, prompt, plan.output_len, session_id=sid)
-        rec = await send_one(client, req, t0, temperature=temperature,
-                             arrival_s=time.perf_counter() - t0, collect=answer)
+        rec = await send_one(
+            client,
+            req,
+            t0,
+            temperature=temperature,
+            arrival_s=time.perf_counter() - t0,
+            collect=answer,
+        )
         rec.turn = turn
         records.append(rec)
         if not rec.ok:
@@ -75,8 +81,10 @@ async def run_sessions(
 
     t0 = time.perf_counter()
     bar = tqdm(total=plan.num_sessions, desc="sessions", unit="session", disable=not progress)
-    tasks = [asyncio.create_task(run_session(client, plan, s, t0, temperature))
-             for s in range(plan.num_sessions)]
+    tasks = [
+        asyncio.create_task(run_session(client, plan, s, t0, temperature))
+        for s in range(plan.num_sessions)
+    ]
     for t in tasks:
         t.add_done_callback(lambda _: bar.update(1))
     try:
@@ -88,6 +96,7 @@ async def run_sessions(
 
 def turn_report(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """Hit rate (cached / prompt tokens) and TTFT of turns 2+, plus turn 1 for contrast."""
+
     def part(recs: Sequence[RequestRecord]) -> dict[str, Any]:
         done = [r for r in recs if r.ok]
         prompt = sum(r.n_in for r in done)

@@ -28,7 +28,7 @@ class TraceFormatError(ValueError):
 
 @dataclass(frozen=True)
 class TraceRecord:
-    timestamp_s: float          # relative to the first record of the trace
+    timestamp_s: float  # relative to the first record of the trace
     input_len: int
     output_len: int
     hash_ids: tuple[int, ...] = field(default=())  # Mooncake only: one id per 512-token block

@@ -24,7 +24,7 @@ class BenchRequest:
     index: int
     prompt_ids: list[int]
     max_tokens: int
-    arrival_s: float = 0.0          # offset from the start of the run
+    arrival_s: float = 0.0  # offset from the start of the run
     session_id: str | None = None
     hash_ids: tuple[int, ...] = field(default=())
 

@@ -167,9 +167,7 @@ class LLMEngine:
         if self._held:  # scheduled requests now hold their prefix themselves
             for entry in plan.scheduled:
                 self._drop_hold(entry.seq.request_id)
-        sinks = [
-            e.seq for e in plan.scheduled if e.sample and e.seq.prefill_only and e.seq.kv_sink
-        ]
+        sinks = [e.seq for e in plan.scheduled if e.sample and e.seq.prefill_only and e.seq.kv_sink]
         callback = self._sink_callback(sinks) if sinks else None
         sampled = self.runner.execute(plan, layer_callback=callback)
         outputs = []
