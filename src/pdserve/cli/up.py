@@ -6,7 +6,7 @@ import argparse
 import json
 import signal
 import sys
-import threading
+import time
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -71,9 +71,11 @@ def run(args: argparse.Namespace) -> int:
         worker_args=list(args.worker_arg),
         router_args=list(args.router_arg),
     )
-    stop = threading.Event()
+    # A plain flag: a signal handler must not take locks (threading.Event.set does, and a
+    # second signal arriving inside it deadlocks the launcher).
+    stop_signals: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _frame: stop_signals.append(signum))
 
     cluster = Cluster(config)
     print(f"pdserve: starting ({args.mode}); logs in {cluster.log_dir}", flush=True)
@@ -84,11 +86,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         _print_banner(cluster)
-        while not stop.wait(1.0):
+        while not stop_signals:
+            time.sleep(0.2)  # interrupted by a signal; the handler only appends to a list
             for name, proc in cluster.processes.items():
                 if not proc.alive and name in ("router", "kvstore"):
                     print(f"pdserve: {name} exited; stopping", file=sys.stderr)
-                    stop.set()
+                    stop_signals.append(0)
     finally:
         print("pdserve: stopping", flush=True)
         cluster.stop()
