@@ -53,38 +53,14 @@ def test_json_with_prompt_ids_matches_engine(capsys, tiny_llama_dir, make_engine
 
 def test_text_prompt_with_tokenizer(capsys, make_tiny_dirs):
     model = str(make_tiny_dirs["llama"])
-    code, out, _ = run(
-        capsys,
-        "--model",
-        model,
-        "--prompt",
-        "Hello there",
-        "--max-tokens",
-        "5",
-        "--temperature",
-        "0.7",
-        "--seed",
-        "3",
-        "--json",
-    )
+    args = ["--model", model, "--prompt", "Hello there", "--max-tokens", "5"]
+    args += ["--temperature", "0.7", "--seed", "3", "--json"]
+    code, out, _ = run(capsys, *args)
     assert code == 0
     obj = json.loads(out)
     assert 1 <= len(obj["token_ids"]) <= 5 and isinstance(obj["text"], str)
     assert obj["prompt_tokens"] > 1
-    code2, out2, _ = run(
-        capsys,
-        "--model",
-        model,
-        "--prompt",
-        "Hello there",
-        "--max-tokens",
-        "5",
-        "--temperature",
-        "0.7",
-        "--seed",
-        "3",
-        "--json",
-    )
+    code2, out2, _ = run(capsys, *args)
     assert code2 == 0 and json.loads(out2)["token_ids"] == obj["token_ids"]  # seeded
 
 

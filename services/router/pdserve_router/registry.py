@@ -15,6 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.errors import FailedPreconditionError, InvalidRequestError
+from pdserve.load import LoadReport
+
+__all__ = ["LoadReport", "Registry"]  # LoadReport: the shared heartbeat load, re-exported
 
 ROLE_PREFILL = 1
 ROLE_DECODE = 2
@@ -25,19 +28,6 @@ ROLE_NAMES = {
     ROLE_DECODE: "decode",
     ROLE_COLOCATED: "colocated",
 }
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """The load a worker reports with each heartbeat (mirrors WorkerLoad)."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
-    tokens_in_flight: int = 0
-    num_reserved: int = 0
-    step_ms_ewma: float = 0.0
 
 
 @dataclass

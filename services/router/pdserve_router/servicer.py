@@ -23,18 +23,6 @@ from .validation import check_messages, check_request, to_params
 log = get_logger("pdserve.router")
 
 
-def load_from_proto(load: common_pb2.WorkerLoad) -> LoadReport:
-    return LoadReport(
-        num_waiting=load.num_waiting,
-        num_running=load.num_running,
-        free_blocks=load.free_blocks,
-        total_blocks=load.total_blocks,
-        tokens_in_flight=load.tokens_in_flight,
-        num_reserved=load.num_reserved,
-        step_ms_ewma=load.step_ms_ewma,
-    )
-
-
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(
         self,
@@ -226,7 +214,7 @@ class RegistryServicer(router_pb2_grpc.RegistryServicer):
             request.role,
             request.model_fingerprint,
             request.block_size,
-            load_from_proto(request.load),
+            LoadReport.from_proto(request.load),
         )
         log.info(
             "instance registered",
@@ -242,7 +230,7 @@ class RegistryServicer(router_pb2_grpc.RegistryServicer):
         self, request: router_pb2.HeartbeatRequest, context
     ) -> router_pb2.HeartbeatResponse:
         known = self.registry.heartbeat(
-            request.instance_id, request.role, request.state, load_from_proto(request.load)
+            request.instance_id, request.role, request.state, LoadReport.from_proto(request.load)
         )
         return router_pb2.HeartbeatResponse(known=known)
 

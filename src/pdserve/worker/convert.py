@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.engine.params import SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2
-from pdserve.worker.domain import LoadSnapshot, StageCosts, Ticket, TokenEvent
+from pdserve.worker.domain import StageCosts, Ticket, TokenEvent
 
 ROLE_TO_PROTO = {
     "prefill": common_pb2.ROLE_PREFILL,
@@ -80,18 +80,6 @@ def chunk_to_proto(ev: TokenEvent) -> worker_pb2.TokenChunk:
     if ev.stages is not None:
         chunk.stages.CopyFrom(stages_to_proto(ev.stages))
     return chunk
-
-
-def load_to_proto(load: LoadSnapshot) -> common_pb2.WorkerLoad:
-    return common_pb2.WorkerLoad(
-        num_waiting=load.num_waiting,
-        num_running=load.num_running,
-        free_blocks=load.free_blocks,
-        total_blocks=load.total_blocks,
-        tokens_in_flight=load.tokens_in_flight,
-        num_reserved=load.num_reserved,
-        step_ms_ewma=load.step_ms_ewma,
-    )
 
 
 def role_from_proto(role: int) -> str:

@@ -17,9 +17,10 @@ from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import UnavailableError
 from pdserve.kv.transfer import UcxTransport
+from pdserve.load import LoadReport
 from pdserve.logging import get_logger
 from pdserve.worker.decode import DecodeHandler
-from pdserve.worker.domain import LoadSnapshot, StageCosts, Ticket, TokenEvent
+from pdserve.worker.domain import StageCosts, Ticket, TokenEvent
 from pdserve.worker.prefill import PrefillHandler
 from pdserve.worker.settings import RoleName, WorkerSettings
 
@@ -322,12 +323,12 @@ class WorkerCore:
         return await self.decode_handler.abort(request_id)
 
     # ------------------------------------------------------------------ reporting
-    def load_snapshot(self) -> LoadSnapshot:
+    def load_snapshot(self) -> LoadReport:
         """Cheap, lock-free reads of engine counters (approximate by design)."""
         if self.engine is None:
-            return LoadSnapshot()
+            return LoadReport()
         llm = self.llm
-        return LoadSnapshot(
+        return LoadReport(
             num_waiting=llm.num_waiting,
             num_running=llm.num_running,
             free_blocks=llm.pool.num_free_blocks,

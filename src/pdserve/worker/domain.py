@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,3 @@ class TokenEvent:
     token_ids: list[int]
     finish_reason: str | None = None
     stages: StageCosts | None = None
-
-
-@dataclass
-class LoadSnapshot:
-    num_waiting: int = 0
-    num_running: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
-    tokens_in_flight: int = 0
-    num_reserved: int = 0
-    step_ms_ewma: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)

@@ -92,7 +92,7 @@ class Registration:
                 role=convert.ROLE_TO_PROTO[core.role],
                 model_fingerprint=core.llm.loaded.fingerprint,
                 block_size=core.llm.spec.block_size,
-                load=convert.load_to_proto(core.load_snapshot()),
+                load=core.load_snapshot().to_proto(),
             ),
             timeout=5.0,
         )
@@ -117,7 +117,7 @@ class Registration:
                 instance_id=core.instance_id,
                 role=convert.ROLE_TO_PROTO[core.role],
                 state=core.state,
-                load=convert.load_to_proto(core.load_snapshot()),
+                load=core.load_snapshot().to_proto(),
             ),
             timeout=5.0,
         )

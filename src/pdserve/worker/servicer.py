@@ -101,6 +101,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             block_size=llm.spec.block_size,
             num_layers=llm.spec.num_layers,
             bytes_per_block=llm.spec.bytes_per_block,
-            load=convert.load_to_proto(core.load_snapshot()),
+            load=core.load_snapshot().to_proto(),
             counters=core.counters(),
         )
