@@ -289,13 +289,13 @@ class Cluster:
 
     def _kvstore_argv(self, port: int = 0) -> list[str]:
         return [
-            sys.executable, "-m", "pdserve_kvstore", "--port", str(port),
+            sys.executable, "-m", "pdserve.kvstore", "--port", str(port),
             "--capacity-bytes", str(self.config.kvstore_capacity_bytes),
         ]  # fmt: skip
 
     def _router_argv(self) -> list[str]:
         argv = [
-            sys.executable, "-m", "pdserve_router", "--port", str(self.config.port),
+            sys.executable, "-m", "pdserve.router", "--port", str(self.config.port),
             "--model", self.model_dir,
         ]  # fmt: skip
         if self.kvstore_port is not None:
@@ -305,9 +305,8 @@ class Cluster:
         return argv + list(self.config.router_args)
 
     def _worker_argv(self, role: str) -> list[str]:
-        module = "pdserve_prefill" if role == "prefill" else "pdserve_decode"
         return [
-            sys.executable, "-m", module, "--port", "0", "--role", role,
+            sys.executable, "-m", "pdserve.worker", "--port", "0", "--role", role,
             "--model", self.model_dir, "--router-addr", self.addr,
             *self.config.worker_args,
         ]  # fmt: skip

@@ -44,7 +44,7 @@ class Store:
 
 
 def start_store(*extra: str) -> Store:
-    argv = [sys.executable, "-m", "pdserve_kvstore", "--port", "0", "--log-format", "console"]
+    argv = [sys.executable, "-m", "pdserve.kvstore", "--port", "0", "--log-format", "console"]
     argv += ["--capacity-bytes", str(CAPACITY), "--staging-bytes", str(STAGING), *extra]
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=None if os.environ.get("KV_DEBUG") else subprocess.DEVNULL, text=True,

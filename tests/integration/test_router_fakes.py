@@ -74,13 +74,13 @@ def make_model_dir(path: Path, max_len: int = 256) -> Path:
 
 
 class RouterProcess:
-    """`python -m pdserve_router` on a free port; ready when it prints PDSERVE_READY."""
+    """`python -m pdserve.router` on a free port; ready when it prints PDSERVE_READY."""
 
     def __init__(self, model_dir: Path | None, *extra: str, timeout: float = 60.0) -> None:
         argv = [
             sys.executable,
             "-m",
-            "pdserve_router",
+            "pdserve.router",
             "--port",
             "0",
             "--heartbeat-interval-s",

@@ -17,13 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ("prefill", "decode")
 # `python -m <module>` -> the settings class its entry point parses flags with
 SETTINGS = {
-    "pdserve_router": "pdserve_router.settings:RouterSettings",
-    "pdserve_prefill": "pdserve.worker.settings:WorkerSettings",
-    "pdserve_decode": "pdserve.worker.settings:WorkerSettings",
-    "pdserve_kvstore": "pdserve_kvstore.settings:KVStoreSettings",
+    "pdserve.router": "pdserve.router.settings:RouterSettings",
+    "pdserve.worker": "pdserve.worker.settings:WorkerSettings",
+    "pdserve.kvstore": "pdserve.kvstore.settings:KVStoreSettings",
 }
-# `services/<dir>` that provides each module
-PACKAGE_DIR = {m: m.removeprefix("pdserve_") for m in SETTINGS}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +91,7 @@ def test_commands_run_existing_modules_with_known_flags(services, monkeypatch):
             field = key.removeprefix("PDSERVE_").lower()
             if field not in ("log_format", "log_level"):
                 assert field in cls.model_fields, f"{name}: {key} is no setting of {cls}"
-        if module in ("pdserve_prefill", "pdserve_decode"):
+        if module == "pdserve.worker":
             assert settings.role == name, f"{name} starts in role {settings.role}"
         for key in env:
             monkeypatch.delenv(key)
@@ -181,8 +178,7 @@ def test_dockerfile_installs_the_service_packages(services):
         line for line in docker.replace("\\\n", " ").splitlines() if "pip install" in line
     )
     for name in _server_services(services):
-        module, _args = _module_and_args(services[name])
-        pkg = PACKAGE_DIR[module]
+        pkg = name  # services/<compose service>/ deploys it
         assert (ROOT / "services" / pkg / "pyproject.toml").exists()
         assert f"./services/{pkg}" in installs, f"Dockerfile does not install services/{pkg}"
     # the root package (the `pdserve` CLI of model-init) with the extras the workers need

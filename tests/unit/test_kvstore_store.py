@@ -6,10 +6,10 @@ import random
 
 import numpy as np
 import pytest
-from pdserve_kvstore.store import BlockStore, checksum
 
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.hashing import block_hashes
+from pdserve.kvstore.store import BlockStore, checksum
 
 BS = 1024  # bytes per block in these tests
 

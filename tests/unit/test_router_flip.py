@@ -7,11 +7,11 @@ import asyncio
 
 import grpc
 import pytest
-from pdserve_router.flip import FlipController, FlipMetrics, snapshot
-from pdserve_router.flip_policy import FlipPolicy, FlipThresholds, InstanceLoad
-from pdserve_router.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, LoadReport, Registry
 from prometheus_client import CollectorRegistry
 
+from pdserve.router.flip import FlipController, FlipMetrics, snapshot
+from pdserve.router.flip_policy import FlipPolicy, FlipThresholds, InstanceLoad
+from pdserve.router.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, LoadReport, Registry
 from pdserve.rpc.metrics import Metrics
 
 P, D = ROLE_PREFILL, ROLE_DECODE

@@ -1,7 +1,9 @@
 """Placement policies and the output-length predictor."""
 
 import pytest
-from pdserve_router.policies import (
+
+from pdserve.kv.hashing import block_hashes
+from pdserve.router.policies import (
     LeastLoaded,
     PrefixAware,
     RoundRobin,
@@ -9,10 +11,8 @@ from pdserve_router.policies import (
     SessionAffinity,
     make_policy,
 )
-from pdserve_router.predictor import EwmaPredictor
-from pdserve_router.registry import Instance, LoadReport
-
-from pdserve.kv.hashing import block_hashes
+from pdserve.router.predictor import EwmaPredictor
+from pdserve.router.registry import Instance, LoadReport
 
 
 def inst(iid, inflight_tokens=0, inflight_requests=0, block_size=4, **load):

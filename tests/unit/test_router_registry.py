@@ -1,15 +1,15 @@
 """Registry: registration, heartbeats, expiry with a fake clock, suspicion."""
 
 import pytest
-from pdserve_router.registry import (
+
+from pdserve.errors import FailedPreconditionError, InvalidRequestError
+from pdserve.router.registry import (
     ROLE_COLOCATED,
     ROLE_DECODE,
     ROLE_PREFILL,
     LoadReport,
     Registry,
 )
-
-from pdserve.errors import FailedPreconditionError, InvalidRequestError
 
 
 class FakeClock:

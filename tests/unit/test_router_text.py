@@ -1,7 +1,7 @@
 """Stop strings and the router's text path (detokenizer -> stop matcher)."""
 
-from pdserve_router.stops import StopMatcher
-from pdserve_router.text import TextStream
+from pdserve.router.stops import StopMatcher
+from pdserve.router.text import TextStream
 
 
 def feed_all(m, parts):

@@ -1,10 +1,10 @@
 """Router-side request validation: messages name the field and the range."""
 
 import pytest
-from pdserve_router.validation import check_messages, check_request, check_session_id, to_params
 
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import InvalidRequestError
+from pdserve.router.validation import check_messages, check_request, check_session_id, to_params
 from pdserve.v1 import common_pb2
 
 

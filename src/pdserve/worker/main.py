@@ -1,21 +1,21 @@
-"""Entry point shared by `python -m pdserve_prefill` and `python -m pdserve_decode`."""
+"""Worker entry point: `python -m pdserve.worker --role prefill|decode|colocated`.
+
+Prefill and decode run the same worker: a role is state the router may flip, so every worker can
+play every role. `--role` (or `PDSERVE_ROLE`) is the one way to choose the starting role.
+"""
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 
 from pdserve.config import load_settings
 from pdserve.rpc.server import serve
 from pdserve.worker.app import WorkerApp
-from pdserve.worker.settings import RoleName, WorkerSettings
+from pdserve.worker.settings import WorkerSettings
 
 
-def main(argv: Sequence[str] | None = None, *, default_role: RoleName, prog: str) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    role_given = "--role" in args or any(a.startswith("--role=") for a in args)
-    if not role_given and "PDSERVE_ROLE" not in os.environ:
-        args = ["--role", default_role, *args]
-    settings = load_settings(WorkerSettings, args, prog=prog)
+    settings = load_settings(WorkerSettings, args, prog="pdserve-worker")
     return serve(WorkerApp(settings), settings)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from grpc import aio
 
+from pdserve.kvstore.service import KVStoreService
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
-from pdserve_kvstore.service import KVStoreService
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):

@@ -5,14 +5,14 @@ from __future__ import annotations
 from grpc import aio
 
 from pdserve.kv.transfer import UcxTransport
+from pdserve.kvstore.metrics import KVStoreMetrics
+from pdserve.kvstore.service import KVStoreService
+from pdserve.kvstore.servicer import KVStoreServicer
+from pdserve.kvstore.settings import KVStoreSettings
 from pdserve.logging import get_logger
 from pdserve.rpc.metrics import Metrics
 from pdserve.rpc.server import ServiceApp
 from pdserve.v1 import kvstore_pb2_grpc
-from pdserve_kvstore.metrics import KVStoreMetrics
-from pdserve_kvstore.service import KVStoreService
-from pdserve_kvstore.servicer import KVStoreServicer
-from pdserve_kvstore.settings import KVStoreSettings
 
 log = get_logger("pdserve.kvstore")
 

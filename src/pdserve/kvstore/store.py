@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdserve.errors import InvalidRequestError
-from pdserve_kvstore.arena import Arena, Slot
-from pdserve_kvstore.stats import StoreStats
+from pdserve.kvstore.arena import Arena, Slot
+from pdserve.kvstore.stats import StoreStats
 
 HASH_BYTES = 16
 Key = tuple[str, bytes]

@@ -17,10 +17,10 @@ import numpy as np
 
 from pdserve.errors import NotFoundError, OverloadedError, UnavailableError
 from pdserve.kv.transfer import RecvHandle, TransferFailedError, UcxTransport
+from pdserve.kvstore.metrics import KVStoreMetrics
+from pdserve.kvstore.settings import KVStoreSettings
+from pdserve.kvstore.store import BlockStore, PutReservation
 from pdserve.logging import get_logger
-from pdserve_kvstore.metrics import KVStoreMetrics
-from pdserve_kvstore.settings import KVStoreSettings
-from pdserve_kvstore.store import BlockStore, PutReservation
 
 log = get_logger("pdserve.kvstore")
 

@@ -1,9 +1,9 @@
-"""Prometheus metrics of the kvstore (`pdserve_kvstore_*`)."""
+"""Prometheus metrics of the kvstore (`pdserve.kvstore_*`)."""
 
 from __future__ import annotations
 
+from pdserve.kvstore.stats import StoreStats
 from pdserve.rpc.metrics import Metrics
-from pdserve_kvstore.stats import StoreStats
 
 
 class KVStoreMetrics:

@@ -1,4 +1,4 @@
-"""`python -m pdserve_router` / `pdserve-router`."""
+"""`python -m pdserve.router` / `pdserve-router`."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
-"""`python -m pdserve_kvstore` / `pdserve-kvstore`."""
+"""`python -m pdserve.kvstore` / `pdserve-kvstore`."""
 
 from __future__ import annotations
 
 import sys
 
 from pdserve.config import load_settings
+from pdserve.kvstore.app import KVStoreApp
+from pdserve.kvstore.settings import KVStoreSettings
 from pdserve.rpc.server import serve
-from pdserve_kvstore.app import KVStoreApp
-from pdserve_kvstore.settings import KVStoreSettings
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,1 +1,0 @@
-"""pdserve decode service: the pdserve worker started in the decode role."""

@@ -1,1 +1,0 @@
-"""pdserve prefill service: the pdserve worker started in the prefill role."""
