@@ -30,13 +30,14 @@ import grpc
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import DeadlineError, OverloadedError, UnavailableError
 from pdserve.logging import get_logger
+from pdserve.rpc.channels import metadata_with_request_id
 from pdserve.v1 import common_pb2, worker_pb2
 
 from .placement import RequestPlacement
 from .policies import PlacementPolicy, RouteRequest
 from .predictor import OutputLengthPredictor
 from .registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Instance, Registry
-from .workers import RETRYABLE, Aborter, RemoteError, WorkerClients, remote_error, request_metadata
+from .workers import RETRYABLE, Aborter, RemoteError, WorkerClients, remote_error
 
 log = get_logger("pdserve.router.orchestrator")
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
@@ -111,6 +112,7 @@ class Orchestrator:
         predictor: OutputLengthPredictor,
         workers: WorkerClients,
         deadlines: Deadlines,
+        *,
         eos_token_ids: Sequence[int] = (),
         max_prefill_attempts: int = 3,
         lease_s: float = 0.0,
@@ -225,7 +227,7 @@ class Orchestrator:
                 use_kvstore=self.use_kvstore,
             ),
             timeout=self.deadlines.prefill_s,
-            metadata=request_metadata(job.request_id),
+            metadata=metadata_with_request_id(job.request_id),
         )
         resp = await self._prefill_while_decode_lives(call, placement.decode)
         placement.leave(prefill, abort=False)  # done: its KV is on the decode
@@ -270,7 +272,7 @@ class Orchestrator:
                 sampling=job.sampling,
                 write_back=self.write_back,
             ),
-            metadata=request_metadata(job.request_id),
+            metadata=metadata_with_request_id(job.request_id),
         )
         try:
             async for chunk in self._relay(call, decode, job, placement, "decode"):
@@ -302,7 +304,7 @@ class Orchestrator:
                 resp = await self.workers.stub(decode.address).Reserve(
                     self._reserve_request(job, route, prompt),
                     timeout=self.deadlines.reserve_s,
-                    metadata=request_metadata(job.request_id),
+                    metadata=metadata_with_request_id(job.request_id),
                 )
             except grpc.RpcError as err:
                 failure = self._failure(err, decode, "decode")
@@ -349,7 +351,7 @@ class Orchestrator:
                     use_kvstore=self.use_kvstore,
                     write_back=self.write_back,
                 ),
-                metadata=request_metadata(job.request_id),
+                metadata=metadata_with_request_id(job.request_id),
             )
             try:
                 async for chunk in self._relay(call, inst, job, placement, "colocated"):
