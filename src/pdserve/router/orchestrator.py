@@ -238,6 +238,9 @@ class Orchestrator:
         heartbeating: a KV push to a dead decode would otherwise hang until the prefill's
         transfer timeout. A draining decode still counts as alive (it finishes its work)."""
         task = asyncio.ensure_future(call)
+        # Retrieve its outcome even when we are cancelled as it fails (no "Task exception
+        # was never retrieved" log).
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=DECODE_WATCH_S)
