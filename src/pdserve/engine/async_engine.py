@@ -16,6 +16,7 @@ queues an `Abort` without awaiting anything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
@@ -166,7 +167,7 @@ class AsyncEngine:
         )  # fmt: skip
         return self._stream(request_id, cmd)
 
-    def admit_prefilled(
+    async def admit_prefilled(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
@@ -175,12 +176,13 @@ class AsyncEngine:
         kv: Any,
         hold_on_finish: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Decode side: stream tokens 1.. of a request whose KV (`kv`, [L, n, ...]) goes into
-        its reserved blocks in the same command that admits it."""
+        """Decode side: write `kv` ([L, n, ...]) into the request's reserved blocks and admit
+        it, in one command; returns (once admitted) the stream of its tokens 1..; raises if
+        the admission failed (its reservation is then already freed)."""
         cmd = AdmitPrefilled(
             request_id, list(prompt_token_ids), first_token, params, kv, hold_on_finish
         )
-        return self._stream(request_id, cmd)
+        return await self._open(request_id, cmd)
 
     async def shutdown(self) -> None:
         with self._cond:
@@ -210,11 +212,19 @@ class AsyncEngine:
             self._commands.append(item)
             self._cond.notify()
 
-    async def _stream(self, request_id: str, cmd: Command) -> AsyncIterator[RequestOutput]:
+    async def _open(self, request_id: str, cmd: Command) -> AsyncIterator[RequestOutput]:
+        """Run a stream-starting command; return its outputs once it ran."""
         queue: asyncio.Queue = asyncio.Queue()
-        finished = False
         try:
             await self._submit(cmd, stream=(asyncio.get_running_loop(), queue))
+        except BaseException:  # failed, or the caller was cancelled: abort (idempotent)
+            self._post(Abort(request_id))
+            raise
+        return self._outputs(request_id, queue)
+
+    async def _outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -225,8 +235,14 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if not finished:  # cancelled, closed early, or the add failed: abort (idempotent)
+            if not finished:  # cancelled or closed early: abort (idempotent, no await)
                 self._post(Abort(request_id))
+
+    async def _stream(self, request_id: str, cmd: Command) -> AsyncIterator[RequestOutput]:
+        outputs = await self._open(request_id, cmd)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield out
 
     # ---- engine thread ----------------------------------------------------------------
     def _execute(self, cmd: Command, stream: _Stream | None) -> Any:
