@@ -1,6 +1,6 @@
 """Cancel storm: 1,000 streaming requests through a real cluster (kvstore + router + 1 prefill
-+ 1 decode, all processes), each cancelled at a random point — right after it was sent, before
-its first token, or mid-stream — with 16–32 in flight. Afterwards, within 2 s, every worker has
++ 1 decode, all processes), each cancelled at a random point - right after it was sent, before
+its first token, or mid-stream - with 16-32 in flight. Afterwards, within 2 s, every worker has
 all its blocks free, no reservation and no held block; the kvstore holds no open put and its
 memory is within its budget; and a greedy request still equals the in-process engine.
 
