@@ -32,6 +32,7 @@ from pdserve.errors import (
     FailedPreconditionError,
     InvalidRequestError,
     NotFoundError,
+    OverloadedError,
     UnavailableError,
 )
 from pdserve.kv.transfer import RecvHandle, TransferFailedError, TransferTimeoutError, UcxTransport
@@ -95,7 +96,7 @@ class DecodeHandler:
         self._background: set[asyncio.Task] = set()
         self._reserving: dict[str, bool] = {}  # request id -> aborted while Reserve was in flight
         self.counters: dict[str, float] = dict.fromkeys(
-            ("reservations", "leases_expired", "transfers_failed", "admitted",
+            ("reservations", "reservations_refused", "leases_expired", "transfers_failed", "admitted",
              "admission_delay_ms_sum", "kv_wait_ms_sum"), 0.0
         )  # fmt: skip
 
@@ -134,6 +135,9 @@ class DecodeHandler:
             # +1: the block table must also hold token 0, which the decode computes first.
             # Cancel-safe: a cancelled reserve releases what the engine reserved.
             await self._engine.reserve(request_id, num_prompt_tokens + 1)
+        except OverloadedError:  # no room now: the router waits and retries
+            self.counters["reservations_refused"] += 1
+            raise
         finally:
             aborted = self._reserving.pop(request_id)
         if aborted:  # Abort(request_id) came while the engine was reserving
