@@ -10,7 +10,7 @@ BS = 4
 
 
 def make(num_blocks=64, budget=16, max_seqs=8, caching=True):
-    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching, namespace="test")
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching, kv_fingerprint="test")
     return kv, Scheduler(kv, budget, max_seqs)
 
 

@@ -70,7 +70,7 @@ class AsyncEngine:
         self._llm = engine
         # immutable facts about the engine, safe to read from any thread
         self.spec: KVSpec = engine.spec
-        self.kv_fingerprint: str = engine.namespace
+        self.kv_fingerprint: str = engine.kv_fingerprint
         self.model_fingerprint: str = engine.loaded.fingerprint
         self.num_blocks: int = engine.num_blocks
         self.step_ms_ewma = 0.0  # written by the engine thread after each step
@@ -133,7 +133,7 @@ class AsyncEngine:
         return await self._submit(Inspect())
 
     def compute_block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Pure function of the tokens and the namespace: runs on the caller's thread."""
+        """Pure function of the tokens and the kv_fingerprint: runs on the caller's thread."""
         return self._llm.kv.compute_block_hashes(token_ids)
 
     def load(self) -> dict[str, int]:

@@ -66,10 +66,10 @@ class LLMEngine:
             block_size=config.block_size,
             dtype=str(loaded.dtype).removeprefix("torch."),
         )
-        self.namespace = self.spec.fingerprint(loaded.fingerprint)
+        self.kv_fingerprint = self.spec.kv_fingerprint(loaded.fingerprint)
         self.num_blocks = self._num_blocks(config)
         self.kv = KVCacheManager(
-            self.num_blocks, config.block_size, config.enable_prefix_caching, self.namespace
+            self.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_fingerprint
         )
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         gen = None if config.seed is None else torch.Generator().manual_seed(config.seed)
@@ -270,7 +270,7 @@ class LLMEngine:
         return self._output(seq, [], reason)
 
     def compute_block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Chained hashes of the full blocks of `token_ids` in this engine's namespace."""
+        """Chained hashes of the full blocks of `token_ids` under this engine's kv_fingerprint."""
         return self.kv.compute_block_hashes(token_ids)
 
     def cached_prefix(self, hashes: Sequence[bytes]) -> list[int]:
@@ -289,7 +289,7 @@ class LLMEngine:
 
     def import_cached_blocks(self, hashes: Sequence[bytes], data: torch.Tensor) -> int:
         """Insert blocks fetched from the kvstore into the prefix cache. data:
-        [n, L, 2, bs, kvh, hd] for `hashes` (a chain in this namespace). Blocks already
+        [n, L, 2, bs, kvh, hd] for `hashes` (a chain under this kv_fingerprint). Blocks already
         cached are skipped. Returns the number inserted; they stay free (ref 0) and cached."""
         if data.shape[0] != len(hashes) or data.shape[1] != self.spec.num_layers:
             raise InvalidRequestError("data", f"expected [{len(hashes)}, L, ...] got {data.shape}")

@@ -62,14 +62,14 @@ class RequestKV:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, namespace: str
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, kv_fingerprint: str
     ) -> None:
         self._pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.namespace = namespace
-        self._root = root_hash(namespace)
+        self.kv_fingerprint = kv_fingerprint
+        self._root = root_hash(kv_fingerprint)
         self._requests: dict[str, RequestKV] = {}
 
     # ---- queries ---------------------------------------------------------------------
@@ -118,8 +118,8 @@ class KVCacheManager:
 
     # ---- hashing / prefix cache ------------------------------------------------------
     def compute_block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Chained hashes of the full blocks of `token_ids` in this namespace."""
-        return block_hashes(token_ids, self.block_size, self.namespace)
+        """Chained hashes of the full blocks of `token_ids` under this kv_fingerprint."""
+        return block_hashes(token_ids, self.block_size, self.kv_fingerprint)
 
     def seq_hashes(self, seq: SeqBlocks, n_blocks: int) -> list[bytes]:
         """Chained hashes of the first `n_blocks` full blocks of `seq` (memoised on it)."""
@@ -127,7 +127,9 @@ class KVCacheManager:
         if have < n_blocks:
             parent = seq.block_hashes[-1] if have else self._root
             toks = seq.all_token_ids[have * self.block_size : n_blocks * self.block_size]
-            seq.block_hashes.extend(block_hashes(toks, self.block_size, self.namespace, parent))
+            seq.block_hashes.extend(
+                block_hashes(toks, self.block_size, self.kv_fingerprint, parent)
+            )
         return seq.block_hashes[:n_blocks]
 
     def cached_prefix(self, hashes: Sequence[bytes]) -> list[int]:
