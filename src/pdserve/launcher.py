@@ -309,6 +309,7 @@ class Cluster:
         from pdserve.rpc.certs import make_dev_pki
 
         services = [("router", "router"), ("kvstore", "kvstore"), ("admin", "admin")]
+        services.append(("worker", "worker"))  # a spare worker identity (tools, tests)
         services += [("worker", name) for name, _role in self._worker_plan()]
         make_dev_pki(self.tls_dir, services)
 
