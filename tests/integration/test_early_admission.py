@@ -4,7 +4,6 @@ collects counts as an expired lease (and is aborted if still running); its block
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc

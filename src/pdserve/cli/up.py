@@ -120,7 +120,9 @@ def _print_banner(cluster) -> None:
     print(f"pdserve: processes: {workers}")
     print(f"pdserve: router listening on {cluster.addr} (internal: {cluster.internal_addr})")
     tls = cluster.tls_dir
-    print(f"pdserve: internal plane {'mutual TLS, certificates in ' + str(tls) if tls else 'INSECURE'}")
+    print(
+        f"pdserve: internal plane {'mutual TLS, certificates in ' + str(tls) if tls else 'INSECURE'}"
+    )
     print(f'  try:  pdserve generate --addr {cluster.addr} --prompt "Hello" --max-tokens 16')
     print(f"        pdserve chat --addr {cluster.addr}")
     print(f"        pdserve status --addr {cluster.addr}")

@@ -23,6 +23,7 @@ class InputLimits:
     max_prompt_chars: int
     max_chat_messages: int
     max_prompt_tokens: int
+    max_model_len: int = 0
 
     @classmethod
     def from_settings(cls, settings, max_model_len: int) -> InputLimits:
@@ -31,7 +32,13 @@ class InputLimits:
             CHARS_PER_TOKEN_BOUND * max_model_len if known else FALLBACK_MAX_PROMPT_CHARS
         )
         tokens = settings.max_prompt_tokens or (max_model_len if known else 1 << 20)
-        return cls(chars, settings.max_chat_messages, tokens)
+        return cls(chars, settings.max_chat_messages, tokens, max_model_len)
+
+    def too_many_tokens(self, n: int) -> str:
+        return (
+            f"{n} tokens; at most max_prompt_tokens={self.max_prompt_tokens} "
+            f"(the context length max_model_len is {self.max_model_len})"
+        )
 
 
 def check_raw_request(req: router_pb2.GenerateRequest, limits: InputLimits) -> None:
@@ -48,9 +55,7 @@ def check_raw_request(req: router_pb2.GenerateRequest, limits: InputLimits) -> N
     elif kind == "chat":
         n = len(req.chat.messages)
         if n > limits.max_chat_messages:
-            raise InvalidRequestError(
-                "chat", f"{n} messages; at most {limits.max_chat_messages}"
-            )
+            raise InvalidRequestError("chat", f"{n} messages; at most {limits.max_chat_messages}")
         total = sum(len(m.content) + len(m.role) for m in req.chat.messages)
         if total > limits.max_prompt_chars:
             raise InvalidRequestError(
@@ -59,6 +64,4 @@ def check_raw_request(req: router_pb2.GenerateRequest, limits: InputLimits) -> N
     elif kind == "token_ids":
         n = len(req.token_ids.ids)
         if n > limits.max_prompt_tokens:
-            raise InvalidRequestError(
-                "prompt", f"{n} token ids; at most {limits.max_prompt_tokens}"
-            )
+            raise InvalidRequestError("prompt", limits.too_many_tokens(n))

@@ -40,7 +40,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.orch, self.registry, self.model = orchestrator, registry, model
         self.metrics, self.totals, self.kvstore_addr = metrics, totals, kvstore_addr
         self.limits = limits or InputLimits(
-            FALLBACK_MAX_PROMPT_CHARS, 256, model.max_model_len if model.max_model_len else 1 << 20
+            FALLBACK_MAX_PROMPT_CHARS, 256, model.max_model_len, model.max_model_len
         )
         self.inflight: set[str] = set()  # request ids being served (a duplicate is refused)
         self.draining = False
@@ -156,10 +156,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         else:
             raise InvalidRequestError("prompt", "set one of text, chat or token_ids")
         if len(token_ids) > self.limits.max_prompt_tokens:
-            raise InvalidRequestError(
-                "prompt",
-                f"{len(token_ids)} tokens; at most {self.limits.max_prompt_tokens}",
-            )
+            raise InvalidRequestError("prompt", self.limits.too_many_tokens(len(token_ids)))
         stops = list(request.sampling.stop)
         params = to_params(request.sampling, len(token_ids), self.model.max_model_len)
         check_request(

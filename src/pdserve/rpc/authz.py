@@ -53,7 +53,6 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "/pdserve.v1.KVStore/Stats": frozenset({WORKER, ROUTER, ADMIN}),
     "/pdserve.v1.KVStore/Clear": frozenset({ADMIN}),
     "/pdserve.v1.KVStore/PurgeWriter": frozenset({ADMIN}),
-    "/pdserve.v1.KVStore/WriterStats": frozenset({ADMIN, ROUTER}),
 }
 
 SERVICE_ROLES: Mapping[str, frozenset[str]] = {

@@ -91,7 +91,9 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)  # clock skew
 
 
-def make_ca(directory: str | os.PathLike[str]) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def make_ca(
+    directory: str | os.PathLike[str],
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """Create (or load, when present) DIR/ca.crt + DIR/ca.key."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
@@ -111,12 +113,18 @@ def make_ca(directory: str | os.PathLike[str]) -> tuple[x509.Certificate, ec.Ell
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=False, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                crl_sign=True, encipher_only=False, decipher_only=False,
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
-        )  # fmt: skip
+        )
         .sign(ca_key, hashes.SHA256())
     )
     _write(key, _key_pem(ca_key), private=True)
@@ -124,7 +132,9 @@ def make_ca(directory: str | os.PathLike[str]) -> tuple[x509.Certificate, ec.Ell
     return cert, ca_key
 
 
-def load_ca(directory: str | os.PathLike[str]) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def load_ca(
+    directory: str | os.PathLike[str],
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     d = Path(directory)
     cert = x509.load_pem_x509_certificate((d / "ca.crt").read_bytes())
     key = serialization.load_pem_private_key((d / "ca.key").read_bytes(), password=None)
@@ -176,7 +186,9 @@ def make_cert(
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
             critical=False,
         )
         .sign(ca_key, hashes.SHA256())

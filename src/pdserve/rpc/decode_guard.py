@@ -35,7 +35,7 @@ def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]
     def decode(data: bytes) -> Any:
         try:
             return deserializer(data)
-        except Exception as exc:  # noqa: BLE001 (any parse failure is the client's)
+        except Exception as exc:
             return Undecodable(f"{type(exc).__name__}: {exc}"[:200])
 
     return decode

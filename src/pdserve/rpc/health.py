@@ -18,9 +18,7 @@ def check_health(
     within `timeout` seconds; False when it is NOT_SERVING, unknown, or unreachable.
     `tls`: the certificate to present to an internal (mutual TLS) listener."""
     try:
-        channel_cm = (
-            grpc.insecure_channel(addr) if tls is None else secure_channel_sync(addr, tls)
-        )
+        channel_cm = grpc.insecure_channel(addr) if tls is None else secure_channel_sync(addr, tls)
         with channel_cm as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(

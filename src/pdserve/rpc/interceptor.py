@@ -25,12 +25,12 @@ from grpc import aio
 
 from pdserve.errors import PdserveError
 from pdserve.logging import get_logger, request_id_var
-from pdserve.rpc.ids import is_valid_id
 from pdserve.rpc._wrap import (
     StreamBehavior,
     UnaryBehavior,
     WrappingInterceptor,
 )
+from pdserve.rpc.ids import is_valid_id
 
 REQUEST_ID_KEY = "x-request-id"
 MAX_DETAILS = 300

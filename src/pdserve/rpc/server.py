@@ -30,13 +30,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.config import ServiceSettings
 from pdserve.logging import configure_logging, get_logger
+from pdserve.rpc.authz import AuthzInterceptor
 from pdserve.rpc.channels import SERVER_OPTIONS
 from pdserve.rpc.interceptor import server_interceptors
 from pdserve.rpc.metrics import Metrics, MetricsInterceptor, start_metrics_server
 from pdserve.rpc.ready import format_ready_line
-from pdserve.rpc.authz import AuthzInterceptor
 from pdserve.rpc.registration import AppServer, LateHandlers, PlaneHandlers
-from pdserve.rpc.tls import TlsConfigError, TlsFiles, configure_client, files_from_settings, log_insecure
+from pdserve.rpc.tls import (
+    TlsConfigError,
+    TlsFiles,
+    configure_client,
+    files_from_settings,
+    log_insecure,
+)
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 SIGNAL_REPEAT_S = 1.0

@@ -87,9 +87,7 @@ def files_from_settings(settings: Any, default_name: str) -> TlsFiles | None:
         return None
     if any(explicit):
         if not all(explicit):
-            raise TlsConfigError(
-                "--tls-ca-file, --tls-cert-file and --tls-key-file go together"
-            )
+            raise TlsConfigError("--tls-ca-file, --tls-cert-file and --tls-key-file go together")
         files = TlsFiles(*(Path(p) for p in explicit))  # type: ignore[arg-type]
     elif settings.tls_dir:
         files = TlsFiles.in_dir(settings.tls_dir, settings.tls_name or default_name)
@@ -143,7 +141,7 @@ def peer_identity(context: aio.ServicerContext) -> Identity | None:
     connection or a certificate without a pdserve URI)."""
     try:
         auth = context.auth_context()
-    except Exception:  # noqa: BLE001 (no auth context on this transport)
+    except Exception:
         return None
     for key in ("peer_spiffe_id", "peer_uri", "x509_subject_alternative_name"):
         for raw in auth.get(key, ()):

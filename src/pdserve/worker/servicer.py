@@ -6,35 +6,59 @@ from collections.abc import AsyncIterator
 
 from grpc import aio
 
+from pdserve.rpc.ids import check_id
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve.worker import convert
+from pdserve.worker import checks, convert
 from pdserve.worker.core import WorkerCore
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Every request is checked field by field (pdserve.worker.checks) before the core
+    sees it."""
+
     def __init__(self, core: WorkerCore) -> None:
         self._core = core
+        self._limits: checks.WorkerLimits | None = None
+
+    @property
+    def limits(self) -> checks.WorkerLimits:
+        if self._limits is None:
+            llm = self._core.llm
+            self._limits = checks.WorkerLimits(
+                vocab_size=llm.vocab_size,
+                max_model_len=llm.max_model_len,
+                block_size=llm.spec.block_size,
+                max_lease_s=self._core.settings.max_lease_s,
+            )
+        return self._limits
+
+    def _sampling(self, p):
+        params = convert.sampling_from_proto(p)
+        checks.check_sampling(params, self.limits)
+        return params
 
     async def Reserve(
         self, request: worker_pb2.ReserveRequest, context: aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
+        checks.check_reserve(request, self.limits)
         early = bool(request.prompt_token_ids) and request.HasField("sampling")
         ticket = await self._core.reserve(
             request.request_id,
             request.num_prompt_tokens,
             request.lease_s,
             list(request.prompt_token_ids),
-            convert.sampling_from_proto(request.sampling) if early else None,
+            self._sampling(request.sampling) if early else None,
         )
         return worker_pb2.ReserveResponse(ticket=convert.ticket_to_proto(ticket))
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
+        checks.check_prefill(request, self.limits)
         first_token, stages = await self._core.prefill(
             request.request_id,
             list(request.token_ids),
-            convert.sampling_from_proto(request.sampling),
+            self._sampling(request.sampling),
             convert.ticket_from_proto(request.ticket),
             request.use_kvstore,
         )
@@ -45,12 +69,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        checks.check_decode(request, self.limits)
         events = self._core.decode(
             request.request_id,
             request.ticket_id,
             list(request.prompt_token_ids),
             request.first_token_id,
-            convert.sampling_from_proto(request.sampling),
+            self._sampling(request.sampling),
             request.write_back,
         )
         async for ev in events:
@@ -59,10 +84,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        checks.check_generate(request, self.limits)
         events = self._core.generate(
             request.request_id,
             list(request.token_ids),
-            convert.sampling_from_proto(request.sampling),
+            self._sampling(request.sampling),
             request.use_kvstore,
             request.write_back,
         )
@@ -72,6 +98,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: aio.ServicerContext
     ) -> worker_pb2.AbortResponse:
+        check_id("request_id", request.request_id)
         return worker_pb2.AbortResponse(found=await self._core.abort(request.request_id))
 
     async def SetRole(
