@@ -91,6 +91,9 @@ class RouterProcess:
             "console",
             "--log-level",
             "warning",
+            "--internal-port",
+            "0",
+            "--insecure",  # fakes speak plaintext: this tests the router's logic, not TLS
             *extra,
         ]
         if model_dir is not None:
@@ -106,12 +109,14 @@ class RouterProcess:
             if not line:
                 break
             if line.startswith("PDSERVE_READY"):
-                self.port = json.loads(line.split(" ", 1)[1])["port"]
+                info = json.loads(line.split(" ", 1)[1])
+                self.port, self.internal_port = info["port"], info["internal_port"]
                 break
         if not self.port:
             self.proc.kill()
             raise RuntimeError(f"router did not start: {self.proc.stderr.read()[-3000:]}")
-        self.addr = f"127.0.0.1:{self.port}"
+        self.addr = f"127.0.0.1:{self.port}"  # public: the client API
+        self.internal_addr = f"127.0.0.1:{self.internal_port}"  # the registry
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
