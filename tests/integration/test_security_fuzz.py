@@ -10,6 +10,7 @@ examples per API (fewer where each call does real work), no shrinking deadline.
 from __future__ import annotations
 
 import math
+import time
 
 import grpc
 import pytest
@@ -30,6 +31,7 @@ from .conftest import VOCAB, pool_idle, start_cluster, wait_until
 
 pytestmark = pytest.mark.integration
 
+GOOD_SAMPLING = common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 BAD_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 FUZZ = settings(
     max_examples=100,
@@ -183,6 +185,7 @@ def test_fuzz_worker_api_as_the_router(cluster):
         cluster.internal_channel("prefill0", as_name="router") as pch,
     ):
         dec, pre = worker_pb2_grpc.WorkerStub(dch), worker_pb2_grpc.WorkerStub(pch)
+        kv_fp = dec.Info(worker_pb2.InfoRequest(), timeout=5).kv_fingerprint
 
         @FUZZ
         @given(reserve_requests())
@@ -204,18 +207,27 @@ def test_fuzz_worker_api_as_the_router(cluster):
             _code(lambda: dec.Decode(req, timeout=10))
 
         @settings(FUZZ, max_examples=40)
-        @given(ids, tokens, sampling(), uint64, blobs, uint32, doubles, st.text(max_size=10))
-        def prefill(rid, toks, sp, tag, addr, nblocks, expiry, fp):
+        @given(
+            st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40),
+            st.one_of(st.just(GOOD_SAMPLING), st.just(GOOD_SAMPLING), sampling()),
+            st.one_of(st.integers(1, 2**47).map(lambda t: t << 16), st.just(1 << 16), uint64),
+            st.one_of(st.binary(min_size=1, max_size=64), st.binary(min_size=100, max_size=400)),
+            st.sampled_from([0, 0, 0, -1, 1]),
+            st.one_of(st.just(time.time() + 600), st.just(time.time() + 600), EDGE_FLOATS),
+            st.one_of(st.just(kv_fp), st.just(kv_fp), st.text(max_size=10)),
+        )
+        def prefill(toks, sp, tag, addr, off, expiry, fp):
+            """Well-formed but for the ticket's target: a random UCX address and tag."""
             ticket = worker_pb2.Ticket(
                 ticket_id=tag,
                 tag_base=tag,
                 ucx_worker_address=addr,
-                num_blocks=nblocks,
+                num_blocks=max(0, -(-len(toks) // 16) + off),
                 lease_expiry_unix_s=expiry,
                 kv_fingerprint=fp,
             )
             req = worker_pb2.PrefillRequest(
-                request_id=rid, token_ids=toks, sampling=sp, ticket=ticket
+                request_id="fuzz-prefill", token_ids=toks, sampling=sp, ticket=ticket
             )
             _code(lambda: pre.Prefill(req, timeout=30))
 
