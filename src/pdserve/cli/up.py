@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import time
@@ -113,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_banner(cluster) -> None:
+    from pdserve.rpc.ready import format_ready_line
+
     workers = ", ".join(
         f"{n} (pid {p.popen.pid}, port {p.port})" for n, p in cluster.processes.items()
     )
@@ -134,4 +135,4 @@ def _print_banner(cluster) -> None:
         "log_dir": str(cluster.log_dir),
         "tls_dir": str(cluster.tls_dir) if cluster.tls_dir else None,
     }
-    print("PDSERVE_READY " + json.dumps(info), flush=True)
+    print(format_ready_line(info), flush=True)

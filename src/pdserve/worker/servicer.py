@@ -1,4 +1,5 @@
-"""gRPC Worker servicer: converts between proto and domain objects, nothing else."""
+"""gRPC Worker servicer: converts between proto and domain objects, nothing else. Every
+request is checked field by field (pdserve.worker.checks) before the core sees it."""
 
 from __future__ import annotations
 
@@ -6,16 +7,14 @@ from collections.abc import AsyncIterator
 
 from grpc import aio
 
+from pdserve.engine.params import SamplingParams
 from pdserve.rpc.ids import check_id
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.worker import checks, convert
 from pdserve.worker.core import WorkerCore
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Every request is checked field by field (pdserve.worker.checks) before the core
-    sees it."""
-
     def __init__(self, core: WorkerCore) -> None:
         self._core = core
         self._limits: checks.WorkerLimits | None = None
@@ -23,16 +22,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @property
     def limits(self) -> checks.WorkerLimits:
         if self._limits is None:
-            llm = self._core.llm
+            engine = self._core.engine
             self._limits = checks.WorkerLimits(
-                vocab_size=llm.vocab_size,
-                max_model_len=llm.max_model_len,
-                block_size=llm.spec.block_size,
+                vocab_size=engine.vocab_size,
+                max_model_len=engine.max_model_len,
+                block_size=engine.spec.block_size,
                 max_lease_s=self._core.settings.max_lease_s,
             )
         return self._limits
 
-    def _sampling(self, p):
+    def _sampling(self, p: common_pb2.SamplingParams) -> SamplingParams:
         params = convert.sampling_from_proto(p)
         checks.check_sampling(params, self.limits)
         return params
@@ -41,13 +40,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.ReserveRequest, context: aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
         checks.check_reserve(request, self.limits)
-        early = bool(request.prompt_token_ids) and request.HasField("sampling")
         ticket = await self._core.reserve(
             request.request_id,
             request.num_prompt_tokens,
             request.lease_s,
             list(request.prompt_token_ids),
-            self._sampling(request.sampling) if early else None,
+            self._sampling(request.sampling) if request.HasField("sampling") else None,
         )
         return worker_pb2.ReserveResponse(ticket=convert.ticket_to_proto(ticket))
 
@@ -75,7 +73,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             request.ticket_id,
             list(request.prompt_token_ids),
             request.first_token_id,
-            self._sampling(request.sampling),
             request.write_back,
         )
         async for ev in events:
@@ -118,16 +115,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.InfoRequest, context: aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
         core = self._core
-        llm = core.llm
+        engine = core.engine
         return worker_pb2.WorkerInfo(
             instance_id=core.instance_id,
             role=convert.ROLE_TO_PROTO[core.role],
             state=core.state,
-            model_fingerprint=llm.loaded.fingerprint,
-            kv_fingerprint=llm.namespace,
-            block_size=llm.spec.block_size,
-            num_layers=llm.spec.num_layers,
-            bytes_per_block=llm.spec.bytes_per_block,
+            model_fingerprint=engine.model_fingerprint,
+            kv_fingerprint=engine.kv_fingerprint,
+            block_size=engine.spec.block_size,
+            num_layers=engine.spec.num_layers,
+            bytes_per_block=engine.spec.bytes_per_block,
             load=core.load_snapshot().to_proto(),
             counters=core.counters(),
         )
