@@ -140,6 +140,11 @@ class Behaviour:
     first_token: int | None = None
 
 
+def client_id(worker_request_id: str) -> str:
+    head, sep, tail = worker_request_id.rpartition(".")
+    return head if sep and len(tail) == 8 else worker_request_id
+
+
 @dataclass
 class Log:
     """Shared across fakes: (instance_id, method, request_id) in arrival order."""
@@ -147,12 +152,14 @@ class Log:
     calls: list[tuple[str, str, str]] = field(default_factory=list)
 
     def of(self, request_id: str) -> list[tuple[str, str]]:
-        return [(i, m) for i, m, r in self.calls if r == request_id]
+        """Calls of the client request `request_id` (workers see it with a random suffix,
+        `<id>.<8 hex>`: pdserve.router.servicer.worker_request_id)."""
+        return [(i, m) for i, m, r in self.calls if client_id(r) == request_id]
 
     async def wait_for(self, entry: tuple[str, str, str], timeout: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if entry in self.calls:
+            if entry in [(i, m, client_id(r)) for i, m, r in self.calls]:
                 return True
             await asyncio.sleep(0.02)
         return False

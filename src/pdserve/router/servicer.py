@@ -5,13 +5,14 @@ here are mapped to status codes by pdserve.rpc's ErrorInterceptor."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from pdserve.errors import AlreadyExistsError, InvalidRequestError, UnavailableError
 from pdserve.logging import bind_request_id, get_logger
-from pdserve.rpc.ids import check_id
+from pdserve.rpc.ids import MAX_ID_CHARS, check_id
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from .input_limits import FALLBACK_MAX_PROMPT_CHARS, InputLimits, check_raw_request
@@ -24,6 +25,14 @@ from .text import TextStream
 from .validation import check_messages, check_request, to_params
 
 log = get_logger("pdserve.router")
+
+
+def worker_request_id(rid: str) -> str:
+    """The id the workers see: the client's id (truncated) + a random suffix. Workers key
+    their state by request id and may still hold a finished request's blocks (write-back)
+    when the client reuses its id; one client request never shares worker state with
+    another, whatever ids clients choose."""
+    return f"{rid[: MAX_ID_CHARS - 9]}.{secrets.token_hex(4)}"
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -179,7 +188,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.totals.prompt_tokens += len(token_ids)
         self.metrics.prompt_tokens.inc(len(token_ids))
         return Job(
-            request_id=rid,
+            request_id=worker_request_id(rid),
             token_ids=token_ids,
             params=params,
             sampling=sampling,
