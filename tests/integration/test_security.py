@@ -393,7 +393,7 @@ def test_kvstore_puts_are_bound_to_their_writer(cluster):
     with cluster.internal_channel("kvstore", as_name="worker") as ch:
         begun = kvstore_pb2_grpc.KVStoreStub(ch).BeginPut(
             kvstore_pb2.BeginPutRequest(
-                namespace="sec-test", block_hashes=hashes, bytes_per_block=64
+                namespace="sec-test", block_hashes=hashes, bytes_per_block=4096
             ),
             timeout=5,
         )
