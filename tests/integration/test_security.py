@@ -12,6 +12,7 @@ a 1 prefill + 1 decode + kvstore cluster under mutual TLS (the launcher's defaul
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -386,7 +387,9 @@ def test_bad_lease_is_invalid_argument_and_leaks_nothing(cluster, lease):
 # ------------------------------------------------------------------------ kvstore writers
 
 
-def test_kvstore_puts_are_bound_to_their_writer(cluster):
+def test_kvstore_puts_are_bound_to_their_writer(cluster, capsys):
+    from pdserve.cli.main import main
+
     """A put begun by one worker cannot be committed by another; an operator can purge a
     writer's blocks (the honest traffic above wrote some)."""
     hashes = [bytes([i]) * 16 for i in range(1, 3)]
@@ -411,13 +414,16 @@ def test_kvstore_puts_are_bound_to_their_writer(cluster):
         before = kv.Stats(kvstore_pb2.StatsRequest(), timeout=5).num_blocks
         print(f"kvstore blocks before the purge: {before}")
         assert before > 0, "the honest traffic stored nothing"
-        removed = 0
-        for writer in ("prefill0", "decode0"):
-            resp = kv.PurgeWriter(
-                kvstore_pb2.PurgeWriterRequest(writer=f"spiffe://pdserve/worker/{writer}"),
-                timeout=5,
-            )
-            removed += resp.num_blocks
+        resp = kv.PurgeWriter(
+            kvstore_pb2.PurgeWriterRequest(writer="spiffe://pdserve/worker/decode0"), timeout=5
+        )
+        removed = resp.num_blocks
+        # the operator's command line, for the other writer
+        argv = ["kvstore", "purge-writer", "--addr", f"127.0.0.1:{cluster.kvstore_port}"]
+        argv += ["--tls-dir", str(cluster.tls_dir), "spiffe://pdserve/worker/prefill0"]
+        capsys.readouterr()
+        assert main(argv) == 0
+        removed += json.loads(capsys.readouterr().out)["removed_blocks"]
         after = kv.Stats(kvstore_pb2.StatsRequest(), timeout=5).num_blocks
     assert removed == before - after
     assert after == 0, "every stored block was written by prefill0 or decode0"

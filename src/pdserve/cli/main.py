@@ -17,6 +17,7 @@ COMMANDS = {
     "bench": "bench",
     "model": "model",
     "certs": "certs",
+    "kvstore": "kvstore",
 }
 
 
