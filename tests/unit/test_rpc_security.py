@@ -258,3 +258,22 @@ def test_purge_writer_drops_its_blocks_and_everything_chained_after():
     assert (removed, in_use) == (4, 0)
     assert store.lookup("ns", shared) == 0 and store.lookup("ns", other) == 2
     store.check_integrity()
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+async def test_a_service_without_tls_material_refuses_to_start():
+    from pdserve.config import ServiceSettings
+    from pdserve.rpc.server import ServiceApp, ServiceRunner
+
+    class App(ServiceApp):
+        name = "toy"
+
+        async def start(self, server) -> None:
+            pass
+
+    runner = ServiceRunner(App(), ServiceSettings(port=0, insecure=False))
+    with pytest.raises(OSError, match="no TLS material"):
+        await runner.start()
+    assert runner.state == "stopped"
