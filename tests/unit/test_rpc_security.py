@@ -277,3 +277,12 @@ async def test_a_service_without_tls_material_refuses_to_start():
     with pytest.raises(OSError, match="no TLS material"):
         await runner.start()
     assert runner.state == "stopped"
+
+
+async def test_bench_tls_measures_both_arms():
+    from pdserve.bench.tls import run
+
+    res = await run(calls=3, chunks=10, rounds=1)
+    for arm in ("plaintext", "mtls"):
+        assert res[f"{arm}_unary_us_median"] > 0 and res[f"{arm}_per_chunk_cpu_us_median"] > 0
+    assert "mtls_extra_per_chunk_cpu_us" in res
