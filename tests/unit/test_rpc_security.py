@@ -286,3 +286,15 @@ async def test_bench_tls_measures_both_arms():
     for arm in ("plaintext", "mtls"):
         assert res[f"{arm}_unary_us_median"] > 0 and res[f"{arm}_per_chunk_cpu_us_median"] > 0
     assert "mtls_extra_per_chunk_cpu_us" in res
+
+
+def test_ticket_nonce_roundtrip():
+    from pdserve.worker.nonce import new_nonce, nonce_matches, token_buffer, token_message
+
+    nonce = new_nonce()
+    msg = token_message(42, nonce)
+    assert int(msg[0]) == 42 and nonce_matches(msg, nonce)
+    assert not nonce_matches(msg, new_nonce())
+    assert not nonce_matches(token_buffer(), nonce)  # a short message leaves zeros
+    assert not nonce_matches(token_message(42, b""), nonce)
+    assert not nonce_matches(msg, b"")  # a ticket without a nonce admits nothing

@@ -15,6 +15,7 @@ from pdserve.errors import InvalidRequestError
 from pdserve.kv.transfer import LAYER_BITS
 from pdserve.rpc.ids import check_id
 from pdserve.v1 import worker_pb2
+from pdserve.worker.nonce import NONCE_BYTES
 
 MAX_UCX_ADDRESS_BYTES = 1 << 14
 MAX_FINGERPRINT_CHARS = 256
@@ -89,6 +90,8 @@ def check_ticket(t: worker_pb2.Ticket, num_tokens: int, lim: WorkerLimits) -> No
     if len(fp) > MAX_FINGERPRINT_CHARS or not fp.isprintable():
         raise InvalidRequestError("ticket.kv_fingerprint", "too long or not printable")
     check_id("ticket.decode_instance_id", t.decode_instance_id, required=False)
+    if len(t.nonce) not in (0, NONCE_BYTES):
+        raise InvalidRequestError("ticket.nonce", f"must be {NONCE_BYTES} bytes")
 
 
 def check_prefill(req: worker_pb2.PrefillRequest, lim: WorkerLimits) -> None:
