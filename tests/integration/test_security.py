@@ -427,3 +427,56 @@ def test_kvstore_puts_are_bound_to_their_writer(cluster, capsys):
         after = kv.Stats(kvstore_pb2.StatsRequest(), timeout=5).num_blocks
     assert removed == before - after
     assert after == 0, "every stored block was written by prefill0 or decode0"
+
+
+def test_kv_without_the_ticket_nonce_is_discarded(cluster):
+    """A prefill that sends the right tags but not the ticket's nonce (what a stray UCX
+    sender that guessed the tags would do) gets nothing admitted; the decode counts it and
+    frees the reservation."""
+    from .conftest import counter
+
+    prompt = list(range(3, 43))
+    sampling = common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    before = counter(cluster, "decode0", "decode_nonce_mismatch")
+    with (
+        cluster.internal_channel("decode0", as_name="router") as dch,
+        cluster.internal_channel("prefill0", as_name="router") as pch,
+    ):
+        dec, pre = worker_pb2_grpc.WorkerStub(dch), worker_pb2_grpc.WorkerStub(pch)
+        ticket = dec.Reserve(
+            worker_pb2.ReserveRequest(
+                request_id="nonce-1",
+                num_prompt_tokens=len(prompt),
+                lease_s=20.0,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+            ),
+            timeout=10,
+        ).ticket
+        assert len(ticket.nonce) == 16
+        forged = worker_pb2.Ticket()
+        forged.CopyFrom(ticket)
+        forged.nonce = bytes(16)
+        pre.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="nonce-1", token_ids=prompt, sampling=sampling, ticket=forged
+            ),
+            timeout=30,
+        )
+        wait_until(
+            lambda: counter(cluster, "decode0", "decode_nonce_mismatch") > before, 10, "mismatch"
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(
+                dec.Decode(
+                    worker_pb2.DecodeRequest(
+                        request_id="nonce-1",
+                        ticket_id=ticket.ticket_id,
+                        prompt_token_ids=prompt,
+                        first_token_id=1,
+                    ),
+                    timeout=10,
+                )
+            )
+    assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+    wait_until(lambda: pool_idle(cluster, "decode0"), 10, "decode pool idle")
