@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pdserve.errors import InvalidRequestError
 from pdserve.v1 import router_pb2
 
-from .validation import check_session_id, check_stops
+from .validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_session_id, check_stops
 
 CHARS_PER_TOKEN_BOUND = 32  # default prompt-chars limit = this x the context length
 FALLBACK_MAX_PROMPT_CHARS = 1_000_000  # when the context length is unknown
@@ -24,6 +24,8 @@ class InputLimits:
     max_chat_messages: int
     max_prompt_tokens: int
     max_model_len: int = 0
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_chars: int = MAX_STOP_CHARS
 
     @classmethod
     def from_settings(cls, settings, max_model_len: int) -> InputLimits:
@@ -32,7 +34,14 @@ class InputLimits:
             CHARS_PER_TOKEN_BOUND * max_model_len if known else FALLBACK_MAX_PROMPT_CHARS
         )
         tokens = settings.max_prompt_tokens or (max_model_len if known else 1 << 20)
-        return cls(chars, settings.max_chat_messages, tokens, max_model_len)
+        return cls(
+            chars,
+            settings.max_chat_messages,
+            tokens,
+            max_model_len,
+            settings.max_stop_strings,
+            settings.max_stop_chars,
+        )
 
     def too_many_tokens(self, n: int) -> str:
         return (
@@ -44,7 +53,7 @@ class InputLimits:
 def check_raw_request(req: router_pb2.GenerateRequest, limits: InputLimits) -> None:
     """Everything that can be refused from the request's sizes alone."""
     check_session_id(req.session_id)
-    check_stops(req.sampling.stop)
+    check_stops(req.sampling.stop, limits.max_stop_strings, limits.max_stop_chars)
     kind = req.WhichOneof("prompt")
     if kind == "text":
         if len(req.text) > limits.max_prompt_chars:

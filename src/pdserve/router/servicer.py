@@ -180,6 +180,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request.session_id,
             self.model.vocab_size,
             self.model.max_model_len,
+            self.limits.max_stop_strings,
+            self.limits.max_stop_chars,
         )
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)

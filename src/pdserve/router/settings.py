@@ -27,6 +27,8 @@ class RouterSettings(ServiceSettings):
         1_000_000, ge=1, description="longest text prompt (all chat messages together), chars"
     )
     max_chat_messages: int = Field(256, ge=1, description="most messages in a chat prompt")
+    max_stop_strings: int = Field(16, ge=0, description="most stop strings per request")
+    max_stop_chars: int = Field(256, ge=1, description="longest stop string, characters")
     max_prompt_tokens: int = Field(
         0, ge=0, description="most prompt tokens (0 = the model's context length)"
     )
