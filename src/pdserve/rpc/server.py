@@ -1,7 +1,12 @@
 """One server lifecycle for every service.
 
-    start:    grpc.aio server on host:port (interceptors: request id, metrics, errors)
-              + grpc.health.v1 Health, every name NOT_SERVING
+    start:    TLS material from settings (pdserve.rpc.tls; none and not --insecure: refuse)
+              -> grpc.aio server(s): an app with `public_services` gets a public server on
+              `port` (those services only) and an internal one on `internal_port`; any other
+              app one internal server on `port`. Internal servers use mutual TLS and the
+              authorization table (pdserve.rpc.authz). Interceptors: undecodable bodies,
+              request id, [authz | public extras], metrics, errors
+              + grpc.health.v1 Health on every server, every name NOT_SERVING
               -> await app.start(server)   (add servicers, load the model, ...)
               -> SERVING -> await app.on_serving(port) (e.g. register with the router)
               -> one line `PDSERVE_READY {"service": ..., "port": N, ...}` on stdout
