@@ -4,9 +4,15 @@ it exists), and a transformers greedy reference. Tiny = hidden 64, 2 layers, voc
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+
+# Services a test starts by hand (or in-process) run without TLS on the internal plane: they
+# test one component, not the security of a cluster. The cluster fixtures (pdserve.launcher)
+# always pass --tls-dir or --insecure explicitly, and run mutual TLS by default.
+os.environ.setdefault("PDSERVE_INSECURE", "1")
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 VOCAB = 512

@@ -68,6 +68,19 @@ class ServiceSettings(BaseSettings):
         30.0, ge=0, description="longest wait for in-flight work on shutdown, seconds"
     )
     grace_s: float = Field(5.0, ge=0, description="gRPC stop grace after draining, seconds")
+    # -- mutual TLS of the internal plane (pdserve.rpc.tls)
+    tls_dir: str | None = Field(
+        None, description="directory with ca.crt and <tls-name>.crt/.key (pdserve certs make)"
+    )
+    tls_name: str | None = Field(
+        None, description="which certificate of --tls-dir (default: the service's role)"
+    )
+    tls_ca_file: str | None = Field(None, description="cluster CA certificate (PEM)")
+    tls_cert_file: str | None = Field(None, description="this service's certificate (PEM)")
+    tls_key_file: str | None = Field(None, description="this service's private key (PEM)")
+    insecure: bool = Field(
+        False, description="no TLS on the internal plane: LOCAL DEBUGGING ONLY (anyone can join)"
+    )
 
     @field_validator("log_format", "log_level", mode="before")
     @classmethod

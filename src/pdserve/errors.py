@@ -54,3 +54,15 @@ class ModelLoadError(PdserveError):
     """Unsupported architecture, missing file, or weights that do not match the config."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class PermissionDeniedError(PdserveError):
+    """The authenticated peer may not do this (wrong role, someone else's instance)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class AlreadyExistsError(PdserveError):
+    """A request id that is already in flight."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS

@@ -133,6 +133,10 @@ class ClusterConfig:
     worker_args: list[str] = field(default_factory=list)  # extra flags for every worker
     router_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Mutual TLS on the internal plane (the default): certificates are generated in
+    # tls_dir (default: <log_dir>/certs). tls=False is `pdserve up --insecure`.
+    tls: bool = True
+    tls_dir: str | None = None
 
 
 class Cluster:
@@ -143,6 +147,7 @@ class Cluster:
         self.processes: dict[str, ManagedProcess] = {}
         self.model_dir: str = ""
         self.router_port: int | None = None
+        self.router_internal_port: int | None = None
         self.kvstore_port: int | None = None
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="pdserve-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -154,8 +159,42 @@ class Cluster:
         return f"127.0.0.1:{self.router_port}"
 
     @property
+    def internal_addr(self) -> str:
+        """The router's internal listener (registry), where workers register."""
+        return f"127.0.0.1:{self.router_internal_port}"
+
+    @property
     def log_dir(self) -> Path:
         return self._log_dir
+
+    @property
+    def tls_dir(self) -> Path | None:
+        if not self.config.tls:
+            return None
+        return Path(self.config.tls_dir) if self.config.tls_dir else self._log_dir / "certs"
+
+    def tls_files(self, name: str):
+        """The TlsFiles of certificate `name` (router, kvstore, admin, a worker's name)."""
+        from pdserve.rpc.tls import TlsFiles
+
+        if self.tls_dir is None:
+            raise RuntimeError("this cluster runs --insecure: no certificates")
+        return TlsFiles.in_dir(self.tls_dir, name)
+
+    def internal_channel(self, target: str, as_name: str = "admin"):
+        """A blocking channel to an internal service (a process name or HOST:PORT), with the
+        certificate `as_name` (plaintext when the cluster runs --insecure)."""
+        import grpc
+
+        from pdserve.rpc.tls import secure_channel_sync
+
+        proc = self.processes.get(target)
+        addr = f"127.0.0.1:{proc.port}" if proc is not None else target
+        if target == "router":
+            addr = self.internal_addr
+        if self.tls_dir is None:
+            return grpc.insecure_channel(addr)
+        return secure_channel_sync(addr, self.tls_files(as_name))
 
     def worker_names(self) -> list[str]:
         return [n for n in self.processes if n.startswith(("prefill", "decode", "colocated"))]
@@ -164,13 +203,15 @@ class Cluster:
         deadline = time.monotonic() + timeout
         self.model_dir = self._resolve_model()
         try:
+            self._make_certs()
             if self.config.kvstore:
                 kv = self._spawn("kvstore", self._kvstore_argv())
                 self.kvstore_port = kv.wait_ready(deadline)
             router = self._spawn("router", self._router_argv())
             self.router_port = router.wait_ready(deadline)
+            self.router_internal_port = int((router.ready_info() or {})["internal_port"])
             for name, role in self._worker_plan():
-                self._spawn(name, self._worker_argv(role), cpu=self._pick_cpu())
+                self._spawn(name, self._worker_argv(role, name), cpu=self._pick_cpu())
             for name in self.worker_names():
                 self.processes[name].wait_ready(deadline)
             self.wait_registered(len(self.worker_names()), deadline)
@@ -213,7 +254,7 @@ class Cluster:
             self.kvstore_port = new.wait_ready(deadline)
             return
         role = name.rstrip("0123456789")
-        new = self._spawn(name, self._worker_argv(role), cpu=old.cpu)
+        new = self._spawn(name, self._worker_argv(role, name), cpu=old.cpu)
         new.wait_ready(deadline)
         # Other workers may be dead on purpose (fault tests): count and watch the live ones.
         live = [n for n in self.worker_names() if self.processes[n].alive]
@@ -261,6 +302,22 @@ class Cluster:
         plan += [(f"decode{i}", "decode") for i in range(c.decode)]
         return plan
 
+    def _make_certs(self) -> None:
+        """A CA and one certificate per process (+ admin, for operators and tests)."""
+        if self.tls_dir is None:
+            return
+        from pdserve.rpc.certs import make_dev_pki
+
+        services = [("router", "router"), ("kvstore", "kvstore"), ("admin", "admin")]
+        services.append(("worker", "worker"))  # a spare worker identity (tools, tests)
+        services += [("worker", name) for name, _role in self._worker_plan()]
+        make_dev_pki(self.tls_dir, services)
+
+    def _tls_argv(self, name: str) -> list[str]:
+        if self.tls_dir is None:
+            return ["--insecure"]
+        return ["--no-insecure", "--tls-dir", str(self.tls_dir), "--tls-name", name]
+
     def _pick_cpu(self) -> int | None:
         if not self.config.pin_cpus or not hasattr(os, "sched_getaffinity"):
             return None
@@ -291,12 +348,13 @@ class Cluster:
         return [
             sys.executable, "-m", "pdserve.kvstore", "--port", str(port),
             "--capacity-bytes", str(self.config.kvstore_capacity_bytes),
+            *self._tls_argv("kvstore"),
         ]  # fmt: skip
 
     def _router_argv(self) -> list[str]:
         argv = [
             sys.executable, "-m", "pdserve.router", "--port", str(self.config.port),
-            "--model", self.model_dir,
+            "--internal-port", "0", "--model", self.model_dir, *self._tls_argv("router"),
         ]  # fmt: skip
         if self.kvstore_port is not None:
             argv += ["--kvstore-addr", f"127.0.0.1:{self.kvstore_port}"]
@@ -304,11 +362,11 @@ class Cluster:
             argv += ["--policy", self.config.policy]
         return argv + list(self.config.router_args)
 
-    def _worker_argv(self, role: str) -> list[str]:
+    def _worker_argv(self, role: str, name: str) -> list[str]:
         return [
             sys.executable, "-m", "pdserve.worker", "--port", "0", "--role", role,
-            "--model", self.model_dir, "--router-addr", self.addr,
-            *self.config.worker_args,
+            "--model", self.model_dir, "--router-addr", self.internal_addr,
+            *self._tls_argv(name), *self.config.worker_args,
         ]  # fmt: skip
 
 

@@ -84,12 +84,9 @@ def cluster_1p1d(serving_model_dir) -> Iterator:
 
 def worker_info(cluster, name: str, timeout: float = 5.0):
     """The `Info` of worker `name` (pdserve.v1.worker_pb2.WorkerInfo)."""
-    import grpc
-
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
-    port = cluster.processes[name].port
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with cluster.internal_channel(name, as_name="admin") as channel:
         return worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=timeout)
 
 

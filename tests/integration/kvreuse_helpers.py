@@ -71,17 +71,17 @@ def written_back_blocks(n_tokens: int) -> int:
 
 # ------------------------------------------------------------------ the kvstore, synchronously
 class StoreProbe:
-    """Stats / Lookup against the kvstore at 127.0.0.1:`port` over plain gRPC."""
+    """Stats / Lookup against a cluster's kvstore (mutual TLS unless it runs --insecure)."""
 
-    def __init__(self, port: int) -> None:
-        self.addr = f"127.0.0.1:{port}"
+    def __init__(self, cluster) -> None:
+        self.cluster = cluster
+        self.addr = f"127.0.0.1:{cluster.kvstore_port}"
 
     def _call(self, method: str, request, timeout: float = 5.0):
-        import grpc
-
         from pdserve.v1 import kvstore_pb2_grpc
 
-        with grpc.insecure_channel(self.addr) as channel:
+        # Lookup is a worker's call: the probe uses the cluster's shared worker certificate
+        with self.cluster.internal_channel(self.addr, as_name="worker") as channel:
             stub = kvstore_pb2_grpc.KVStoreStub(channel)
             return getattr(stub, method)(request, timeout=timeout)
 

@@ -99,7 +99,7 @@ def test_cancel_storm_leaves_no_block_behind(serving_model_dir, reference_engine
         serving_model_dir, prefill=1, decode=1, kvstore=True, kvstore_capacity_bytes=CAPACITY
     )
     try:
-        probe = StoreProbe(cluster.kvstore_port)
+        probe = StoreProbe(cluster)
         store_pid = cluster.processes["kvstore"].popen.pid
         rss_start = rss_bytes(store_pid)
         stats = asyncio.run(_storm(cluster.addr, seed=8))

@@ -4,7 +4,6 @@ collects counts as an expired lease (and is aborted if still running); its block
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -17,7 +16,7 @@ PROMPT = list(range(3, 43))  # 40 tokens: 3 blocks of 16
 
 
 def _stub(cluster, name: str) -> worker_pb2_grpc.WorkerStub:
-    channel = grpc.insecure_channel(f"127.0.0.1:{cluster.processes[name].port}")
+    channel = cluster.internal_channel(name, as_name="router")  # acts as the router
     return worker_pb2_grpc.WorkerStub(channel)
 
 

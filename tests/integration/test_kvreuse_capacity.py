@@ -56,7 +56,7 @@ def test_interleaved_sessions_under_capacity_pressure(model_dir):
         env={"PDSERVE_KVSTORE_STAGING_BYTES": str(STAGING_BYTES)},
     )  # fmt: skip
     try:
-        probe = StoreProbe(cluster.kvstore_port)
+        probe = StoreProbe(cluster)
         store_pid = cluster.processes["kvstore"].popen.pid
         rss_start = rss_bytes(store_pid)
         with Client(cluster.addr, max_retries=0) as client, ThreadPoolExecutor(4) as pool:

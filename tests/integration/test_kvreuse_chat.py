@@ -36,7 +36,7 @@ def run_chat(cluster, namespace: str | None) -> Conversation:
     from pdserve.client import Client
 
     conv = Conversation(SEED)
-    probe = StoreProbe(cluster.kvstore_port) if namespace else None
+    probe = StoreProbe(cluster) if namespace else None
     with Client(cluster.addr, max_retries=0) as client:
         for _ in range(TURNS):
             conv.send(client)
@@ -51,7 +51,7 @@ def test_six_turn_chat_store_vs_no_store_vs_engine(model_dir):
     cluster = start_cluster(model_dir, prefill=2, decode=1, kvstore=True, policy="round_robin")
     try:
         with_store = run_chat(cluster, engine.kv_fingerprint)
-        stats = StoreProbe(cluster.kvstore_port).stats()
+        stats = StoreProbe(cluster).stats()
     finally:
         cluster.stop()
     cluster = start_cluster(model_dir, prefill=1, decode=1, kvstore=False)

@@ -43,7 +43,7 @@ def test_store_restarts_and_outage(model_dir, tmp_path):
         model_dir, prefill=1, decode=1, kvstore=True, log_dir=str(tmp_path / "logs")
     )
     try:
-        probe = StoreProbe(cluster.kvstore_port)
+        probe = StoreProbe(cluster)
         store_port = cluster.kvstore_port
         with Client(cluster.addr, max_retries=0) as client:
 

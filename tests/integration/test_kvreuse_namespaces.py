@@ -36,7 +36,7 @@ def test_two_models_one_store_share_nothing(tmp_path_factory, tmp_path):
     cluster_a = start_cluster(dir_a, prefill=1, decode=1, kvstore=True, log_dir=str(tmp_path / "a"))
     try:
         store_addr = f"127.0.0.1:{cluster_a.kvstore_port}"
-        probe = StoreProbe(cluster_a.kvstore_port)
+        probe = StoreProbe(cluster_a)
         with Client(cluster_a.addr, max_retries=0) as client:
             conv_a.send(client)
             wait_written_back(probe, ns_a, conv_a.last)

@@ -43,8 +43,8 @@ async def run_cli(*args: str, stdin: str = "") -> tuple[int, str, str]:
 
 async def test_chat_via_pipe_keeps_history(router):
     log = Log()
-    p = await FakeWorker("cli-p", 1, log).start(router.addr)
-    d = await FakeWorker("cli-d", 2, log).start(router.addr)
+    p = await FakeWorker("cli-p", 1, log).start(router.internal_addr)
+    d = await FakeWorker("cli-d", 2, log).start(router.internal_addr)
     try:
         rc, out, err = await run_cli(
             "chat",
@@ -74,7 +74,7 @@ async def test_chat_reports_errors(router):
 
 async def test_status_table_and_json(router):
     log = Log()
-    p = await FakeWorker("st-p", 1, log).start(router.addr)
+    p = await FakeWorker("st-p", 1, log).start(router.internal_addr)
     try:
         rc, out, err = await run_cli("status", "--addr", router.addr)
         assert rc == 0, err

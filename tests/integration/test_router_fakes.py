@@ -91,6 +91,9 @@ class RouterProcess:
             "console",
             "--log-level",
             "warning",
+            "--internal-port",
+            "0",
+            "--insecure",  # fakes speak plaintext: this tests the router's logic, not TLS
             *extra,
         ]
         if model_dir is not None:
@@ -106,12 +109,14 @@ class RouterProcess:
             if not line:
                 break
             if line.startswith("PDSERVE_READY"):
-                self.port = json.loads(line.split(" ", 1)[1])["port"]
+                info = json.loads(line.split(" ", 1)[1])
+                self.port, self.internal_port = info["port"], info["internal_port"]
                 break
         if not self.port:
             self.proc.kill()
             raise RuntimeError(f"router did not start: {self.proc.stderr.read()[-3000:]}")
-        self.addr = f"127.0.0.1:{self.port}"
+        self.addr = f"127.0.0.1:{self.port}"  # public: the client API
+        self.internal_addr = f"127.0.0.1:{self.internal_port}"  # the registry
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -135,6 +140,11 @@ class Behaviour:
     first_token: int | None = None
 
 
+def client_id(worker_request_id: str) -> str:
+    head, sep, tail = worker_request_id.rpartition(".")
+    return head if sep and len(tail) == 8 else worker_request_id
+
+
 @dataclass
 class Log:
     """Shared across fakes: (instance_id, method, request_id) in arrival order."""
@@ -142,12 +152,14 @@ class Log:
     calls: list[tuple[str, str, str]] = field(default_factory=list)
 
     def of(self, request_id: str) -> list[tuple[str, str]]:
-        return [(i, m) for i, m, r in self.calls if r == request_id]
+        """Calls of the client request `request_id` (workers see it with a random suffix,
+        `<id>.<8 hex>`: pdserve.router.servicer.worker_request_id)."""
+        return [(i, m) for i, m, r in self.calls if client_id(r) == request_id]
 
     async def wait_for(self, entry: tuple[str, str, str], timeout: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if entry in self.calls:
+            if entry in [(i, m, client_id(r)) for i, m, r in self.calls]:
                 return True
             await asyncio.sleep(0.02)
         return False

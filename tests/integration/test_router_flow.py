@@ -52,7 +52,7 @@ async def cluster(router):
         async def add(self, name, role, behaviour=None, **kw):
             w = FakeWorker(f"{name}-{next(_ids)}", role, log, behaviour, **kw)
             workers.append(w)
-            return await w.start(router.addr)
+            return await w.start(router.internal_addr)
 
     yield Cluster()
     for w in workers:
@@ -79,7 +79,7 @@ async def test_register_heartbeat_expiry_and_reregister(router, cluster):
             break
     assert p.instance_id not in ids and d.instance_id in ids
     # Its next heartbeat is answered known=false.
-    async with grpc.aio.insecure_channel(router.addr) as ch:
+    async with grpc.aio.insecure_channel(router.internal_addr) as ch:
         resp = await router_pb2_grpc.RegistryStub(ch).Heartbeat(
             router_pb2.HeartbeatRequest(instance_id=p.instance_id, role=PREFILL), timeout=5
         )

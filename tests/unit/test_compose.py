@@ -64,7 +64,7 @@ def _published(ports: list) -> list[int]:
 
 
 def _server_services(services: dict) -> list[str]:
-    return [n for n in services if n != "model-init"]
+    return [n for n in services if not n.endswith("-init")]
 
 
 def test_expected_services(services):
@@ -111,7 +111,7 @@ def test_ports_match_expose_and_healthcheck(services):
 
 
 def test_workers_scale(services):
-    router_port = int(_flag(_module_and_args(services["router"])[1], "--port"))
+    router_port = int(_flag(_module_and_args(services["router"])[1], "--internal-port"))
     for name in WORKERS:
         svc = services[name]
         _module, args = _module_and_args(svc)
@@ -136,7 +136,42 @@ def test_no_hard_coded_instance_addresses(services):
                 host, port = m.group(1), int(m.group(2))
                 assert host in services, f"{name}: {a} names no service"
                 target = _module_and_args(services[host])[1]
-                assert int(_flag(target, "--port")) == port, f"{name}: {a} wrong port"
+                ports = {int(_flag(target, f) or 0) for f in ("--port", "--internal-port")}
+                assert port in ports, f"{name}: {a} wrong port"
+
+
+def test_two_planes_only_the_public_port_is_published(compose, services):
+    """Internal traffic on an `internal: true` network; only the router joins the public one
+    and publishes exactly its public --port; workers reach its --internal-port."""
+    nets = compose["networks"]
+    assert nets["internal"].get("internal") is True
+    router_args = _module_and_args(services["router"])[1]
+    public, internal = int(_flag(router_args, "--port")), int(_flag(router_args, "--internal-port"))
+    assert _published(services["router"]["ports"]) == [public]
+    assert internal != public and internal in [int(p) for p in services["router"]["expose"]]
+    for name in _server_services(services):
+        svc = services[name]
+        assert "internal" in svc["networks"], f"{name} is not on the internal network"
+        if name != "router":
+            assert svc["networks"] == ["internal"], f"{name} joins {svc['networks']}"
+            assert not svc.get("ports"), f"{name} publishes ports"
+
+
+def test_services_run_mutual_tls_with_certificates_from_certs_init(services):
+    from pdserve.cli.main import build_parser
+
+    cmd = _command(services["certs-init"])
+    assert cmd[:3] == ["pdserve", "certs", "make"]
+    build_parser().parse_args(cmd[1:])
+    target = cmd[3]
+    for name in _server_services(services):
+        svc = services[name]
+        assert svc["environment"]["PDSERVE_TLS_DIR"] == target, f"{name}: no TLS dir"
+        assert any(str(v).split(":")[-1] == target for v in svc["volumes"]), name
+        assert "--insecure" not in _command(svc), f"{name} runs --insecure"
+        assert services[name]["depends_on"]["certs-init"]["condition"] == (
+            "service_completed_successfully"
+        )
 
 
 def test_model_directory_is_a_volume(services):

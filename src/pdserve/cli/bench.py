@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-TOOLS = ("engine", "transfer", "serve", "compare", "multiturn", "admission", "rescore")
+TOOLS = ("engine", "transfer", "serve", "compare", "multiturn", "admission", "rescore", "tls")
 
 
 def add_parser(subparsers: Any) -> None:

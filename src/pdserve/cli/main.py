@@ -16,6 +16,8 @@ COMMANDS = {
     "status": "status",
     "bench": "bench",
     "model": "model",
+    "certs": "certs",
+    "kvstore": "kvstore",
 }
 
 

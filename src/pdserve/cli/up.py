@@ -45,6 +45,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="FLAG",
         help="extra flag for the router, e.g. --router-arg=--flip-enabled (repeatable)",
     )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no TLS on the internal plane (LOCAL DEBUGGING ONLY: anyone on this host can "
+        "join the cluster). Default: mutual TLS with certificates made in the log dir",
+    )
+    p.add_argument("--tls-dir", help="use (and complete) the certificates in this directory")
     p.set_defaults(func=run)
 
 
@@ -69,7 +76,14 @@ def run(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         worker_args=list(args.worker_arg),
         router_args=list(args.router_arg),
+        tls=not args.insecure,
+        tls_dir=args.tls_dir,
     )
+    if args.insecure:
+        from pdserve.rpc.tls import INSECURE_WARNING
+
+        bar = "!" * 78
+        print(f"{bar}\npdserve up: {INSECURE_WARNING}\n{bar}", file=sys.stderr, flush=True)
     # A plain flag: a signal handler must not take locks (threading.Event.set does, and a
     # second signal arriving inside it deadlocks the launcher).
     stop_signals: list[int] = []
@@ -105,10 +119,20 @@ def _print_banner(cluster) -> None:
     )
     print(f"pdserve: model {cluster.model_dir}")
     print(f"pdserve: processes: {workers}")
-    print(f"pdserve: router listening on {cluster.addr}")
+    print(f"pdserve: router listening on {cluster.addr} (internal: {cluster.internal_addr})")
+    tls = cluster.tls_dir
+    print(
+        f"pdserve: internal plane {'mutual TLS, certificates in ' + str(tls) if tls else 'INSECURE'}"
+    )
     print(f'  try:  pdserve generate --addr {cluster.addr} --prompt "Hello" --max-tokens 16')
     print(f"        pdserve chat --addr {cluster.addr}")
     print(f"        pdserve status --addr {cluster.addr}")
     print("pdserve: Ctrl-C stops everything")
-    info = {"service": "cluster", "port": cluster.router_port, "log_dir": str(cluster.log_dir)}
+    info = {
+        "service": "cluster",
+        "port": cluster.router_port,
+        "internal_port": cluster.router_internal_port,
+        "log_dir": str(cluster.log_dir),
+        "tls_dir": str(cluster.tls_dir) if cluster.tls_dir else None,
+    }
     print(format_ready_line(info), flush=True)

@@ -73,6 +73,8 @@ class AsyncEngine:
         self.kv_fingerprint: str = engine.kv_fingerprint
         self.model_fingerprint: str = engine.loaded.fingerprint
         self.num_blocks: int = engine.num_blocks
+        self.vocab_size: int = engine.vocab_size
+        self.max_model_len: int = engine.max_model_len
         self.step_ms_ewma = 0.0  # written by the engine thread after each step
         self.accounting = EngineInspection(0, 0, self.num_blocks, self.num_blocks, 0, 0, 0, 0)
         self._cond = threading.Condition()

@@ -10,7 +10,9 @@ Invariants:
   event loop share it (reference counted); the last `close()` resets it.
 - A receive is *posted* (matched by tag on this worker) when `post_recv` returns, so a peer may
   send before the caller awaits, or even before the peer has connected.
-- Tags are never reused by a receiver (`new_tag_base` counts up); a timed-out receive is retired
+- Tickets are unguessable and single use: `new_ticket` draws 48 random bits (a stray sender
+  on the network must guess the exact tag of a live receive; UCX matches only exact tags), a
+  ticket is never issued twice within the last TICKET_MEMORY tickets, and a timed-out receive is retired
   by sending a zero-byte message with its tag to our own worker, so a late peer can never write
   into a buffer the caller has taken back (its message stays unmatched in UCX instead).
 - A message shorter than the posted buffer completes the receive without an error and without
@@ -22,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import secrets
@@ -52,6 +55,7 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 LAYER_BITS = 16  # tag = ticket_id << 16 | layer: 65536 layers/messages per ticket
 TICKET_MASK = (1 << (64 - LAYER_BITS)) - 1
+TICKET_MEMORY = 1 << 16  # recently issued tickets never issued again
 
 
 def tag_base(ticket_id: int) -> int:
@@ -187,7 +191,8 @@ class UcxTransport:
         self._endpoints: dict[bytes, Any] = {}
         self._ep_locks: dict[bytes, asyncio.Lock] = {}
         self._self_ep: Any = None
-        self._next_ticket = secrets.randbits(40) << 4  # random start: restarts don't collide
+        self._recent: collections.deque[int] = collections.deque(maxlen=TICKET_MEMORY)
+        self._recent_set: set[int] = set()
         self._closed = False
         self.counters: dict[str, float] = dict.fromkeys(
             ("bytes_sent", "bytes_received", "transfers_sent", "transfers_received",
@@ -203,9 +208,18 @@ class UcxTransport:
 
     # ------------------------------------------------------------------ tags
     def new_ticket(self) -> int:
-        """A fresh ticket id for receives on this worker: tags `make_tag(ticket, 0..65535)`."""
-        self._next_ticket += 1
-        return self._next_ticket & TICKET_MASK
+        """A fresh, random ticket id for receives on this worker: tags
+        `make_tag(ticket, 0..65535)`. 48 bits from `secrets` (unguessable), never 0, and
+        distinct from the last TICKET_MEMORY tickets (single use)."""
+        while True:
+            ticket = secrets.randbits(64 - LAYER_BITS) & TICKET_MASK
+            if ticket and ticket not in self._recent_set:
+                break
+        if len(self._recent) == self._recent.maxlen:
+            self._recent_set.discard(self._recent[0])
+        self._recent.append(ticket)
+        self._recent_set.add(ticket)
+        return ticket
 
     def new_tag_base(self) -> int:
         return tag_base(self.new_ticket())

@@ -20,6 +20,7 @@ log = get_logger("pdserve.kvstore")
 class KVStoreApp(ServiceApp):
     name = "kvstore"
     health_service_names = ("pdserve.v1.KVStore",)
+    tls_name = "kvstore"
 
     def __init__(self, settings: KVStoreSettings, metrics: Metrics | None = None) -> None:
         self.settings = settings

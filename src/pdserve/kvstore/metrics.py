@@ -18,6 +18,9 @@ class KVStoreMetrics:
         self.stored_blocks = m.gauge("kvstore_stored_blocks", "blocks stored")
         self.evictions = m.counter("kvstore_evictions", "blocks evicted")
         self.puts = m.counter("kvstore_puts", "put outcomes", ["outcome"])
+        self.writer_blocks = m.counter(
+            "kvstore_writer_blocks", "blocks stored, by writer identity", ["writer"]
+        )
         self._evictions_seen = 0
 
     def sync(self, stats: StoreStats) -> None:

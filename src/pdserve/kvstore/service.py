@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.errors import InvalidRequestError, NotFoundError, OverloadedError, UnavailableError
+from pdserve.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    OverloadedError,
+    PermissionDeniedError,
+    UnavailableError,
+)
 from pdserve.kv.transfer import RecvHandle, TransferFailedError, UcxTransport
 from pdserve.kvstore.metrics import KVStoreMetrics
 from pdserve.kvstore.settings import KVStoreSettings
@@ -47,6 +53,7 @@ class _OpenPut:
     staging: np.ndarray  # [num_accepted * block_bytes] uint8, the UCX receive buffer
     handle: RecvHandle
     deadline: float
+    writer: str = ""
 
 
 class KVStoreService:
@@ -120,11 +127,18 @@ class KVStoreService:
 
     # ----------------------------------------------------------------- puts
     def begin_put(
-        self, namespace: str, hashes: Sequence[bytes], first_block: int, block_bytes: int
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        first_block: int,
+        block_bytes: int,
+        writer: str = "",
     ) -> PutTicket:
         """Reserve room for a put. Bounded: a put declares a block of at least
         `min_block_bytes`, at most `max_open_puts` are open at once, each is dropped after
-        `put_timeout_s` if not committed, and their staging is capped by `staging_bytes`."""
+        `put_timeout_s` if not committed, and their staging is capped by `staging_bytes`.
+        `writer`: the identity of the caller; the stored blocks remember it, and only the
+        same identity may commit the put."""
         if 0 < block_bytes < self.settings.min_block_bytes:
             raise InvalidRequestError(
                 "bytes_per_block", f"must be at least {self.settings.min_block_bytes}"
@@ -133,7 +147,7 @@ class KVStoreService:
             self.store.stats.put_rejected += 1
             self.metrics.puts.labels("rejected").inc()
             return PutTicket(0, 0, 0, first_block)
-        res = self.store.begin_put(namespace, hashes, first_block, block_bytes)
+        res = self.store.begin_put(namespace, hashes, first_block, block_bytes, writer)
         if res is None:
             return PutTicket(0, 0, 0, len(hashes))
         if not res.slots:
@@ -150,14 +164,17 @@ class KVStoreService:
         tag = self.transport.new_tag_base()
         handle = self.transport.post_recv(staging, tag)
         deadline = time.monotonic() + self.settings.put_timeout_s
-        self._open[res.put_id] = _OpenPut(res, staging, handle, deadline)
+        self._open[res.put_id] = _OpenPut(res, staging, handle, deadline, writer)
         self.metrics.sync(self.store.snapshot())
         return PutTicket(res.put_id, tag, len(res.slots), res.first_block)
 
-    async def commit_put(self, put_id: int, checksums: Sequence[bytes]) -> int:
-        op = self._open.pop(put_id, None)
+    async def commit_put(self, put_id: int, checksums: Sequence[bytes], writer: str = "") -> int:
+        op = self._open.get(put_id)
         if op is None:
             raise NotFoundError(f"put {put_id} is unknown or expired")
+        if op.writer != writer:
+            raise PermissionDeniedError(f"put {put_id} belongs to another writer")
+        self._open.pop(put_id)
         try:
             try:
                 await op.handle.wait(self.settings.commit_wait_s)
@@ -171,6 +188,7 @@ class KVStoreService:
                 return 0
             stored = self.store.commit_put(put_id, checksums)
             self.metrics.puts.labels("stored").inc()
+            self.metrics.writer_blocks.labels(writer or "anonymous").inc(stored)
             return stored
         finally:
             self._staging_in_use -= op.staging.nbytes
@@ -204,6 +222,12 @@ class KVStoreService:
         self._staging_in_use += nbytes
 
     # ----------------------------------------------------------------- admin
+    def purge_writer(self, writer: str) -> tuple[int, int]:
+        removed, in_use = self.store.purge_writer(writer)
+        log.warning("purged writer", writer=writer, blocks=removed, in_use=in_use)
+        self.metrics.sync(self.store.snapshot())
+        return removed, in_use
+
     def pin(self, namespace: str, hashes: Sequence[bytes], delta: int) -> int:
         return self.store.pin(namespace, hashes, delta)
 

@@ -49,6 +49,7 @@ class Block:
     pins: int = 0
     refs: int = 0
     last_used: int = 0
+    writer: str = ""  # identity (certificate URI) of the worker that put it; "" = anonymous
 
 
 @dataclass(eq=False)
@@ -60,6 +61,7 @@ class PutReservation:
     block_bytes: int
     parent: Block | None  # referenced until commit/abort so it cannot be evicted
     slots: list[Slot] = field(default_factory=list)
+    writer: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -138,7 +140,12 @@ class BlockStore:
 
     # ------------------------------------------------------------------ puts
     def begin_put(
-        self, namespace: str, hashes: Sequence[bytes], first_block: int, block_bytes: int
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        first_block: int,
+        block_bytes: int,
+        writer: str = "",
     ) -> PutReservation | None:
         """Reserve slots for the blocks of the chain not stored yet, from the first missing one.
         None = nothing wanted (all stored). A reservation with no slots = rejected (parent
@@ -147,7 +154,9 @@ class BlockStore:
         start = len(self._prefix(namespace, hashes))
         if start == len(hashes):
             return None
-        res = PutReservation(next(self._put_ids), namespace, [], start, block_bytes, None)
+        res = PutReservation(
+            next(self._put_ids), namespace, [], start, block_bytes, None, writer=writer
+        )
         if start < first_block or (self.block_bytes and block_bytes != self.block_bytes):
             self.stats.put_rejected += 1  # parent not stored: the chain would have a hole
             return res
@@ -191,7 +200,9 @@ class BlockStore:
                 self.arena.free(slot)
                 parent = existing
                 continue
-            blk = Block(key, parent, slot, bytes(checksums[i]), res.first_block + i)
+            blk = Block(
+                key, parent, slot, bytes(checksums[i]), res.first_block + i, writer=res.writer
+            )
             self._blocks[key] = blk
             if parent is not None:
                 parent.children += 1
@@ -302,6 +313,27 @@ class BlockStore:
                 self._remove(blk)
                 removed += 1
         return removed
+
+    def purge_writer(self, writer: str) -> tuple[int, int]:
+        """Drop every block `writer` put and every block chained after one of them (its KV
+        was computed over the writer's). Returns (removed, still in use: retry later)."""
+        tainted: set[int] = set()
+        for blk in sorted(self._blocks.values(), key=lambda b: b.depth):  # parents first
+            if blk.writer == writer or (blk.parent is not None and id(blk.parent) in tainted):
+                tainted.add(id(blk))
+        victims = [b for b in self._blocks.values() if id(b) in tainted]
+        removed = 0
+        for blk in sorted(victims, key=lambda b: -b.depth):  # leaves first
+            if blk.children == 0 and blk.refs == 0:
+                self._remove(blk)
+                removed += 1
+        return removed, len(victims) - removed
+
+    def blocks_by_writer(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for blk in self._blocks.values():
+            out[blk.writer] = out.get(blk.writer, 0) + 1
+        return out
 
     def snapshot(self) -> StoreStats:
         s = self.stats

@@ -9,12 +9,14 @@ from collections.abc import Sequence
 
 from pdserve.kv.hashing import block_hashes
 from pdserve.logging import get_logger
+from pdserve.rpc.channels import SERVER_OPTIONS
 from pdserve.rpc.metrics import Metrics
 from pdserve.rpc.server import ServiceApp
 from pdserve.v1 import router_pb2_grpc
 
 from .flip import FlipController, FlipMetrics
 from .flip_policy import FlipPolicy, FlipThresholds
+from .input_limits import InputLimits
 from .metrics import RouterMetrics, Totals
 from .model_info import ModelInfo
 from .orchestrator import Deadlines, Orchestrator
@@ -31,6 +33,17 @@ log = get_logger("pdserve.router")
 class RouterApp(ServiceApp):
     name = "router"
     health_service_names = ("pdserve.v1.Router", "pdserve.v1.Registry")
+    tls_name = "router"
+    # Public plane: the client API (and whatever a front door adds, e.g. reflection);
+    # the Registry is served on the internal listener only (settings.internal_port).
+    public_services: tuple[str, ...] = ("pdserve.v1.Router",)
+
+    def public_server_options(self):
+        limit = self.settings.max_request_bytes
+        return [
+            *((k, v) for k, v in SERVER_OPTIONS if k != "grpc.max_receive_message_length"),
+            ("grpc.max_receive_message_length", limit),
+        ]
 
     def __init__(self, settings: RouterSettings, metrics: Metrics | None = None) -> None:
         self.settings = settings
@@ -86,8 +99,9 @@ class RouterApp(ServiceApp):
         self.model = await asyncio.to_thread(ModelInfo.from_dir, s.model)
         self.orchestrator = self._orchestrator(self.model)
         self.router_servicer = RouterServicer(
-            self.orchestrator, self.registry, self.model, self.metrics, self.totals, kv
-        )
+            self.orchestrator, self.registry, self.model, self.metrics, self.totals, kv,
+            limits=InputLimits.from_settings(s, self.model.max_model_len),
+        )  # fmt: skip
         router_pb2_grpc.add_RouterServicer_to_server(self.router_servicer, server)
         router_pb2_grpc.add_RegistryServicer_to_server(
             RegistryServicer(self.registry, s.heartbeat_interval_s, kv), server

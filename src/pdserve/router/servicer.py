@@ -5,22 +5,34 @@ here are mapped to status codes by pdserve.rpc's ErrorInterceptor."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-from pdserve.errors import InvalidRequestError, UnavailableError
+from pdserve.errors import AlreadyExistsError, InvalidRequestError, UnavailableError
 from pdserve.logging import bind_request_id, get_logger
+from pdserve.rpc.ids import MAX_ID_CHARS, check_id
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from .input_limits import FALLBACK_MAX_PROMPT_CHARS, InputLimits, check_raw_request
 from .metrics import RouterMetrics, Totals
 from .model_info import ModelInfo
 from .orchestrator import Job, Orchestrator
 from .registry import LoadReport, Registry
+from .registry_checks import Owners, check_heartbeat, check_register
 from .text import TextStream
 from .validation import check_messages, check_request, to_params
 
 log = get_logger("pdserve.router")
+
+
+def worker_request_id(rid: str) -> str:
+    """The id the workers see: the client's id (truncated) + a random suffix. Workers key
+    their state by request id and may still hold a finished request's blocks (write-back)
+    when the client reuses its id; one client request never shares worker state with
+    another, whatever ids clients choose."""
+    return f"{rid[: MAX_ID_CHARS - 9]}.{secrets.token_hex(4)}"
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -32,9 +44,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         metrics: RouterMetrics,
         totals: Totals,
         kvstore_addr: str = "",
+        limits: InputLimits | None = None,
     ) -> None:
         self.orch, self.registry, self.model = orchestrator, registry, model
         self.metrics, self.totals, self.kvstore_addr = metrics, totals, kvstore_addr
+        self.limits = limits or InputLimits(
+            FALLBACK_MAX_PROMPT_CHARS, 256, model.max_model_len, model.max_model_len
+        )
+        self.inflight: set[str] = set()  # request ids being served (a duplicate is refused)
         self._draining = False
         self._idle = asyncio.Event()  # set while no Generate is running
         self._idle.set()
@@ -48,10 +65,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         t0 = time.perf_counter()
-        rid = request.request_id or uuid.uuid4().hex
+        rid = check_id("request_id", request.request_id or uuid.uuid4().hex)
         bind_request_id(rid)
         if self._draining:
             raise UnavailableError("router is draining")
+        if rid in self.inflight:
+            raise AlreadyExistsError(f"request_id {rid!r} is already in flight")
+        self.inflight.add(rid)
+        try:
+            async for resp in self._generate(request, rid, t0):
+                yield resp
+        finally:
+            self.inflight.discard(rid)
+
+    async def _generate(
+        self, request: router_pb2.GenerateRequest, rid: str, t0: float
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        check_raw_request(request, self.limits)
         job, stops = await self._prepare(request, rid)
         text = TextStream(self.model.detokenizer(), stops)
         self.totals.requests += 1
@@ -139,6 +169,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             token_ids = list(request.token_ids.ids)
         else:
             raise InvalidRequestError("prompt", "set one of text, chat or token_ids")
+        if len(token_ids) > self.limits.max_prompt_tokens:
+            raise InvalidRequestError("prompt", self.limits.too_many_tokens(len(token_ids)))
         stops = list(request.sampling.stop)
         params = to_params(request.sampling, len(token_ids), self.model.max_model_len)
         check_request(
@@ -148,6 +180,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request.session_id,
             self.model.vocab_size,
             self.model.max_model_len,
+            self.limits.max_stop_strings,
+            self.limits.max_stop_chars,
         )
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
@@ -156,7 +190,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.totals.prompt_tokens += len(token_ids)
         self.metrics.prompt_tokens.inc(len(token_ids))
         return Job(
-            request_id=rid,
+            request_id=worker_request_id(rid),
             token_ids=token_ids,
             params=params,
             sampling=sampling,
@@ -209,10 +243,16 @@ class RegistryServicer(router_pb2_grpc.RegistryServicer):
         self.registry = registry
         self.heartbeat_interval_s = heartbeat_interval_s
         self.kvstore_addr = kvstore_addr
+        self.owners = Owners()
+
+    def _check_owner(self, instance_id: str) -> None:
+        self.owners.check(instance_id, self.registry.get(instance_id) is not None)
 
     async def Register(
         self, request: router_pb2.RegisterRequest, context
     ) -> router_pb2.RegisterResponse:
+        check_register(request)
+        self._check_owner(request.instance_id)
         inst = self.registry.register(
             request.instance_id,
             request.address,
@@ -221,6 +261,7 @@ class RegistryServicer(router_pb2_grpc.RegistryServicer):
             request.block_size,
             LoadReport.from_proto(request.load),
         )
+        self.owners.claim(inst.instance_id)
         log.info(
             "instance registered",
             instance=inst.instance_id,
@@ -234,6 +275,8 @@ class RegistryServicer(router_pb2_grpc.RegistryServicer):
     async def Heartbeat(
         self, request: router_pb2.HeartbeatRequest, context
     ) -> router_pb2.HeartbeatResponse:
+        check_heartbeat(request)
+        self._check_owner(request.instance_id)
         known = self.registry.heartbeat(
             request.instance_id, request.role, request.state, LoadReport.from_proto(request.load)
         )
@@ -242,6 +285,9 @@ class RegistryServicer(router_pb2_grpc.RegistryServicer):
     async def Deregister(
         self, request: router_pb2.DeregisterRequest, context
     ) -> router_pb2.DeregisterResponse:
+        check_id("instance_id", request.instance_id)
+        self._check_owner(request.instance_id)
+        self.owners.release(request.instance_id)
         if self.registry.deregister(request.instance_id):
             log.info("instance deregistered", instance=request.instance_id)
         return router_pb2.DeregisterResponse()

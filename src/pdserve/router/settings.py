@@ -12,7 +12,26 @@ from pdserve.config import ServiceSettings
 class RouterSettings(ServiceSettings):
     """pdserve router: the public endpoint (Router) and the worker registry (Registry)."""
 
-    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
+    port: int = Field(
+        50051, ge=0, le=65535, description="public gRPC port: the client API (0 = any free port)"
+    )
+    internal_port: int = Field(
+        50061, ge=0, le=65535,
+        description="internal gRPC port: the worker registry, mutual TLS (0 = any free port)",
+    )  # fmt: skip
+    # -- bounded input (public plane): refused with INVALID_ARGUMENT before any real work
+    max_request_bytes: int = Field(
+        16 << 20, ge=1024, description="largest request message on the public port, bytes"
+    )
+    max_prompt_chars: int = Field(
+        1_000_000, ge=1, description="longest text prompt (all chat messages together), chars"
+    )
+    max_chat_messages: int = Field(256, ge=1, description="most messages in a chat prompt")
+    max_stop_strings: int = Field(16, ge=0, description="most stop strings per request")
+    max_stop_chars: int = Field(256, ge=1, description="longest stop string, characters")
+    max_prompt_tokens: int = Field(
+        0, ge=0, description="most prompt tokens (0 = the model's context length)"
+    )
     model: str | None = Field(
         None, description="model directory (tokenizer + config.json); none = token ids only"
     )

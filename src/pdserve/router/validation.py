@@ -25,17 +25,17 @@ def check_session_id(session_id: str) -> None:
         )
 
 
-def check_stops(stops: Sequence[str]) -> None:
-    if len(stops) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(
-            "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}"
-        )
+def check_stops(
+    stops: Sequence[str], max_strings: int = MAX_STOP_STRINGS, max_chars: int = MAX_STOP_CHARS
+) -> None:
+    if len(stops) > max_strings:
+        raise InvalidRequestError("stop", f"at most {max_strings} stop strings, got {len(stops)}")
     for i, s in enumerate(stops):
         if not s:
             raise InvalidRequestError("stop", f"stop string {i} is empty")
-        if len(s) > MAX_STOP_CHARS:
+        if len(s) > max_chars:
             raise InvalidRequestError(
-                "stop", f"stop string {i} has {len(s)} characters; at most {MAX_STOP_CHARS}"
+                "stop", f"stop string {i} has {len(s)} characters; at most {max_chars}"
             )
 
 
@@ -76,8 +76,10 @@ def check_request(
     session_id: str,
     vocab_size: int,
     max_model_len: int,
+    max_stop_strings: int = MAX_STOP_STRINGS,
+    max_stop_chars: int = MAX_STOP_CHARS,
 ) -> None:
     """Raise InvalidRequestError naming the field and its allowed range."""
     check_session_id(session_id)
-    check_stops(stops)
+    check_stops(stops, max_stop_strings, max_stop_chars)
     validate_request(token_ids, params, vocab_size, max_model_len)

@@ -14,6 +14,7 @@ from grpc import aio
 
 from pdserve.logging import request_id_var
 from pdserve.rpc.interceptor import REQUEST_ID_KEY
+from pdserve.rpc.tls import TARGET_NAME_OPTION, client_credentials
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -46,10 +47,19 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
 def make_channel(
     addr: str, *, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = ()
 ) -> aio.Channel:
-    """An insecure grpc.aio channel to HOST:PORT with CHANNEL_OPTIONS (`options` override
-    entries of the same name). Create it inside the event loop that will use it."""
+    """A grpc.aio channel to an internal service at HOST:PORT with CHANNEL_OPTIONS
+    (`options` override entries of the same name): mutual TLS with the process's
+    certificate once the service runner configured it (pdserve.rpc.tls.configure_client),
+    plaintext otherwise (--insecure, tests of one component). Create it inside the event
+    loop that will use it."""
     merged = dict(CHANNEL_OPTIONS)
     merged.update(dict(options))
+    creds = client_credentials()
+    if creds is not None:
+        merged.setdefault(TARGET_NAME_OPTION[0], TARGET_NAME_OPTION[1])
+        return aio.secure_channel(
+            addr, creds, options=list(merged.items()), interceptors=list(interceptors) or None
+        )
     return aio.insecure_channel(
         addr, options=list(merged.items()), interceptors=list(interceptors) or None
     )

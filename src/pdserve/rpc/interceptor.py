@@ -30,6 +30,7 @@ from pdserve.rpc._wrap import (
     UnaryBehavior,
     WrappingInterceptor,
 )
+from pdserve.rpc.ids import is_valid_id
 
 REQUEST_ID_KEY = "x-request-id"
 MAX_DETAILS = 300
@@ -107,10 +108,12 @@ class ErrorInterceptor(WrappingInterceptor):
 
 
 def request_id_of(call: grpc.HandlerCallDetails) -> str | None:
-    """The `x-request-id` metadata value of an incoming call, if any."""
+    """The `x-request-id` metadata value of an incoming call, if any and valid (an id that
+    is too long or has odd characters is ignored: it never reaches the logs)."""
     for key, value in call.invocation_metadata or ():
         if key == REQUEST_ID_KEY:
-            return value if isinstance(value, str) else value.decode("utf-8", "replace")
+            text = value if isinstance(value, str) else value.decode("utf-8", "replace")
+            return text if is_valid_id(text) else None
     return None
 
 
@@ -155,6 +158,9 @@ class RequestIdInterceptor(WrappingInterceptor):
 
 
 def server_interceptors(*extra: aio.ServerInterceptor) -> list[aio.ServerInterceptor]:
-    """The standard chain, outermost first: request id, `extra` (e.g. metrics), errors.
-    The error interceptor is innermost so the others see mapped status codes."""
-    return [RequestIdInterceptor(), *extra, ErrorInterceptor()]
+    """The standard chain, outermost first: undecodable bodies refused, request id, `extra`
+    (e.g. authorization, metrics), errors. The error interceptor is innermost so the others
+    see mapped status codes."""
+    from pdserve.rpc.decode_guard import DecodeGuardInterceptor
+
+    return [DecodeGuardInterceptor(), RequestIdInterceptor(), *extra, ErrorInterceptor()]

@@ -9,7 +9,7 @@ LateHandlers and is looked up at call time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -35,6 +35,21 @@ class LateHandlers(grpc.GenericRpcHandler):
             if found is not None:
                 return found
         return None
+
+
+class PlaneHandlers(grpc.GenericRpcHandler):
+    """One plane's view of LateHandlers: only the services `serves(name)` accepts (a method
+    of any other service is UNIMPLEMENTED on this server, as if it did not exist)."""
+
+    def __init__(self, late: LateHandlers, serves: Callable[[str], bool]) -> None:
+        self._late = late
+        self._serves = serves
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        service = handler_call_details.method.lstrip("/").partition("/")[0]
+        if not self._serves(service):
+            return None
+        return self._late.service(handler_call_details)
 
 
 class AppServer:

@@ -1,7 +1,12 @@
 """One server lifecycle for every service.
 
-    start:    grpc.aio server on host:port (interceptors: request id, metrics, errors)
-              + grpc.health.v1 Health, every name NOT_SERVING
+    start:    TLS material from settings (pdserve.rpc.tls; none and not --insecure: refuse)
+              -> grpc.aio server(s): an app with `public_services` gets a public server on
+              `port` (those services only) and an internal one on `internal_port`; any other
+              app one internal server on `port`. Internal servers use mutual TLS and the
+              authorization table (pdserve.rpc.authz). Interceptors: undecodable bodies,
+              request id, [authz | public extras], metrics, errors
+              + grpc.health.v1 Health on every server, every name NOT_SERVING
               -> await app.start(server)   (add servicers, load the model, ...)
               -> SERVING -> await app.on_serving(port) (e.g. register with the router)
               -> one line `PDSERVE_READY {"service": ..., "port": N, ...}` on stdout
@@ -22,7 +27,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any, cast
 
 from grpc import aio
@@ -30,11 +35,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.config import ServiceSettings
 from pdserve.logging import configure_logging, get_logger
+from pdserve.rpc.authz import AuthzInterceptor
 from pdserve.rpc.channels import SERVER_OPTIONS
 from pdserve.rpc.interceptor import server_interceptors
 from pdserve.rpc.metrics import Metrics, MetricsInterceptor, start_metrics_server
 from pdserve.rpc.ready import format_ready_line
-from pdserve.rpc.registration import AppServer, LateHandlers
+from pdserve.rpc.registration import AppServer, LateHandlers, PlaneHandlers
+from pdserve.rpc.tls import (
+    TlsConfigError,
+    TlsFiles,
+    configure_client,
+    files_from_settings,
+    log_insecure,
+)
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 SIGNAL_REPEAT_S = 1.0
@@ -59,6 +72,24 @@ class ServiceApp(abc.ABC):
     name: str = "service"
     # Fully-qualified gRPC service names reported by the health service ("" is always added).
     health_service_names: Sequence[str] = ()
+
+    # Two planes. Services named here are served on the public port (settings.port) only,
+    # without client certificates; every other service of the app is served on the internal
+    # listener (settings.internal_port) with mutual TLS and the authorization table
+    # (pdserve.rpc.authz). An app with no public services has one, internal, listener on
+    # settings.port. Health is served on both.
+    public_services: Sequence[str] = ()
+    # Which certificate of a --tls-dir this service uses by default (--tls-name overrides).
+    tls_name: str = "service"
+
+    def public_interceptors(self) -> Sequence[aio.ServerInterceptor]:
+        """Extra interceptors of the public server (e.g. API keys), outermost first, inside
+        the request-id interceptor and outside metrics and errors. Default: none."""
+        return ()
+
+    def public_server_options(self) -> Sequence[tuple[str, Any]]:
+        """grpc options of the public server (e.g. a smaller max message size)."""
+        return SERVER_OPTIONS
 
     @abc.abstractmethod
     async def start(self, server: aio.Server) -> None: ...
@@ -97,7 +128,9 @@ class ServiceRunner:
         self.port: int | None = None
         self.state = "new"  # new -> starting -> serving -> draining -> stopped
         self.health = health.aio.HealthServicer()
-        self.server: aio.Server | None = None
+        self.server: aio.Server | None = None  # the server on settings.port
+        self.servers: list[aio.Server] = []
+        self.internal_port: int | None = None
         self._ready_stream = ready_stream
         self.serving = asyncio.Event()  # set once SERVING (and the READY line is out)
         self._stop_requested = asyncio.Event()
@@ -117,33 +150,47 @@ class ServiceRunner:
         return ["", *self.app.health_service_names]
 
     async def start(self) -> int:
-        """Listen, start the app, go SERVING, print the READY line. Returns the bound port."""
+        """Listen, start the app, go SERVING, print the READY line. Returns the bound port
+        (the public port of an app with a public plane, else its one internal port)."""
         if self.state != "new":
             raise RuntimeError(f"runner already {self.state}")
         self.state = "starting"
-        interceptors = server_interceptors(MetricsInterceptor(self.metrics))
-        server = aio.server(interceptors=interceptors, options=list(SERVER_OPTIONS))
-        self.server = server
+        try:
+            tls_files = files_from_settings(self.settings, self.app.tls_name)
+        except TlsConfigError as exc:
+            self.state = "stopped"
+            raise OSError(f"{self.app.name}: {exc}") from exc
+        if tls_files is None:
+            log_insecure()
+        configure_client(tls_files)
         late = LateHandlers()
-        server.add_generic_rpc_handlers((late,))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        public = tuple(self.app.public_services)
+        if public:
+            pub = self._server(
+                late, lambda svc: svc in public, self.app.public_interceptors(),
+                self.app.public_server_options(),
+            )  # fmt: skip
+            port = self._listen(pub, self.settings.port, None)
+            internal_port_setting = int(getattr(self.settings, "internal_port", 0) or 0)
+            internal = self._server(late, lambda svc: svc not in public, self._authz(tls_files))
+            self.internal_port = self._listen(internal, internal_port_setting, tls_files)
+            self.servers = [pub, internal]
+        else:
+            internal = self._server(late, lambda svc: True, self._authz(tls_files))
+            port = self.internal_port = self._listen(internal, self.settings.port, tls_files)
+            self.servers = [internal]
+        self.server = self.servers[0]
+        self.port = port
         for name in self.health_names:
             await self.health.set(name, _NOT_SERVING)
-        requested = _address(self.settings.host, self.settings.port)
+        for server in self.servers:
+            await server.start()
+        self._log.info(
+            "listening", host=self.settings.host, port=port, internal_port=self.internal_port,
+            tls=tls_files is not None,
+        )  # fmt: skip
         try:
-            port = server.add_insecure_port(requested)
-        except RuntimeError as exc:
-            port, cause = 0, exc
-        else:
-            cause = None
-        if not port:
-            self.state = "stopped"
-            raise OSError(f"{self.app.name}: cannot listen on {requested} (in use?)") from cause
-        self.port = port
-        await server.start()
-        self._log.info("listening", host=self.settings.host, port=port)
-        try:
-            await self.app.start(cast(aio.Server, AppServer(server, late)))
+            await self.app.start(cast(aio.Server, AppServer(self.server, late)))
         except BaseException as exc:  # incl. CancelledError (signal during start)
             self._log.error("start failed", error=repr(exc), exc_info=exc)
             await self._stop_server_and_close(grace=0)
@@ -162,11 +209,46 @@ class ServiceRunner:
         self.serving.set()
         return port
 
+    def _authz(self, tls_files: TlsFiles | None) -> Sequence[aio.ServerInterceptor]:
+        return (AuthzInterceptor(),) if tls_files is not None else ()
+
+    def _server(
+        self,
+        late: LateHandlers,
+        serves: Callable[[str], bool],
+        extra: Sequence[aio.ServerInterceptor],
+        options: Sequence[tuple[str, Any]] = SERVER_OPTIONS,
+    ) -> aio.Server:
+        """One grpc server of one plane: `serves(service_name)` says which of the app's
+        services it exposes (health is on every server)."""
+        interceptors = server_interceptors(*extra, MetricsInterceptor(self.metrics))
+        server = aio.server(interceptors=interceptors, options=list(options))
+        server.add_generic_rpc_handlers((PlaneHandlers(late, serves),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        return server
+
+    def _listen(self, server: aio.Server, port: int, tls_files: TlsFiles | None) -> int:
+        requested = _address(self.settings.host, port)
+        try:
+            if tls_files is None:
+                bound = server.add_insecure_port(requested)
+            else:
+                bound = server.add_secure_port(requested, tls_files.server_credentials())
+        except RuntimeError as exc:
+            bound, cause = 0, exc
+        else:
+            cause = None
+        if not bound:
+            self.state = "stopped"
+            raise OSError(f"{self.app.name}: cannot listen on {requested} (in use?)") from cause
+        return bound
+
     def _announce(self) -> None:
         info: dict[str, Any] = {
             "service": self.app.name,
             "host": self.settings.host,
             "port": self.port,
+            "internal_port": self.internal_port,
             "pid": os.getpid(),
             "instance_id": self.settings.instance_id,
         }
@@ -218,8 +300,8 @@ class ServiceRunner:
             self._log.warning("drain cut short", forced=force in done)
 
     async def _stop_server_and_close(self, grace: float) -> None:
-        if self.server is not None:
-            await self.server.stop(grace)
+        if self.servers:
+            await asyncio.gather(*(server.stop(grace) for server in self.servers))
         try:
             await self.app.close()
         except Exception:

@@ -145,3 +145,17 @@ class StatsResponse(_message.Message):
     open_puts: int
     staging_bytes: int
     def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., put_rejected: _Optional[int] = ..., corrupt_puts: _Optional[int] = ..., open_puts: _Optional[int] = ..., staging_bytes: _Optional[int] = ...) -> None: ...
+
+class PurgeWriterRequest(_message.Message):
+    __slots__ = ("writer",)
+    WRITER_FIELD_NUMBER: _ClassVar[int]
+    writer: str
+    def __init__(self, writer: _Optional[str] = ...) -> None: ...
+
+class PurgeWriterResponse(_message.Message):
+    __slots__ = ("num_blocks", "num_in_use")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_in_use: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ...) -> None: ...

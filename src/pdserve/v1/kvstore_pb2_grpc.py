@@ -77,6 +77,11 @@ class KVStoreStub:
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.PurgeWriter = channel.unary_unary(
+                '/pdserve.v1.KVStore/PurgeWriter',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.PurgeWriterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.PurgeWriterResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -138,6 +143,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PurgeWriter(self, request, context):
+        """Operators (admin certificate): drop every block a writer put, and the blocks chained
+        after them. `writer` is the identity URI of the worker, e.g. spiffe://pdserve/worker/w1.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +193,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'PurgeWriter': grpc.unary_unary_rpc_method_handler(
+                    servicer.PurgeWriter,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.PurgeWriterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.PurgeWriterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -401,6 +419,33 @@ class KVStore:
             '/pdserve.v1.KVStore/Stats',
             pdserve_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             pdserve_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PurgeWriter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVStore/PurgeWriter',
+            pdserve_dot_v1_dot_kvstore__pb2.PurgeWriterRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.PurgeWriterResponse.FromString,
             options,
             channel_credentials,
             insecure,

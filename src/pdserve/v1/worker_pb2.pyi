@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Ticket(_message.Message):
-    __slots__ = ("ticket_id", "decode_instance_id", "ucx_worker_address", "tag_base", "lease_expiry_unix_s", "num_blocks", "kv_fingerprint", "early_admission")
+    __slots__ = ("ticket_id", "decode_instance_id", "ucx_worker_address", "tag_base", "lease_expiry_unix_s", "num_blocks", "kv_fingerprint", "early_admission", "nonce")
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class Ticket(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EARLY_ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     ticket_id: int
     decode_instance_id: str
     ucx_worker_address: bytes
@@ -25,7 +26,8 @@ class Ticket(_message.Message):
     num_blocks: int
     kv_fingerprint: str
     early_admission: bool
-    def __init__(self, ticket_id: _Optional[int] = ..., decode_instance_id: _Optional[str] = ..., ucx_worker_address: _Optional[bytes] = ..., tag_base: _Optional[int] = ..., lease_expiry_unix_s: _Optional[float] = ..., num_blocks: _Optional[int] = ..., kv_fingerprint: _Optional[str] = ..., early_admission: _Optional[bool] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, ticket_id: _Optional[int] = ..., decode_instance_id: _Optional[str] = ..., ucx_worker_address: _Optional[bytes] = ..., tag_base: _Optional[int] = ..., lease_expiry_unix_s: _Optional[float] = ..., num_blocks: _Optional[int] = ..., kv_fingerprint: _Optional[str] = ..., early_admission: _Optional[bool] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens", "num_predicted_tokens", "lease_s", "prompt_token_ids", "sampling")

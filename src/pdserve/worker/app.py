@@ -20,6 +20,7 @@ _log = get_logger(__name__)
 
 class WorkerApp(ServiceApp):
     health_service_names = ("pdserve.v1.Worker",)
+    tls_name = "worker"
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.name = f"worker-{settings.role}"

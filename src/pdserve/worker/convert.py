@@ -45,6 +45,7 @@ def ticket_to_proto(t: Ticket) -> worker_pb2.Ticket:
         num_blocks=t.num_blocks,
         kv_fingerprint=t.kv_fingerprint,
         early_admission=t.early_admission,
+        nonce=t.nonce,
     )
 
 
@@ -58,6 +59,7 @@ def ticket_from_proto(p: worker_pb2.Ticket) -> Ticket:
         num_blocks=p.num_blocks,
         kv_fingerprint=p.kv_fingerprint,
         early_admission=p.early_admission,
+        nonce=bytes(p.nonce),
     )
 
 

@@ -40,6 +40,7 @@ from pdserve.logging import get_logger
 from pdserve.model.dtypes import torch_dtype
 from pdserve.worker.domain import StageCosts, Ticket, TokenEvent
 from pdserve.worker.kv_reuse import KVReuse
+from pdserve.worker.nonce import new_nonce, nonce_matches, token_buffer
 
 _log = get_logger(__name__)
 
@@ -57,7 +58,7 @@ class Reservation:
     prompt_token_ids: list[int]
     params: SamplingParams
     staging: torch.Tensor  # [L, n_blocks, 2, bs, kvh, hd]: one contiguous receive per layer
-    token_buf: np.ndarray  # int32[1]: token 0, sent by the prefill
+    token_buf: np.ndarray  # int32[5]: token 0 + the ticket nonce, sent by the prefill
     handles: list[RecvHandle]  # the layers, then token 0
     created: float
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenEvent | exc | None
@@ -97,7 +98,7 @@ class DecodeHandler:
         self._reserving: dict[str, bool] = {}  # request id -> aborted while Reserve was in flight
         self.counters: dict[str, float] = dict.fromkeys(
             ("reservations", "reservations_refused", "leases_expired", "transfers_failed", "admitted",
-             "admission_delay_ms_sum", "kv_wait_ms_sum"), 0.0
+             "admission_delay_ms_sum", "kv_wait_ms_sum", "nonce_mismatch"), 0.0
         )  # fmt: skip
 
     @property
@@ -156,7 +157,7 @@ class DecodeHandler:
         staging = torch.empty(
             (spec.num_layers, n, *spec.block_shape), dtype=torch_dtype(spec.dtype)
         )
-        token_buf = np.zeros(1, dtype=np.int32)
+        token_buf = token_buffer()
         tag_base = self._transport.new_tag_base()
         handles = [
             self._transport.post_recv(staging[i], tag_base + i) for i in range(spec.num_layers)
@@ -171,6 +172,7 @@ class DecodeHandler:
             num_blocks=n,
             kv_fingerprint=self._kv_fingerprint,
             early_admission=True,
+            nonce=new_nonce(),
         )
         res = Reservation(
             request_id, ticket, prompt, params, staging, token_buf, handles, time.perf_counter()
@@ -193,6 +195,11 @@ class DecodeHandler:
             await self._await_kv(res)
             if res.state is not ResState.RECEIVING:
                 return  # released meanwhile
+            if not nonce_matches(res.token_buf, res.ticket.nonce):
+                self.counters["nonce_mismatch"] += 1
+                raise UnavailableError(
+                    f"KV for {res.request_id} arrived without its ticket's nonce: discarded"
+                )
             first = int(res.token_buf[0])
             events.put_nowait(TokenEvent([first]))  # token 0, for the consistency check
             async for ev in self._admit_to_engine(res, first):

@@ -12,8 +12,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import (
@@ -26,6 +24,7 @@ from pdserve.kv.transfer import TransferFailedError, UcxTransport
 from pdserve.logging import get_logger
 from pdserve.worker.domain import StageCosts, Ticket
 from pdserve.worker.kv_reuse import KVReuse
+from pdserve.worker.nonce import token_message
 
 _log = get_logger(__name__)
 
@@ -63,8 +62,9 @@ class LayerPusher:
         self._sends.append(task)
 
     def push_token(self, token: int, num_layers: int) -> None:
-        """Token 0 follows the layers (int32, tag tag_base + num_layers)."""
-        self._start(num_layers, np.array([token], dtype=np.int32), count_bytes=False)
+        """Token 0 follows the layers (tag tag_base + num_layers): int32 token, then the
+        ticket's nonce (the decode admits the KV only if it matches)."""
+        self._start(num_layers, token_message(token, self._ticket.nonce), count_bytes=False)
 
     async def wait(self, expected_layers: int) -> None:
         if len(self._sends) != expected_layers:

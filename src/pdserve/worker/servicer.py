@@ -1,4 +1,5 @@
-"""gRPC Worker servicer: converts between proto and domain objects, nothing else."""
+"""gRPC Worker servicer: converts between proto and domain objects, nothing else. Every
+request is checked field by field (pdserve.worker.checks) before the core sees it."""
 
 from __future__ import annotations
 
@@ -6,34 +7,56 @@ from collections.abc import AsyncIterator
 
 from grpc import aio
 
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve.worker import convert
+from pdserve.engine.params import SamplingParams
+from pdserve.rpc.ids import check_id
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker import checks, convert
 from pdserve.worker.core import WorkerCore
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, core: WorkerCore) -> None:
         self._core = core
+        self._limits: checks.WorkerLimits | None = None
+
+    @property
+    def limits(self) -> checks.WorkerLimits:
+        if self._limits is None:
+            engine = self._core.engine
+            self._limits = checks.WorkerLimits(
+                vocab_size=engine.vocab_size,
+                max_model_len=engine.max_model_len,
+                block_size=engine.spec.block_size,
+                max_lease_s=self._core.settings.max_lease_s,
+            )
+        return self._limits
+
+    def _sampling(self, p: common_pb2.SamplingParams) -> SamplingParams:
+        params = convert.sampling_from_proto(p)
+        checks.check_sampling(params, self.limits)
+        return params
 
     async def Reserve(
         self, request: worker_pb2.ReserveRequest, context: aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
+        checks.check_reserve(request, self.limits)
         ticket = await self._core.reserve(
             request.request_id,
             request.num_prompt_tokens,
             request.lease_s,
             list(request.prompt_token_ids),
-            convert.sampling_from_proto(request.sampling) if request.HasField("sampling") else None,
+            self._sampling(request.sampling) if request.HasField("sampling") else None,
         )
         return worker_pb2.ReserveResponse(ticket=convert.ticket_to_proto(ticket))
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
+        checks.check_prefill(request, self.limits)
         first_token, stages = await self._core.prefill(
             request.request_id,
             list(request.token_ids),
-            convert.sampling_from_proto(request.sampling),
+            self._sampling(request.sampling),
             convert.ticket_from_proto(request.ticket),
             request.use_kvstore,
         )
@@ -44,6 +67,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        checks.check_decode(request, self.limits)
         events = self._core.decode(
             request.request_id,
             request.ticket_id,
@@ -57,10 +81,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        checks.check_generate(request, self.limits)
         events = self._core.generate(
             request.request_id,
             list(request.token_ids),
-            convert.sampling_from_proto(request.sampling),
+            self._sampling(request.sampling),
             request.use_kvstore,
             request.write_back,
         )
@@ -70,6 +95,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: aio.ServicerContext
     ) -> worker_pb2.AbortResponse:
+        check_id("request_id", request.request_id)
         return worker_pb2.AbortResponse(found=await self._core.abort(request.request_id))
 
     async def SetRole(

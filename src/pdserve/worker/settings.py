@@ -33,6 +33,9 @@ class WorkerSettings(ServiceSettings):
         description="default lease of a KV reservation; must cover the prefill's queueing "
         "(the router's prefill deadline), or an overloaded prefill pushes to released tags",
     )
+    max_lease_s: float = Field(
+        600.0, gt=0, description="longest KV reservation lease a Reserve may ask for, seconds"
+    )
     transfer_timeout_s: float = Field(20.0, gt=0, description="timeout of one KV send")
     kvstore_addr: str | None = Field(
         None, description="kvstore HOST:PORT (default: the one the router hands out)"
