@@ -4,9 +4,16 @@ it exists), and a transformers greedy reference. Tiny = hidden 64, 2 layers, voc
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+
+# The suite compares tokens exactly (services vs the in-process engine, engine vs transformers
+# in fp32). The serving default dtype is "auto" (bfloat16 on a CPU with AVX512-BF16/AMX), so pin
+# float32 for workers started by tests (WorkerSettings reads PDSERVE_DTYPE) and `pdserve
+# generate`; in-process EngineConfigs in tests pass dtype explicitly.
+os.environ.setdefault("PDSERVE_DTYPE", "float32")
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 VOCAB = 512

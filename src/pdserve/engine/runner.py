@@ -39,7 +39,14 @@ class ModelRunner:
         block_size: int,
         device: str = "cpu",
         sampler: Sampler | None = None,
+        pack_weights: bool = True,
     ) -> None:
+        """pack_weights: on CPU, swap the model's linears for oneDNN-prepacked ones (in place;
+        see pdserve.model.cpu_linear): ~2x faster bf16 decode, ~1.3x fp32 prefill."""
+        if pack_weights and torch.device(device).type == "cpu":
+            from pdserve.model.cpu_linear import pack_linears
+
+            pack_linears(model)
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
