@@ -116,13 +116,14 @@ def measure_limits(
     repeats: int = 5,
     bandwidth_bytes: int = BANDWIDTH_BYTES,
     clock: Callable[[], float] = time.perf_counter,
+    gemm_shapes: Sequence[tuple[int, int, int]] = GEMM_SHAPES,
 ) -> dict[str, Any]:
     """{"dtype", "threads", "bandwidth_bytes_s", "gemm_flops_s", "detail": {...}} measured
     with `threads` torch threads (None = the current setting). `clock`: time.process_time is
     steadier on a shared machine with one thread (time off the CPU is not counted)."""
     with torch_threads(threads) as n:
         bw = measure_bandwidth(bandwidth_bytes, repeats, clock)
-        gemm = measure_gemm_peak(dtype, max(2, repeats // 2 + 1), clock=clock)
+        gemm = measure_gemm_peak(dtype, max(2, repeats // 2 + 1), gemm_shapes, clock)
     return {
         "dtype": str(_dtype(dtype)).removeprefix("torch."),
         "threads": n,
