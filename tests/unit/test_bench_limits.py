@@ -88,3 +88,13 @@ def test_measure_limits_small(dtype):
     assert out["gemm_flops_s"] == out["detail"]["gemm"]["best"]
     assert "linear_64x64x64" in out["detail"]["gemm"]
     assert "limits (%s, 1 thread(s))" % dtype in lim.format_limits(out)
+
+
+def test_decode_flops_and_roofline():
+    cost = lim.ModelCost.of(_config(), "float32")
+    # one step, one sequence after a 4-token prompt: context 5
+    want = 2.0 * (1152 + 800) + 4 * 2 * 4 * 2 * 5
+    assert lim.decode_phase_flops(cost, 1, 4, 1) == want
+    limits = {"gemm_flops_s": 100.0, "bandwidth_bytes_s": 10.0}
+    frac = lim.achieved_fraction(limits, decode_bytes_s=2.0, decode_flops_s=60.0)
+    assert frac == {"decode": 0.2, "decode_roofline": 0.6}

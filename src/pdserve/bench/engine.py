@@ -129,7 +129,7 @@ def bench_hf(
 
 
 def parse_dtypes(text: str) -> list[str]:
-    """"auto,float32" -> resolved names, in order, without repeats."""
+    """ "auto,float32" -> resolved names, in order, without repeats."""
     from pdserve.model.loader import DTYPES, auto_dtype
 
     out: list[str] = []
@@ -263,10 +263,15 @@ def add_fractions(
         decode_s = b * (glen - 1) / r["ours_decode_tok_s"]
         r["prefill_flops_s"] = lim.prefill_flops(cost, [plen] * b) / prefill_s
         r["decode_bytes_s"] = lim.decode_phase_bytes(cost, b, plen, glen - 1) / decode_s
+        r["decode_flops_s"] = lim.decode_phase_flops(cost, b, plen, glen - 1) / decode_s
         frac = lim.achieved_fraction(
-            limits, prefill_flops_s=r["prefill_flops_s"], decode_bytes_s=r["decode_bytes_s"]
+            limits,
+            prefill_flops_s=r["prefill_flops_s"],
+            decode_bytes_s=r["decode_bytes_s"],
+            decode_flops_s=r["decode_flops_s"],
         )
         r["prefill_fraction"], r["decode_fraction"] = frac["prefill"], frac["decode"]
+        r["decode_roofline_fraction"] = frac["decode_roofline"]
 
 
 def print_table(
@@ -313,7 +318,7 @@ def print_limits(rows: list[dict], limits: dict[str, dict[str, Any]]) -> None:
     for lim in limits.values():
         print(format_limits(lim))
     head = f"{'dtype':>8} {'batch':>5} | {'prefill GFLOP/s':>15} {'of peak':>7} | "
-    head += f"{'decode GB/s':>11} {'of bw':>6}"
+    head += f"{'decode GB/s':>11} {'of bw':>6} {'GFLOP/s':>8} {'roofline':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -322,5 +327,10 @@ def print_limits(rows: list[dict], limits: dict[str, dict[str, Any]]) -> None:
         print(
             f"{r['dtype']:>8} {r['batch']:>5} | {r['prefill_flops_s'] / 1e9:>15.1f} "
             f"{r['prefill_fraction']:>7.0%} | {r['decode_bytes_s'] / 1e9:>11.2f} "
-            f"{r['decode_fraction']:>6.0%}"
+            f"{r['decode_fraction']:>6.0%} {r['decode_flops_s'] / 1e9:>8.1f} "
+            f"{r['decode_roofline_fraction']:>8.0%}"
         )
+    print(
+        "of peak: prefill FLOP/s / GEMM peak; of bw: decode weight+KV bytes/s / read bandwidth;"
+        " roofline: max(of bw, decode FLOP/s / GEMM peak)"
+    )

@@ -202,8 +202,16 @@ def prefill_flops(
 def decode_phase_bytes(cost: ModelCost, batch: int, prompt_len: int, steps: int) -> int:
     """Bytes read by `steps` decode steps of `batch` sequences that start with `prompt_len`
     tokens plus the first sampled one (step s appends the (prompt_len + 1 + s)-th token)."""
-    return sum(
-        decode_step_bytes(cost, [prompt_len + 1 + s] * batch) for s in range(max(0, steps))
+    return sum(decode_step_bytes(cost, [prompt_len + 1 + s] * batch) for s in range(max(0, steps)))
+
+
+def decode_phase_flops(cost: ModelCost, batch: int, prompt_len: int, steps: int) -> float:
+    """FLOPs of the same decode steps as decode_phase_bytes: every linear and the lm_head once
+    per sequence per step, plus attention over each context."""
+    per_token = 2.0 * (cost.layer_params + cost.lm_head_params)
+    attn_keys = sum(batch * (prompt_len + 1 + s) for s in range(max(0, steps)))
+    return per_token * batch * max(0, steps) + (
+        4.0 * cost.num_layers * cost.num_heads * cost.head_dim * attn_keys
     )
 
 
@@ -212,13 +220,19 @@ def achieved_fraction(
     *,
     prefill_flops_s: float | None = None,
     decode_bytes_s: float | None = None,
+    decode_flops_s: float | None = None,
 ) -> dict[str, float]:
-    """{"prefill": FLOP/s / GEMM peak, "decode": bytes/s / bandwidth} for what is given."""
+    """For what is given: "prefill" = FLOP/s / GEMM peak; "decode" = weight+KV bytes/s /
+    bandwidth; with decode_flops_s too, "decode_roofline" = the larger of the decode's
+    bandwidth and compute fractions (at large batches decode on a CPU turns compute-bound, and
+    the bandwidth fraction alone then understates how close it runs to the machine's limit)."""
     out: dict[str, float] = {}
     if prefill_flops_s is not None:
         out["prefill"] = prefill_flops_s / limits["gemm_flops_s"]
     if decode_bytes_s is not None:
         out["decode"] = decode_bytes_s / limits["bandwidth_bytes_s"]
+        if decode_flops_s is not None:
+            out["decode_roofline"] = max(out["decode"], decode_flops_s / limits["gemm_flops_s"])
     return out
 
 

@@ -69,9 +69,7 @@ def resolve_dtype(
         return auto_dtype(device)
     name = dtype or config.torch_dtype
     if name not in DTYPES:
-        raise ModelLoadError(
-            f"unsupported dtype {name!r}; use auto or one of {sorted(DTYPES)}"
-        )
+        raise ModelLoadError(f"unsupported dtype {name!r}; use auto or one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
