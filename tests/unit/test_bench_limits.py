@@ -87,7 +87,7 @@ def test_measure_limits_small(dtype):
     assert out["bandwidth_bytes_s"] > 0 and out["gemm_flops_s"] > 0
     assert out["gemm_flops_s"] == out["detail"]["gemm"]["best"]
     assert "linear_64x64x64" in out["detail"]["gemm"]
-    assert "limits (%s, 1 thread(s))" % dtype in lim.format_limits(out)
+    assert f"limits ({dtype}, 1 thread(s))" in lim.format_limits(out)
 
 
 def test_decode_flops_and_roofline():
