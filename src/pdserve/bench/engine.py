@@ -42,6 +42,11 @@ def add_parser(subparsers: Any) -> None:
         "the serving default for the CPU)",
     )
     p.add_argument(
+        "--compare-unpacked",
+        action="store_true",
+        help="also run each dtype with plain (not oneDNN-prepacked) weights, the old path",
+    )
+    p.add_argument(
         "--limits",
         action="store_true",
         help="also measure memory bandwidth and GEMM peak here and print achieved fractions",
@@ -162,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
 
             limits[dtype] = measure_limits(dtype, repeats=max(3, args.repeats), clock=clock)
         rows += bench_dtype(args, model_dir, dtype, batches, clock)
+        if args.compare_unpacked:
+            rows += bench_dtype(args, model_dir, dtype, batches, clock, packed=False)
         if args.limits:
             add_fractions(rows, limits[dtype], model_dir, dtype, args.prompt_len, args.gen_len)
     print_table(rows, model_dir, args.prompt_len, args.gen_len, torch.get_num_threads(), args.clock)
@@ -188,24 +195,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bench_dtype(
-    args: argparse.Namespace, model_dir: Path, dtype: str, batches: list[int], clock: Any
+    args: argparse.Namespace,
+    model_dir: Path,
+    dtype: str,
+    batches: list[int],
+    clock: Any,
+    packed: bool = True,
 ) -> list[dict[str, Any]]:
-    """Rows of one dtype: ours and transformers in `dtype`, interleaved per repeat."""
+    """Rows of one dtype: ours and transformers in `dtype`, interleaved per repeat. packed=False
+    builds the engine with PDSERVE_PACK_WEIGHTS=0 (plain F.linear weights)."""
+    import os
+
     import torch
 
-    from pdserve.engine.engine import EngineConfig, LLMEngine
-
     max_b, plen, glen = max(batches), args.prompt_len, args.gen_len
-    engine = LLMEngine(
-        EngineConfig(
-            model_dir,
-            dtype=dtype,
-            num_blocks=max_b * (-(-(plen + glen) // 16)) + 8,
-            max_num_batched_tokens=max(2048, max_b * plen),
-            max_num_seqs=max_b,
-            enable_prefix_caching=False,  # every run recomputes its prompts
-        )
-    )
+    old = os.environ.get("PDSERVE_PACK_WEIGHTS")
+    os.environ["PDSERVE_PACK_WEIGHTS"] = "1" if packed else "0"
+    try:
+        engine = _engine(model_dir, dtype, max_b, plen, glen)
+    finally:
+        if old is None:
+            del os.environ["PDSERVE_PACK_WEIGHTS"]
+        else:
+            os.environ["PDSERVE_PACK_WEIGHTS"] = old
     vocab = engine.vocab_size
     hf = None
     if not args.no_hf:
@@ -230,6 +242,7 @@ def bench_dtype(
         # best of N per phase: the least disturbed run on a shared machine
         row: dict[str, Any] = {
             "dtype": dtype,
+            "packed": packed,
             "batch": b,
             "ours_prefill_tok_s": b * plen / min(t[0] for t in ours),
             "ours_decode_tok_s": b * (glen - 1) / min(t[1] for t in ours),
@@ -238,8 +251,27 @@ def bench_dtype(
             row["hf_prefill_tok_s"] = b * plen / min(t[0] for t in ref)
             row["hf_decode_tok_s"] = b * (glen - 1) / min(t[1] for t in ref)
         rows.append(row)
-        print(f"  {dtype} batch {b}: done", flush=True)
+        print(f"  {_label(row)} batch {b}: done", flush=True)
     return rows
+
+
+def _label(row: dict[str, Any]) -> str:
+    return row["dtype"] + ("" if row.get("packed", True) else "/plain")
+
+
+def _engine(model_dir: Path, dtype: str, max_b: int, plen: int, glen: int) -> Any:
+    from pdserve.engine.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            model_dir,
+            dtype=dtype,
+            num_blocks=max_b * (-(-(plen + glen) // 16)) + 8,
+            max_num_batched_tokens=max(2048, max_b * plen),
+            max_num_seqs=max_b,
+            enable_prefix_caching=False,  # every run recomputes its prompts
+        )
+    )
 
 
 def add_fractions(
@@ -278,13 +310,13 @@ def print_table(
     rows: list[dict], model_dir: Path, plen: int, glen: int, threads: int, clock: str
 ) -> None:
     print(f"model {model_dir}  prompt_len {plen}  gen_len {glen}  threads {threads}  clock {clock}")
-    head = f"{'dtype':>8} {'batch':>5} | {'prefill tok/s':>13} {'hf':>9} {'ratio':>6} | "
+    head = f"{'dtype':>14} {'batch':>5} | {'prefill tok/s':>13} {'hf':>9} {'ratio':>6} | "
     head += f"{'decode tok/s':>12} {'hf':>9} {'ratio':>6}"
     print(head)
     print("-" * len(head))
     for r in rows:
         hp, hd = r.get("hf_prefill_tok_s"), r.get("hf_decode_tok_s")
-        line = f"{r['dtype']:>8} {r['batch']:>5} | {r['ours_prefill_tok_s']:>13.0f} "
+        line = f"{_label(r):>14} {r['batch']:>5} | {r['ours_prefill_tok_s']:>13.0f} "
         line += (
             f"{hp:>9.0f} {r['ours_prefill_tok_s'] / hp:>5.2f}x | "
             if hp
@@ -293,17 +325,24 @@ def print_table(
         line += f"{r['ours_decode_tok_s']:>12.0f} "
         line += f"{hd:>9.0f} {r['ours_decode_tok_s'] / hd:>5.2f}x" if hd else f"{'-':>9} {'-':>6}"
         print(line)
-    for dtype in dict.fromkeys(r["dtype"] for r in rows):
-        mine = [r for r in rows if r["dtype"] == dtype]
+    for label in dict.fromkeys(_label(r) for r in rows):
+        mine = [r for r in rows if _label(r) == label]
         if len(mine) > 1 and mine[0]["batch"] == 1:
             scale = mine[-1]["ours_decode_tok_s"] / mine[0]["ours_decode_tok_s"]
-            print(f"{dtype} decode scaling batch {mine[-1]['batch']} / batch 1: {scale:.1f}x")
-    by = {(r["dtype"], r["batch"]): r for r in rows}
-    for (dtype, b), r in by.items():
-        base = by.get(("float32", b))
-        if dtype == "float32" or base is None:
+            print(f"{label} decode scaling batch {mine[-1]['batch']} / batch 1: {scale:.1f}x")
+    by = {(_label(r), r["batch"]): r for r in rows}
+    # other dtype vs float32 (same path), then prepacked vs plain weights (same dtype)
+    pairs = [
+        ((lab, b), ("float32" + lab[len(lab.split("/")[0]) :], b))
+        for lab, b in by
+        if not lab.startswith("float32")
+    ]
+    pairs += [((lab, b), (lab + "/plain", b)) for lab, b in by if not lab.endswith("/plain")]
+    for key, base_key in pairs:
+        r, base = by[key], by.get(base_key)
+        if base is None:
             continue
-        line = f"{dtype} / float32, batch {b}: ours prefill "
+        line = f"{key[0]} / {base_key[0]}, batch {key[1]}: ours prefill "
         line += f"{r['ours_prefill_tok_s'] / base['ours_prefill_tok_s']:.2f}x decode "
         line += f"{r['ours_decode_tok_s'] / base['ours_decode_tok_s']:.2f}x"
         if "hf_prefill_tok_s" in r and "hf_prefill_tok_s" in base:
@@ -317,7 +356,7 @@ def print_limits(rows: list[dict], limits: dict[str, dict[str, Any]]) -> None:
 
     for lim in limits.values():
         print(format_limits(lim))
-    head = f"{'dtype':>8} {'batch':>5} | {'prefill GFLOP/s':>15} {'of peak':>7} | "
+    head = f"{'dtype':>14} {'batch':>5} | {'prefill GFLOP/s':>15} {'of peak':>7} | "
     head += f"{'decode GB/s':>11} {'of bw':>6} {'GFLOP/s':>8} {'roofline':>8}"
     print(head)
     print("-" * len(head))
@@ -325,7 +364,7 @@ def print_limits(rows: list[dict], limits: dict[str, dict[str, Any]]) -> None:
         if "prefill_fraction" not in r:
             continue
         print(
-            f"{r['dtype']:>8} {r['batch']:>5} | {r['prefill_flops_s'] / 1e9:>15.1f} "
+            f"{_label(r):>14} {r['batch']:>5} | {r['prefill_flops_s'] / 1e9:>15.1f} "
             f"{r['prefill_fraction']:>7.0%} | {r['decode_bytes_s'] / 1e9:>11.2f} "
             f"{r['decode_fraction']:>6.0%} {r['decode_flops_s'] / 1e9:>8.1f} "
             f"{r['decode_roofline_fraction']:>8.0%}"
