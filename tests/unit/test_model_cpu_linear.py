@@ -75,3 +75,14 @@ def test_unsupported_dtype_left_alone():
     model = nn.Sequential(_linear(8, 8, False, torch.float64))
     assert pack_linears(model) == 0
     assert type(model[0]) is nn.Linear
+
+
+def test_auto_dtype_follows_native_bf16(monkeypatch):
+    from pdserve.model import cpu_linear
+    from pdserve.model.loader import auto_dtype
+
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: False)
+    assert auto_dtype("cpu") == torch.float32  # emulated bf16 is slower than fp32
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    want = torch.bfloat16 if packing_supported(torch.bfloat16) else torch.float32
+    assert auto_dtype("cpu") == want

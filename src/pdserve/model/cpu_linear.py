@@ -43,6 +43,12 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return bool((y.float() == 4.0).all())
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX on this CPU (oneDNN otherwise emulates bf16, slower than fp32)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
 class PackedLinear(nn.Module):
     """y = x @ W.T + b with W prepacked for oneDNN. x: [..., in_features] on CPU."""
 

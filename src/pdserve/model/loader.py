@@ -53,9 +53,10 @@ def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     if device.type == "cpu":
-        from pdserve.model.cpu_linear import packing_supported
+        from pdserve.model.cpu_linear import cpu_has_native_bf16, packing_supported
 
-        return torch.bfloat16 if packing_supported(torch.bfloat16) else torch.float32
+        native = cpu_has_native_bf16() and packing_supported(torch.bfloat16)
+        return torch.bfloat16 if native else torch.float32
     return torch.float32
 
 
