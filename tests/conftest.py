@@ -13,6 +13,11 @@ import pytest
 # test one component, not the security of a cluster. The cluster fixtures (pdserve.launcher)
 # always pass --tls-dir or --insecure explicitly, and run mutual TLS by default.
 os.environ.setdefault("PDSERVE_INSECURE", "1")
+# The suite compares tokens exactly (services vs the in-process engine, engine vs transformers
+# in fp32). The serving default dtype is "auto" (bfloat16 on a CPU with AVX512-BF16/AMX), so pin
+# float32 for workers started by tests (WorkerSettings reads PDSERVE_DTYPE) and `pdserve
+# generate`; in-process EngineConfigs in tests pass dtype explicitly.
+os.environ.setdefault("PDSERVE_DTYPE", "float32")
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 VOCAB = 512

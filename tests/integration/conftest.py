@@ -31,7 +31,12 @@ def reference_engine(serving_model_dir):
     from pdserve.engine.engine import EngineConfig, LLMEngine
 
     return LLMEngine(
-        EngineConfig(model_dir=str(serving_model_dir), num_blocks=256, block_size=BLOCK_SIZE)
+        EngineConfig(
+            model_dir=str(serving_model_dir),
+            dtype="float32",  # the workers' dtype in tests (tests/conftest.py pins it)
+            num_blocks=256,
+            block_size=BLOCK_SIZE,
+        )
     )
 
 

@@ -30,7 +30,9 @@ def make_engine(model_dir: Path, num_blocks: int = 256):
     from pdserve.engine.engine import EngineConfig, LLMEngine
 
     return LLMEngine(
-        EngineConfig(model_dir=str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE)
+        EngineConfig(
+            model_dir=str(model_dir), dtype="float32", num_blocks=num_blocks, block_size=BLOCK_SIZE
+        )
     )
 
 

@@ -43,3 +43,33 @@ def test_bench_dispatcher_lists_engine(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     assert "engine" in capsys.readouterr().out
+
+
+def test_bench_engine_dtypes_and_limits(tmp_path, tiny_llama_dir, capsys):
+    """--dtype float32,bfloat16 measures both in one run; --limits adds the machine's
+    bandwidth / GEMM peak per dtype and each row's achieved fractions."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "engine", "--model", str(tiny_llama_dir), "--batch-sizes", "2"]
+    args += ["--prompt-len", "12", "--gen-len", "3", "--repeats", "1", "--clock", "cpu"]
+    args += ["--dtype", "float32,bfloat16,float32", "--limits", "--no-hf", "--json", str(out)]
+    assert main(args) == 0
+    res = json.loads(out.read_text())
+    assert res["dtypes"] == ["float32", "bfloat16"]  # repeats dropped, order kept
+    assert [(r["dtype"], r["batch"]) for r in res["rows"]] == [("float32", 2), ("bfloat16", 2)]
+    for dtype in ("float32", "bfloat16"):
+        lim = res["limits"][dtype]
+        assert lim["dtype"] == dtype and lim["bandwidth_bytes_s"] > 0 and lim["gemm_flops_s"] > 0
+    for r in res["rows"]:
+        lim = res["limits"][r["dtype"]]
+        assert r["prefill_fraction"] == r["prefill_flops_s"] / lim["gemm_flops_s"]
+        assert r["decode_fraction"] == r["decode_bytes_s"] / lim["bandwidth_bytes_s"]
+        assert r["decode_roofline_fraction"] >= r["decode_fraction"] > 0
+    text = capsys.readouterr().out
+    assert "bfloat16 / float32, batch 2" in text and "read bandwidth" in text
+
+
+def test_bench_engine_rejects_unknown_dtype(tiny_llama_dir):
+    import pytest
+
+    with pytest.raises(SystemExit, match="unknown dtype 'fp8'"):
+        main(["bench", "engine", "--model", str(tiny_llama_dir), "--dtype", "fp8", "--no-hf"])

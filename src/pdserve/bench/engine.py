@@ -9,6 +9,12 @@ EOS ignored, greedy):
 - transformers: `generate(max_new_tokens=1)` timed as the prefill; `generate(max_new_tokens=
   gen_len)` minus that prefill as the decode.
 Runs of ours and transformers alternate; each phase reports the best of --repeats runs.
+
+--dtype takes a comma list (e.g. float32,bfloat16): each dtype gets its own engine and its own
+transformers model in that dtype, measured in the same run (the bf16/fp32 ratio is printed).
+--limits also measures this machine's read bandwidth and GEMM peak per dtype
+(pdserve.bench.limits) and prints the engine's achieved fraction of them: prefill FLOP/s /
+GEMM peak and decode weight+KV bytes/s / bandwidth.
 """
 
 from __future__ import annotations
@@ -29,6 +35,22 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="best of N timed runs")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="comma list of auto|float32|bfloat16, each measured in this run (default: auto, "
+        "the serving default for the CPU)",
+    )
+    p.add_argument(
+        "--compare-unpacked",
+        action="store_true",
+        help="also run each dtype with plain (not oneDNN-prepacked) weights, the old path",
+    )
+    p.add_argument(
+        "--limits",
+        action="store_true",
+        help="also measure memory bandwidth and GEMM peak here and print achieved fractions",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument(
         "--clock",
@@ -111,34 +133,98 @@ def bench_hf(
     return prefill, max(1e-9, (t2 - t1) - prefill)
 
 
+def parse_dtypes(text: str) -> list[str]:
+    """ "auto,float32" -> resolved names, in order, without repeats."""
+    from pdserve.model.loader import DTYPES, auto_dtype
+
+    out: list[str] = []
+    for name in (t.strip() for t in text.split(",") if t.strip()):
+        if name == "auto":
+            name = str(auto_dtype("cpu")).removeprefix("torch.")
+        if name not in DTYPES:
+            raise SystemExit(f"--dtype: unknown dtype {name!r} (auto | {' | '.join(DTYPES)})")
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise SystemExit("--dtype: empty list")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from pdserve.engine.engine import EngineConfig, LLMEngine
 
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     model_dir = Path(args.model) if args.model else preset_model(args.cache_dir)
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
-    max_b, plen, glen = max(batches), args.prompt_len, args.gen_len
-    engine = LLMEngine(
-        EngineConfig(
-            model_dir,
-            dtype="float32",
-            num_blocks=max_b * (-(-(plen + glen) // 16)) + 8,
-            max_num_batched_tokens=max(2048, max_b * plen),
-            max_num_seqs=max_b,
-            enable_prefix_caching=False,  # every run recomputes its prompts
+    dtypes = parse_dtypes(args.dtype)
+    rows: list[dict[str, Any]] = []
+    limits: dict[str, dict[str, Any]] = {}
+    for dtype in dtypes:
+        if args.limits:
+            from pdserve.bench.limits import measure_limits
+
+            limits[dtype] = measure_limits(dtype, repeats=max(3, args.repeats), clock=clock)
+        rows += bench_dtype(args, model_dir, dtype, batches, clock)
+        if args.compare_unpacked:
+            rows += bench_dtype(args, model_dir, dtype, batches, clock, packed=False)
+        if args.limits:
+            add_fractions(rows, limits[dtype], model_dir, dtype, args.prompt_len, args.gen_len)
+    print_table(rows, model_dir, args.prompt_len, args.gen_len, torch.get_num_threads(), args.clock)
+    if limits:
+        print_limits(rows, limits)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "model": str(model_dir),
+                    "prompt_len": args.prompt_len,
+                    "gen_len": args.gen_len,
+                    "clock": args.clock,
+                    "threads": torch.get_num_threads(),
+                    "dtypes": dtypes,
+                    "limits": limits,
+                    "rows": rows,
+                },
+                indent=2,
+            )
         )
-    )
+    return 0
+
+
+def bench_dtype(
+    args: argparse.Namespace,
+    model_dir: Path,
+    dtype: str,
+    batches: list[int],
+    clock: Any,
+    packed: bool = True,
+) -> list[dict[str, Any]]:
+    """Rows of one dtype: ours and transformers in `dtype`, interleaved per repeat. packed=False
+    builds the engine with PDSERVE_PACK_WEIGHTS=0 (plain F.linear weights)."""
+    import os
+
+    import torch
+
+    max_b, plen, glen = max(batches), args.prompt_len, args.gen_len
+    old = os.environ.get("PDSERVE_PACK_WEIGHTS")
+    os.environ["PDSERVE_PACK_WEIGHTS"] = "1" if packed else "0"
+    try:
+        engine = _engine(model_dir, dtype, max_b, plen, glen)
+    finally:
+        if old is None:
+            del os.environ["PDSERVE_PACK_WEIGHTS"]
+        else:
+            os.environ["PDSERVE_PACK_WEIGHTS"] = old
     vocab = engine.vocab_size
     hf = None
     if not args.no_hf:
         import transformers
 
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32
+            model_dir, dtype=getattr(torch, dtype)
         ).eval()
     warm = _prompts(2, 16, vocab, seed=99)
     bench_ours(engine, warm, 4)
@@ -155,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
                 ref.append(bench_hf(hf, prompts, glen, clock))
         # best of N per phase: the least disturbed run on a shared machine
         row: dict[str, Any] = {
+            "dtype": dtype,
+            "packed": packed,
             "batch": b,
             "ours_prefill_tok_s": b * plen / min(t[0] for t in ours),
             "ours_decode_tok_s": b * (glen - 1) / min(t[1] for t in ours),
@@ -163,37 +251,72 @@ def run(args: argparse.Namespace) -> int:
             row["hf_prefill_tok_s"] = b * plen / min(t[0] for t in ref)
             row["hf_decode_tok_s"] = b * (glen - 1) / min(t[1] for t in ref)
         rows.append(row)
-        print(f"  batch {b}: done", flush=True)
-    print_table(rows, model_dir, plen, glen, torch.get_num_threads(), args.clock)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(
-            json.dumps(
-                {
-                    "model": str(model_dir),
-                    "prompt_len": plen,
-                    "gen_len": glen,
-                    "clock": args.clock,
-                    "threads": torch.get_num_threads(),
-                    "rows": rows,
-                },
-                indent=2,
-            )
+        print(f"  {_label(row)} batch {b}: done", flush=True)
+    return rows
+
+
+def _label(row: dict[str, Any]) -> str:
+    return row["dtype"] + ("" if row.get("packed", True) else "/plain")
+
+
+def _engine(model_dir: Path, dtype: str, max_b: int, plen: int, glen: int) -> Any:
+    from pdserve.engine.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            model_dir,
+            dtype=dtype,
+            num_blocks=max_b * (-(-(plen + glen) // 16)) + 8,
+            max_num_batched_tokens=max(2048, max_b * plen),
+            max_num_seqs=max_b,
+            enable_prefix_caching=False,  # every run recomputes its prompts
         )
-    return 0
+    )
+
+
+def add_fractions(
+    rows: list[dict[str, Any]],
+    limits: dict[str, Any],
+    model_dir: Path,
+    dtype: str,
+    plen: int,
+    glen: int,
+) -> None:
+    """Per row of `dtype`: achieved prefill FLOP/s and decode bytes/s, and their fractions."""
+    from pdserve.bench import limits as lim
+    from pdserve.model.config import ModelConfig
+
+    cost = lim.ModelCost.of(ModelConfig.from_dir(model_dir), dtype)
+    for r in rows:
+        if r["dtype"] != dtype:
+            continue
+        b = r["batch"]
+        prefill_s = b * plen / r["ours_prefill_tok_s"]
+        decode_s = b * (glen - 1) / r["ours_decode_tok_s"]
+        r["prefill_flops_s"] = lim.prefill_flops(cost, [plen] * b) / prefill_s
+        r["decode_bytes_s"] = lim.decode_phase_bytes(cost, b, plen, glen - 1) / decode_s
+        r["decode_flops_s"] = lim.decode_phase_flops(cost, b, plen, glen - 1) / decode_s
+        frac = lim.achieved_fraction(
+            limits,
+            prefill_flops_s=r["prefill_flops_s"],
+            decode_bytes_s=r["decode_bytes_s"],
+            decode_flops_s=r["decode_flops_s"],
+        )
+        r["prefill_fraction"], r["decode_fraction"] = frac["prefill"], frac["decode"]
+        r["decode_roofline_fraction"] = frac["decode_roofline"]
 
 
 def print_table(
     rows: list[dict], model_dir: Path, plen: int, glen: int, threads: int, clock: str
 ) -> None:
     print(f"model {model_dir}  prompt_len {plen}  gen_len {glen}  threads {threads}  clock {clock}")
-    head = f"{'batch':>5} | {'prefill tok/s':>13} {'hf':>9} {'ratio':>6} | "
+    head = f"{'dtype':>14} {'batch':>5} | {'prefill tok/s':>13} {'hf':>9} {'ratio':>6} | "
     head += f"{'decode tok/s':>12} {'hf':>9} {'ratio':>6}"
     print(head)
     print("-" * len(head))
     for r in rows:
         hp, hd = r.get("hf_prefill_tok_s"), r.get("hf_decode_tok_s")
-        line = f"{r['batch']:>5} | {r['ours_prefill_tok_s']:>13.0f} "
+        line = f"{_label(r):>14} {r['batch']:>5} | {r['ours_prefill_tok_s']:>13.0f} "
         line += (
             f"{hp:>9.0f} {r['ours_prefill_tok_s'] / hp:>5.2f}x | "
             if hp
@@ -202,6 +325,51 @@ def print_table(
         line += f"{r['ours_decode_tok_s']:>12.0f} "
         line += f"{hd:>9.0f} {r['ours_decode_tok_s'] / hd:>5.2f}x" if hd else f"{'-':>9} {'-':>6}"
         print(line)
-    if len(rows) > 1 and rows[0]["batch"] == 1:
-        scale = rows[-1]["ours_decode_tok_s"] / rows[0]["ours_decode_tok_s"]
-        print(f"decode scaling batch {rows[-1]['batch']} / batch 1: {scale:.1f}x")
+    for label in dict.fromkeys(_label(r) for r in rows):
+        mine = [r for r in rows if _label(r) == label]
+        if len(mine) > 1 and mine[0]["batch"] == 1:
+            scale = mine[-1]["ours_decode_tok_s"] / mine[0]["ours_decode_tok_s"]
+            print(f"{label} decode scaling batch {mine[-1]['batch']} / batch 1: {scale:.1f}x")
+    by = {(_label(r), r["batch"]): r for r in rows}
+    # other dtype vs float32 (same path), then prepacked vs plain weights (same dtype)
+    pairs = [
+        ((lab, b), ("float32" + lab[len(lab.split("/")[0]) :], b))
+        for lab, b in by
+        if not lab.startswith("float32")
+    ]
+    pairs += [((lab, b), (lab + "/plain", b)) for lab, b in by if not lab.endswith("/plain")]
+    for key, base_key in pairs:
+        r, base = by[key], by.get(base_key)
+        if base is None:
+            continue
+        line = f"{key[0]} / {base_key[0]}, batch {key[1]}: ours prefill "
+        line += f"{r['ours_prefill_tok_s'] / base['ours_prefill_tok_s']:.2f}x decode "
+        line += f"{r['ours_decode_tok_s'] / base['ours_decode_tok_s']:.2f}x"
+        if "hf_prefill_tok_s" in r and "hf_prefill_tok_s" in base:
+            line += f"; hf prefill {r['hf_prefill_tok_s'] / base['hf_prefill_tok_s']:.2f}x "
+            line += f"decode {r['hf_decode_tok_s'] / base['hf_decode_tok_s']:.2f}x"
+        print(line)
+
+
+def print_limits(rows: list[dict], limits: dict[str, dict[str, Any]]) -> None:
+    from pdserve.bench.limits import format_limits
+
+    for lim in limits.values():
+        print(format_limits(lim))
+    head = f"{'dtype':>14} {'batch':>5} | {'prefill GFLOP/s':>15} {'of peak':>7} | "
+    head += f"{'decode GB/s':>11} {'of bw':>6} {'GFLOP/s':>8} {'roofline':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if "prefill_fraction" not in r:
+            continue
+        print(
+            f"{_label(r):>14} {r['batch']:>5} | {r['prefill_flops_s'] / 1e9:>15.1f} "
+            f"{r['prefill_fraction']:>7.0%} | {r['decode_bytes_s'] / 1e9:>11.2f} "
+            f"{r['decode_fraction']:>6.0%} {r['decode_flops_s'] / 1e9:>8.1f} "
+            f"{r['decode_roofline_fraction']:>8.0%}"
+        )
+    print(
+        "of peak: prefill FLOP/s / GEMM peak; of bw: decode weight+KV bytes/s / read bandwidth;"
+        " roofline: max(of bw, decode FLOP/s / GEMM peak)"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -30,7 +31,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--session", default=None, help="session id (with --addr)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default=os.environ.get("PDSERVE_DTYPE", "auto"),
+        choices=["auto", "float32", "bfloat16"],
+        help="weights/KV dtype (default: $PDSERVE_DTYPE, else auto = bfloat16 where faster)",
+    )
     p.set_defaults(func=run)
 
 

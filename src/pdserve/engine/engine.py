@@ -32,7 +32,7 @@ KVSink = Callable[[int, torch.Tensor], None]  # (layer, kv [n_blocks, 2, bs, kvh
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str | Path
-    dtype: str = "float32"
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (loader.auto_dtype: per device)
     device: str = "cpu"
     num_blocks: int | None = None  # wins over kv_cache_bytes
     kv_cache_bytes: int | None = None  # default: 1 GiB, capped at what max_num_seqs can use

@@ -14,7 +14,9 @@ RoleName = Literal["prefill", "decode", "colocated"]
 class WorkerSettings(ServiceSettings):
     model: str | None = Field(None, description="checkpoint directory (none = built-in tiny)")
     role: RoleName = Field("colocated", description="starting role; the router may flip it")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights and KV dtype")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="weights and KV dtype (auto: bfloat16 where the device runs it faster)"
+    )
     device: str = Field("cpu", description="torch device (cpu, cuda, cuda:1)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_blocks: int | None = Field(None, ge=2, description="KV blocks (wins over kv_cache_bytes)")

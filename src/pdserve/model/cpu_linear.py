@@ -1,0 +1,91 @@
+"""Linear layers with oneDNN-prepacked weights, for CPU serving.
+
+`F.linear` on CPU hands a plain row-major weight to MKL (fp32) or oneDNN (bf16) on every call.
+For the small row counts of decode that wastes most of the memory bandwidth: measured on this
+repository's CI machine (one thread, 48 weights of 512x4096, more than the L3), a bf16
+`F.linear` of one row streams its weight at ~8.5 GB/s and fp32 at ~10.5 GB/s, while a
+weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
+the same call Inductor's CPU freezing pass makes) streams at ~15 GB/s; at 8-256 rows the packed
+fp32 GEMM is ~2x `F.linear`. See docs/BENCHMARKS.md "bf16 on CPU" for the end-to-end figures.
+
+`pack_linears(model)` swaps every `nn.Linear` in a model for a `PackedLinear` in place (same
+parameters, same dtype; the plain weight is dropped, so memory does not grow). The packed
+weight is an opaque mkldnn tensor: packed modules are for inference only and do not appear in
+`state_dict()`. Numerics: the same products, summed in oneDNN's order instead of MKL's; fp32
+results differ from `F.linear` by float rounding only (~1e-6 relative).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+# the batch size oneDNN tunes the packed layout for; any row count works at run time
+BATCH_HINT = 64
+
+
+@functools.cache
+def packing_supported(dtype: torch.dtype) -> bool:
+    """True when this torch build and CPU can run a packed linear in `dtype` (tried once)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        w = torch.ones(8, 4, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4, dtype=dtype), packed, None,
+                                               "none", [], "")  # fmt: skip
+    except (RuntimeError, AttributeError):
+        return False
+    return bool((y.float() == 4.0).all())
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX on this CPU (oneDNN otherwise emulates bf16, slower than fp32)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W.T + b with W prepacked for oneDNN. x: [..., in_features] on CPU."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()
+        self.dtype = weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT) -> int:
+    """Replace every CPU `nn.Linear` of `model` (in a dtype oneDNN packs) by a PackedLinear, in
+    place. Returns how many were packed; 0 when unsupported (the model is left as it was).
+    Idempotent."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+        and child.weight.device.type == "cpu"
+        and packing_supported(child.weight.dtype)
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child, batch_hint))
+    return len(targets)
