@@ -16,6 +16,9 @@ COMMANDS = {
     "status": "status",
     "bench": "bench",
     "model": "model",
+    "profile": "profile",
+    "sim": "sim",
+    "plan": "plan",
 }
 
 

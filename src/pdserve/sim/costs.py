@@ -82,6 +82,29 @@ class StepCost:
         rel = float(np.sqrt(np.mean(((pred - y) / np.maximum(y, 1e-9)) ** 2)))
         return cls(*coef.tolist(), fit_rel_rmse=rel)
 
+    @classmethod
+    def fit_floor(
+        cls,
+        batches: Sequence[Sequence[tuple[int, int]]],
+        times_s: Sequence[float],
+        slack: float = 1.15,
+        rounds: int = 4,
+        keep_at_least: float = 0.3,
+    ) -> StepCost:
+        """The lower envelope: on a shared machine other processes only ever slow a step
+        down, so refit on the samples at most `slack` x the current fit (a few rounds, never
+        fewer than `keep_at_least` of them). The uncontended cost of a step."""
+        idx = np.arange(len(times_s))
+        fit = cls.fit(batches, times_s)
+        y = np.asarray(times_s, dtype=float)
+        for _ in range(rounds):
+            pred = np.array([fit.step_s(batches[i]) for i in range(len(y))])
+            keep = idx[y <= slack * pred]
+            if len(keep) < max(8, keep_at_least * len(y)):
+                keep = idx[np.argsort(y / np.maximum(pred, 1e-9))][: max(8, int(keep_at_least * len(y)))]
+            fit = cls.fit([batches[i] for i in keep], y[keep])
+        return fit
+
 
 @dataclass
 class LinkCost:
