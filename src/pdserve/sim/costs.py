@@ -140,6 +140,8 @@ class CostModel:
     token_overhead_s: float = 0.0  # per streamed message (gRPC relay of one token)
     kv_bytes_per_token: int = 0
     name: str = ""
+    kv_capacity_bytes: int | None = None  # KV cache per instance (None: the worker default)
+    devices: int = 1  # accelerators one instance occupies (tensor parallel degree)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -165,4 +167,6 @@ class CostModel:
             token_overhead_s=float(d.get("token_overhead_s", 0.0)),
             kv_bytes_per_token=int(d.get("kv_bytes_per_token", 0)),
             name=str(d.get("name", "")),
+            kv_capacity_bytes=d.get("kv_capacity_bytes"),
+            devices=int(d.get("devices", 1)),
         )

@@ -113,8 +113,9 @@ def spec_from_up_flags(
     def config_for(role: str) -> InstanceConfig:
         c = cost_for(role)
         bs = wk.block_size or block_size
+        kv_bytes = wk.kv_cache_bytes or c.kv_capacity_bytes
         n = wk.num_blocks or default_num_blocks(
-            c.kv_bytes_per_token, bs, max_model_len, wk.max_num_seqs, wk.kv_cache_bytes
+            c.kv_bytes_per_token, bs, max_model_len, wk.max_num_seqs, kv_bytes
         )
         return InstanceConfig(
             num_blocks=n,
