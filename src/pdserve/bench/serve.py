@@ -115,10 +115,17 @@ def base_requests(
     )
 
 
-def workload_at(args: argparse.Namespace, rate: float | None, salt: int = 0) -> list[BenchRequest]:
-    """Requests with arrival times for one run at `rate` (None: the default rate)."""
+def workload_at(
+    args: argparse.Namespace,
+    rate: float | None,
+    salt: int = 0,
+    base: list[BenchRequest] | None = None,
+) -> list[BenchRequest]:
+    """Requests with arrival times for one run at `rate` (None: the default rate). `base`:
+    the trace's `base_requests(args, salt=salt)` when the caller already has them (the
+    simulator replays one trace at many rates)."""
     if args.trace:
-        reqs = base_requests(args, salt=salt)
+        reqs = base if base is not None else base_requests(args, salt=salt)
         stamps = [r.arrival_s for r in reqs]
         if rate is not None and args.duration:
             # rescale the window actually replayed, not the whole file (issue 12, item 6)

@@ -115,9 +115,24 @@ class SimCluster:
             self.store = BlockStore(blocks, block_bytes=1)
         self._reqs: dict[str, _Req] = {}
         self._pending = 0
+        self.misses = 0  # finished requests that missed `stop_slo` (early stop)
+        self.stop_slo: tuple[float, float] | None = None  # (ttft_s, tpot_s)
+        self.stop_after_misses: int | None = None
         self.records: list[RequestRecord] = []
 
     # ------------------------------------------------------------------ driver
+    def stop_early(self, ttft_s: float, tpot_s: float, max_misses: int) -> None:
+        """Stop as soon as more than `max_misses` finished requests missed the SLOs: the
+        run's attainment is then known to be below the target (the unfinished requests
+        count as failures, so the reported attainment is a lower bound)."""
+        self.stop_slo = (ttft_s, tpot_s)
+        self.stop_after_misses = max_misses
+
+    def _stopped(self) -> bool:
+        return self._pending == 0 or (
+            self.stop_after_misses is not None and self.misses > self.stop_after_misses
+        )
+
     def run(
         self, requests: Sequence[BenchRequest], until_s: float | None = None
     ) -> list[RequestRecord]:
@@ -127,7 +142,13 @@ class SimCluster:
         self.loop.at(0.0, self._heartbeat)
         if self.flip_policy is not None:
             self.loop.at(self.spec.flip_interval_s, self._flip_tick)
-        self.loop.run(until=until_s, stop=lambda: self._pending == 0)
+        self.loop.run(until=until_s, stop=self._stopped)
+        for req in requests:  # not arrived yet when the run stopped early
+            if f"r{req.index}" not in self._reqs:
+                rec = RequestRecord(
+                    req.index, req.arrival_s, req.arrival_s, len(req.prompt_ids), req.max_tokens
+                )
+                self._reqs[f"r{req.index}"] = _Req(req, rec)
         for st in self._reqs.values():  # anything left at `until_s` counts as failed
             if st.rec.finish_s is None and st.rec.error is None:
                 st.rec.error = "simulation ended"
@@ -326,6 +347,11 @@ class SimCluster:
             self.registry.charge(inst.instance_id, requests=-1)
         self.predictor.observe(len(st.req.prompt_ids), st.rec.n_out)
         self._pending -= 1
+        if self.stop_slo is not None:
+            ttft, tpot = st.rec.ttft_s, st.rec.tpot_s
+            late = ttft is None or ttft > self.stop_slo[0]
+            if late or (tpot is not None and tpot > self.stop_slo[1]):
+                self.misses += 1
         self._draining_check()
 
     def _fail(self, rid: str, error: str) -> None:

@@ -144,21 +144,48 @@ def spec_from_up_flags(
     )
 
 
+_BASE_CACHE: dict[tuple[int, int], list[Any]] = {}
+
+
+def base_for(args: argparse.Namespace, salt: int) -> list[Any] | None:
+    """A trace's requests before arrivals, read once per (args, salt): a sweep or a plan
+    replays one trace at many rates."""
+    if not args.trace:
+        return None
+    key = (id(args), salt)
+    if key not in _BASE_CACHE:
+        from pdserve.bench.serve import base_requests
+
+        _BASE_CACHE.clear()
+        _BASE_CACHE[key] = base_requests(args, salt=salt)
+    return _BASE_CACHE[key]
+
+
 def simulate_once(
-    spec: ClusterSpec, args: argparse.Namespace, rate: float | None, slo: SLO, salt: int = 0
+    spec: ClusterSpec,
+    args: argparse.Namespace,
+    rate: float | None,
+    slo: SLO,
+    salt: int = 0,
+    early_stop_target: float | None = None,
+    keep_records: bool = True,
 ) -> dict[str, Any]:
-    """`bench.serve.run_once` in simulated time."""
-    reqs = workload_at(args, rate, salt)
+    """`bench.serve.run_once` in simulated time. `early_stop_target`: stop once the run
+    cannot reach that TTFT+TPOT attainment (its attainment is then a lower bound)."""
+    reqs = workload_at(args, rate, salt, base=base_for(args, salt))
     cluster = SimCluster(spec)
+    ts = slo.only("ttft", "tpot")
+    if early_stop_target is not None and ts.ttft_ms is not None and ts.tpot_ms is not None:
+        cluster.stop_early(ts.ttft_ms / 1e3, ts.tpot_ms / 1e3,
+                           int((1.0 - early_stop_target) * len(reqs)))  # fmt: skip
     records = cluster.run(reqs)
     ends = [r.finish_s for r in records if r.finish_s is not None]
     wall = max(ends) if ends else 0.0
     summary = summarize(records, wall)
-    ts = slo.only("ttft", "tpot")
     return {
         "rate": rate if rate is not None else arrivals.mean_rate([r.arrival_s for r in reqs]),
         "offered": offered_rate(reqs, args),
-        "records": [r.to_json() for r in records],
+        "records": [r.to_json() for r in records] if keep_records else [],
         "summary": summary,
         "vllm_goodput_req_s": vllm_goodput(records, slo, wall) if not slo.is_empty() else None,
         "attainment_ttft_tpot": attainment(records, ts) if not ts.is_empty() else None,
@@ -167,6 +194,8 @@ def simulate_once(
             "utilisation": cluster.utilisation(wall),
             "flips": cluster.flips,
             "preemptions": sum(i.scheduler.num_preemptions for i in cluster.instances.values()),
+            "stopped_early": cluster.stop_after_misses is not None
+            and cluster.misses > cluster.stop_after_misses,
         },
         "_records": records,
     }
