@@ -16,8 +16,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.kvstore.store import HASH_BYTES, BlockStore
 from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
+from pdserve.kvstore.store import HASH_BYTES, BlockStore
 
 _UNITS = {
     "": 1,

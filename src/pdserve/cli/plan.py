@@ -51,7 +51,10 @@ def main(args: argparse.Namespace) -> int:
         args.vocab_size = shape.vocab_size
     if args.duration is None and args.num_requests is None:
         args.duration = 60.0
-    log = (lambda m: print(m, file=sys.stderr, flush=True))
+
+    def log(m):
+        return print(m, file=sys.stderr, flush=True)
+
     try:
         res = plan(args, budget, args.model_config, args.network, args.dtype, args.target, log)
     except ValueError as exc:

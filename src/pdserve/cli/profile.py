@@ -17,9 +17,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (a pinned worker: 1)")
     p.add_argument("--out", default="results/profile.json")
     p.add_argument("--full", action="store_true", help="more shapes and repeats (slower)")
-    p.add_argument(
-        "--no-transport", action="store_true", help="engine only (skip UCX and kvstore)"
-    )
+    p.add_argument("--no-transport", action="store_true", help="engine only (skip UCX and kvstore)")
     p.set_defaults(func=main)
 
 

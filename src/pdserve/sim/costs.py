@@ -101,7 +101,9 @@ class StepCost:
             pred = np.array([fit.step_s(batches[i]) for i in range(len(y))])
             keep = idx[y <= slack * pred]
             if len(keep) < max(8, keep_at_least * len(y)):
-                keep = idx[np.argsort(y / np.maximum(pred, 1e-9))][: max(8, int(keep_at_least * len(y)))]
+                keep = idx[np.argsort(y / np.maximum(pred, 1e-9))][
+                    : max(8, int(keep_at_least * len(y)))
+                ]
             fit = cls.fit([batches[i] for i in keep], y[keep])
         return fit
 

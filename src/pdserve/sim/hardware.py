@@ -37,27 +37,44 @@ class Accelerator:
 # Peak dense BF16 tensor FLOP/s, memory bandwidth, memory: vendor datasheets.
 ACCELERATORS: dict[str, Accelerator] = {
     "h100": Accelerator(
-        "NVIDIA H100 SXM5 80GB", 989.4, 3.35, 80,
+        "NVIDIA H100 SXM5 80GB",
+        989.4,
+        3.35,
+        80,
         "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity (989 dense), "
-        "HBM3 3.35 TB/s, 80 GB", 1978.9,
+        "HBM3 3.35 TB/s, 80 GB",
+        1978.9,
     ),
     "h200": Accelerator(
-        "NVIDIA H200 SXM 141GB", 989.4, 4.8, 141,
+        "NVIDIA H200 SXM 141GB",
+        989.4,
+        4.8,
+        141,
         "NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity (989 dense), "
-        "HBM3e 4.8 TB/s, 141 GB", 1978.9,
+        "HBM3e 4.8 TB/s, 141 GB",
+        1978.9,
     ),
     "a100": Accelerator(
-        "NVIDIA A100 SXM4 80GB", 312.0, 2.039, 80,
+        "NVIDIA A100 SXM4 80GB",
+        312.0,
+        2.039,
+        80,
         "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS (624 with sparsity), "
         "HBM2e 2,039 GB/s (80GB SXM), 80 GB",
     ),
     "l40s": Accelerator(
-        "NVIDIA L40S 48GB", 362.05, 0.864, 48,
+        "NVIDIA L40S 48GB",
+        362.05,
+        0.864,
+        48,
         "NVIDIA L40S datasheet: BF16 362.05 TFLOPS (733 with sparsity), GDDR6 864 GB/s, 48 GB",
         733.0,
     ),
     "mi300x": Accelerator(
-        "AMD Instinct MI300X 192GB", 1307.4, 5.3, 192,
+        "AMD Instinct MI300X 192GB",
+        1307.4,
+        5.3,
+        192,
         "AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense, HBM3 5.3 TB/s, 192 GB",
         2614.9,
     ),
@@ -109,7 +126,11 @@ class ModelShape:
     def matmul_params(self) -> int:
         """Parameters touched by a token's matmuls (every layer + lm_head; not the embedding
         gather)."""
-        h, a, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, a, kv = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
         attn = h * a + 2 * h * kv + a * h + (a + 2 * kv if self.attention_bias else 0)
         mlp = 3 * h * self.intermediate_size
         return self.num_layers * (attn + mlp + 2 * h) + self.vocab_size * h + h
@@ -188,7 +209,9 @@ class RooflineStep:
 
     @property
     def peak_flops(self) -> float:
-        tflops = self.hw.fp8_tflops if self.itemsize == 1 and self.hw.fp8_tflops else self.hw.bf16_tflops
+        tflops = (
+            self.hw.fp8_tflops if self.itemsize == 1 and self.hw.fp8_tflops else self.hw.bf16_tflops
+        )
         return tflops * 1e12 * self.tp
 
     def step_s(self, batch: Sequence[tuple[int, int]]) -> float:
@@ -246,8 +269,13 @@ def roofline_costs(
     return costs
 
 
-def pool_costs(model: str, hardware: str, network: str = "nvlink", dtype: str = "bfloat16",
-               efficiency: dict[str, float] | None = None) -> dict[str, CostModel]:
+def pool_costs(
+    model: str,
+    hardware: str,
+    network: str = "nvlink",
+    dtype: str = "bfloat16",
+    efficiency: dict[str, float] | None = None,
+) -> dict[str, CostModel]:
     """Per-role costs; 'h100' for every pool, or 'PREFILL_HW,DECODE_HW' (heterogeneous:
     colocated instances use the first)."""
     parts = [p.strip() for p in hardware.split(",") if p.strip()]

@@ -19,8 +19,8 @@ import asyncio
 import json
 import platform
 import time
-from dataclasses import asdict
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +89,9 @@ def profile_engine(
     def add(n: int, out: int) -> None:
         ids = rng.integers(10, vocab, size=n).tolist()
         engine.add_request(
-            f"p{next(counter)}", ids, SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+            f"p{next(counter)}",
+            ids,
+            SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True),
         )
 
     samples: list[dict[str, Any]] = []
@@ -207,7 +209,9 @@ def profile_kvstore(block_bytes: int, blocks: list[int], repeats: int = 3) -> di
                     best_put = best_fetch = float("inf")
                     for _ in range(repeats):
                         salt += 1
-                        hashes = block_hashes(list(range(salt * 100_000, salt * 100_000 + 16 * n)), 16, "profile")
+                        hashes = block_hashes(
+                            list(range(salt * 100_000, salt * 100_000 + 16 * n)), 16, "profile"
+                        )
                         t0 = time.perf_counter()
                         stored = await client.put("profile", hashes, 0, data)
                         best_put = min(best_put, time.perf_counter() - t0)
@@ -311,8 +315,10 @@ def run_profile(
     started = time.perf_counter()
     log("profiling engine steps ...")
     eng = profile_engine(model_dir, dtype, threads, quick)
-    log(f"  {len(eng['samples'])} steps; fit rel. RMS error {eng['step'].fit_rel_rmse:.1%} "
-        f"(floor fit {eng['step_floor'].fit_rel_rmse:.1%} on its samples)")
+    log(
+        f"  {len(eng['samples'])} steps; fit rel. RMS error {eng['step'].fit_rel_rmse:.1%} "
+        f"(floor fit {eng['step_floor'].fit_rel_rmse:.1%} on its samples)"
+    )
     block_bytes = eng["kv_bytes_per_token"] * eng["block_size"]
     costs = CostModel(step=eng["step"], kv_bytes_per_token=eng["kv_bytes_per_token"],
                       name=f"{Path(model_dir).name}/{dtype}/{threads}t")  # fmt: skip
@@ -333,14 +339,18 @@ def run_profile(
         "model": str(model_dir),
         "dtype": dtype,
         "threads": threads,
-        "machine": {"node": platform.node(), "processor": platform.processor(),
-                    "python": platform.python_version()},  # fmt: skip
+        "machine": {
+            "node": platform.node(),
+            "processor": platform.processor(),
+            "python": platform.python_version(),
+        },
         "costs": costs.to_json(),
         "engine": {k: v for k, v in eng.items() if k not in ("step", "step_floor")},
         "step_floor": asdict(eng["step_floor"]),
         "transfer": None if transfer is None else {"samples": transfer["samples"]},
-        "kvstore": None if kvstore is None else {"samples": kvstore["samples"],
-                                                 "rpc_rtt_s": kvstore["rpc_rtt_s"]},  # fmt: skip
+        "kvstore": None
+        if kvstore is None
+        else {"samples": kvstore["samples"], "rpc_rtt_s": kvstore["rpc_rtt_s"]},
         "router": {"decision_s": decision_s, "rpc_rtt_s": rtt},
         "limits": limits,
         "achieved": achieved_fractions(eng, limits),

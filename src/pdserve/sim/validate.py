@@ -47,7 +47,9 @@ def error_rows(real: Mapping[str, Any], sim: Mapping[str, Any]) -> list[dict[str
 
 
 def max_rel_error(table: Mapping[str, list[dict[str, Any]]]) -> float | None:
-    errs = [row["rel_error"] for rows in table.values() for row in rows if row["rel_error"] is not None]
+    errs = [
+        row["rel_error"] for rows in table.values() for row in rows if row["rel_error"] is not None
+    ]
     return max(errs) if errs else None
 
 
@@ -68,7 +70,9 @@ def format_table(table: Mapping[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def real_results(args: argparse.Namespace, arms: dict[str, list[str]], extra: list[str]) -> dict[str, Any]:
+def real_results(
+    args: argparse.Namespace, arms: dict[str, list[str]], extra: list[str]
+) -> dict[str, Any]:
     """Each arm on a fresh `pdserve up` (as `bench compare` runs it), or read from --real."""
     if args.real:
         saved = json.loads(Path(args.real).read_text())
