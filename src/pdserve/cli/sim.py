@@ -53,6 +53,12 @@ def add_parser(subparsers: Any) -> None:
     v.add_argument("--real", help="a saved `bench compare`/validate JSON instead of running")
     v.add_argument("--out", default="results/validate.json")
     v.add_argument("--json", action="store_true", help="print one JSON object")
+    v.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure the machine's contention before/after each real arm (pdserve.sim.probe) "
+        "and simulate with the profile's floor step model x that factor",
+    )
     add_cost_args(v)
     add_workload_args(v)
     v.set_defaults(func=validate_main)
@@ -85,6 +91,19 @@ def costs_from_args(args: argparse.Namespace) -> Any:
 
         return pool_costs(args.model_config, args.hardware, args.network, args.dtype)
     raise SystemExit("pdserve sim: give --profile, or --model-config and --hardware")
+
+
+def calibrated_costs(profile: str, factor: float) -> Any:
+    """The profile's costs with its floor (uncontended) step model x `factor`."""
+    from pdserve.sim.costs import CostModel, StepCost
+    from pdserve.sim.run import load_profile
+
+    prof = load_profile(profile)
+    costs = CostModel.from_json(prof["costs"])
+    fields = StepCost.__dataclass_fields__
+    floor = prof.get("step_floor") or prof["costs"]["step"]
+    costs.step = StepCost(**{k: v for k, v in floor.items() if k in fields}).scaled(factor)
+    return costs
 
 
 def _defaults_from_costs(args: argparse.Namespace, costs: Any) -> None:
@@ -137,17 +156,29 @@ def validate_main(args: argparse.Namespace) -> int:
     real = real_results(args, arms, extra)
     sim: dict[str, Any] = {}
     table: dict[str, list[dict[str, Any]]] = {}
+    raw_table: dict[str, list[dict[str, Any]]] = {}
     for name, flags in arms.items():
         spec = spec_from_up_flags(flags + extra, costs, max_model_len(args), args.block_size)
         res = simulate_benchmark(spec, args)
         sim[name] = {k: v for k, v in res.items() if not k.startswith("_")}
         table[name] = error_rows(real[name], sim[name])
+        factor = (real[name].get("contention") or {}).get("factor")
+        if factor and args.profile:
+            raw_table[name] = table[name]  # the uncalibrated profile, kept for the record
+            cal = calibrated_costs(args.profile, factor)
+            spec = spec_from_up_flags(flags + extra, cal, max_model_len(args), args.block_size)
+            res = simulate_benchmark(spec, args)
+            sim[name] = {k: v for k, v in res.items() if not k.startswith("_")}
+            sim[name]["contention_factor"] = factor
+            table[name] = error_rows(real[name], sim[name])
     out = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "arms": real,
         "sim": sim,
         "errors": table,
         "max_rel_error": max_rel_error(table),
+        "errors_uncalibrated": raw_table or None,
+        "max_rel_error_uncalibrated": max_rel_error(raw_table) if raw_table else None,
     }
     path = write_json(args.out, out)
     if args.json:
@@ -155,6 +186,10 @@ def validate_main(args: argparse.Namespace) -> int:
         json.dump(slim, sys.stdout, indent=1)
         print()
     else:
+        if raw_table:
+            print("-- uncalibrated profile (--step-fit " + args.step_fit + "):")
+            print(format_table(raw_table))
+            print("-- floor step model x the contention factor measured around each arm:")
         print(format_table(table))
         m = out["max_rel_error"]
         print(f"max_rel_error {m:.1%}" if m is not None else "max_rel_error -")

@@ -83,10 +83,25 @@ def real_results(
     out = Path(args.out)
     results: dict[str, Any] = {}
     for name, flags in arms.items():
+        before = _probe(args)
         print(f"== real arm {name}: pdserve up {shlex.join(flags + extra)}", flush=True)
         cluster = Cluster(flags + extra, port=0, ready_timeout_s=args.ready_timeout,
                           log_path=out.parent / f"{out.stem}_{name}_up.log")  # fmt: skip
         with cluster as addr:
             res = run_benchmark(addr, args)
         results[name] = {k: v for k, v in res.items() if not k.startswith("_")}
+        after = _probe(args)
+        if before and after:
+            factor = (before["factor"] + after["factor"]) / 2
+            results[name]["contention"] = {"before": before, "after": after, "factor": factor}
+            print(f"   contention factor {before['factor']:.2f} before, {after['factor']:.2f} "
+                  f"after: {factor:.2f}", flush=True)  # fmt: skip
     return results
+
+
+def _probe(args: argparse.Namespace) -> dict[str, Any] | None:
+    if not (getattr(args, "probe", False) and args.profile and args.model):
+        return None
+    from pdserve.sim.probe import probe_subprocess
+
+    return probe_subprocess(args.model, args.profile)
