@@ -169,3 +169,19 @@ def test_step_cost_fit_recovers_coefficients():
     fit = StepCost.fit(batches, times)
     for b, t in zip(batches, times, strict=True):
         assert fit.step_s(b) == pytest.approx(t, rel=1e-6)
+
+
+def test_early_stop_only_when_the_target_is_out_of_reach():
+    # 20 requests at once on one instance: the later ones queue behind earlier prefills
+    reqs = [_req(i, 64, 4) for i in range(20)]
+    full = SimCluster(_colocated())
+    recs = full.run(reqs)
+    slo_ttft = sorted(r.ttft_s for r in recs)[9]  # exactly 10 of 20 meet this TTFT
+    stopped = SimCluster(_colocated())
+    stopped.stop_early(slo_ttft, 1.0, max_misses=2)  # target 90 %: > 2 misses decides it
+    part = stopped.run(reqs)
+    assert stopped.misses > 2 and sum(r.ok for r in part) < 20  # one step may finish several
+    assert sum(r.ok and r.ttft_s <= slo_ttft for r in part) <= 10  # never more than the truth
+    relaxed = SimCluster(_colocated())
+    relaxed.stop_early(10.0, 10.0, max_misses=2)  # every request meets it: runs to the end
+    assert all(r.ok for r in relaxed.run(reqs))
