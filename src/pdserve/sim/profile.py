@@ -269,9 +269,10 @@ def profile_router_decision(n_instances: int = 2, iters: int = 2000) -> float:
 # ---------------------------------------------------------------------------- limits
 def limits_call_site(dtype: str, threads: int) -> dict[str, Any] | None:
     """Machine limits (memory read bandwidth, GEMM peak in `dtype`) from
-    `pdserve.bench.limits`, the module helper i12b adds for issue 12. Until it exists this
-    records None; the call below is the agreed interface: `measure_limits(dtype=, threads=)`
-    returning a JSON-able dict."""
+    `pdserve.bench.limits.measure_limits(dtype=, threads=)` (helper i12b's module for issue 12:
+    returns {"bandwidth_bytes_s", "gemm_flops_s", ...}). None where that module is absent
+    (this branch alone); after the merge `pdserve profile` records the limits and the engine's
+    achieved fractions in the same run."""
     try:
         from pdserve.bench import limits  # type: ignore[attr-defined]
     except ImportError:
@@ -283,23 +284,24 @@ def limits_call_site(dtype: str, threads: int) -> dict[str, Any] | None:
 
 
 def achieved_fractions(eng: dict[str, Any], limits: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Engine achieved fraction of the machine limits: decode weight+KV bytes/s over memory
-    bandwidth, prefill FLOP/s over GEMM peak (2 x params FLOP per token)."""
+    """Engine achieved fraction of the machine limits, from the fitted *floor* step model:
+    decode weight+KV bytes/s over memory bandwidth (16 sequences at context 512), prefill
+    FLOP/s over GEMM peak (512 tokens, 2 x params FLOP per token; attention not counted)."""
     if not limits:
         return None
-    step: StepCost = eng["step"]
+    step: StepCost = eng.get("step_floor") or eng["step"]
     itemsize = 2 if "16" in eng["model_config"]["dtype"] else 4
     weight_bytes = eng["params"] * itemsize
     out: dict[str, Any] = {}
-    bw = limits.get("memory_read_GBps")
+    bw = limits.get("bandwidth_bytes_s")
     if bw:
-        t = step.step_s([(512, 1)])  # one decode at context 512
-        moved = weight_bytes + 512 * eng["kv_bytes_per_token"]
-        out["decode_bandwidth_fraction"] = moved / t / (bw * 1e9)
-    peak = limits.get("gemm_GFLOPs")
+        t = step.step_s([(512, 1)] * 16)
+        moved = weight_bytes + 16 * 513 * eng["kv_bytes_per_token"]
+        out["decode_bandwidth_fraction"] = moved / t / bw
+    peak = limits.get("gemm_flops_s")
     if peak:
         t = step.step_s([(0, 512)])
-        out["prefill_gemm_fraction"] = 2 * eng["params"] * 512 / t / (peak * 1e9)
+        out["prefill_gemm_fraction"] = 2 * eng["params"] * 512 / t / peak
     return out
 
 
