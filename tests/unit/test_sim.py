@@ -188,3 +188,30 @@ def test_early_stop_only_when_the_target_is_out_of_reach():
     relaxed = SimCluster(_colocated())
     relaxed.stop_early(10.0, 10.0, max_misses=4)  # every request meets it: runs to the end
     assert all(r.ok for r in relaxed.run(reqs))
+
+
+def test_flip_policy_moves_a_decode_instance_to_a_starved_prefill_pool():
+    from pdserve.router.flip_policy import FlipThresholds
+    from pdserve.router.registry import ROLE_PREFILL
+
+    # long prompts (522 ms of prefill each) at 2.5 req/s, two output tokens: the prefill pool
+    # starves while 3 decode instances with room to spare idle
+    spec = ClusterSpec(
+        [
+            PoolSpec("prefill", 1, COSTS, _cfg()),
+            PoolSpec("decode", 3, COSTS, _cfg(num_blocks=4096)),
+        ],  # fmt: skip
+        policy="least_loaded",
+        flip=FlipThresholds(prefill_tokens_full=256, ticks=2, cooldown_s=1.0),
+        flip_interval_s=0.5,
+    )
+    reqs = [_req(i, 512, 2, at=0.4 * i) for i in range(80)]
+    cl = SimCluster(spec)
+    recs = cl.run(reqs)
+    assert all(r.ok for r in recs)
+    assert cl.flips and cl.flips[0]["to"] == ROLE_PREFILL
+    assert sum(i.role == ROLE_PREFILL for i in cl.instances.values()) >= 2
+    # the same run without the flip controller keeps one prefill instance and is slower
+    spec.flip = None
+    slow = SimCluster(spec).run(reqs)
+    assert max(r.finish_s for r in slow) > max(r.finish_s for r in recs)

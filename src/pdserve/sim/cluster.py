@@ -304,13 +304,9 @@ class SimCluster:
         self._publish(inst, st.req.prompt_ids)
         dec = st.decode
         assert dec is not None
-        nblocks = len(dec.reserved.get(rid, []))
-        nbytes = (
-            -(-n // inst.config.block_size) * inst.config.block_size * inst.costs.kv_bytes_per_token
-        )
-        nbytes = (
-            min(nbytes, nblocks * inst.config.block_size * inst.costs.kv_bytes_per_token) or nbytes
-        )
+        # the worker pushes every block of the prompt (`num_blocks_for(prompt)`)
+        bs = inst.config.block_size
+        nbytes = -(-n // bs) * bs * inst.costs.kv_bytes_per_token
         t_xfer = inst.costs.transfer.time_s(nbytes)
         st.rec.stages["transfer_ms"] = t_xfer * 1e3
         st.rec.stages["transfer_bytes"] = float(nbytes)
@@ -383,20 +379,20 @@ class SimCluster:
             self.flips.append(
                 {"t": self.loop.now, "instance": inst.instance_id, "to": decision.to_role}
             )
-            inst.flip_to = decision.to_role  # type: ignore[attr-defined]
+            inst.flip_to = decision.to_role
             self._draining_check()
         if self._pending:
             self.loop.after(self.spec.flip_interval_s, self._flip_tick)
 
     def _draining_check(self) -> None:
         for inst in self.instances.values():
-            to = getattr(inst, "flip_to", 0)
+            to = inst.flip_to
             if not to or inst.has_work() or inst.reserved:
                 continue
             reg = self.registry.get(inst.instance_id)
             if reg is not None and reg.inflight_requests:
                 continue
-            inst.flip_to = 0  # type: ignore[attr-defined]
+            inst.flip_to = 0
 
             def switch(inst: SimInstance = inst, to: int = to) -> None:
                 inst.role = to

@@ -57,6 +57,7 @@ class SimInstance:
         self.reserved: dict[str, list[int]] = {}
         self.tokens_in_flight = 0  # prompt tokens of requests in flight (worker's own count)
         self.busy_s = 0.0
+        self.flip_to = 0  # role this instance drains towards (the flip controller's pick)
         self.steps = 0
         self._arrival = itertools.count()
         self._seen: set[int] = set()
