@@ -200,7 +200,7 @@ def test_flip_policy_moves_a_decode_instance_to_a_starved_prefill_pool():
         [
             PoolSpec("prefill", 1, COSTS, _cfg()),
             PoolSpec("decode", 3, COSTS, _cfg(num_blocks=4096)),
-        ],  # fmt: skip
+        ],
         policy="least_loaded",
         flip=FlipThresholds(prefill_tokens_full=256, ticks=2, cooldown_s=1.0),
         flip_interval_s=0.5,
