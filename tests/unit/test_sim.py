@@ -215,3 +215,44 @@ def test_flip_policy_moves_a_decode_instance_to_a_starved_prefill_pool():
     spec.flip = None
     slow = SimCluster(spec).run(reqs)
     assert max(r.finish_s for r in slow) > max(r.finish_s for r in recs)
+
+
+def test_simulated_run_writes_bench_serve_json_that_rescore_reads(tmp_path):
+    from pdserve.bench.goodput import SLO
+    from pdserve.bench.rescore import rescore
+    from pdserve.bench.serve import save_result
+    from pdserve.cli.main import build_parser
+    from pdserve.sim.run import simulate_benchmark, spec_from_up_flags
+
+    args = build_parser().parse_args(
+        [
+            "sim",
+            "run",
+            "--vocab-size",
+            "1000",
+            "--max-model-len",
+            "2048",
+            "--num-requests",
+            "30",
+            "--input-len",
+            "fixed:64",
+            "--output-len",
+            "fixed:8",
+            "--goodput",
+            "ttft:200",
+            "tpot:50",
+            "--sweep-rates",
+            "2,8,32",
+        ]
+    )
+    spec = spec_from_up_flags(["--mode", "colocated", "--colocated", "2"], COSTS, 2048)
+    assert [(p.role, p.count) for p in spec.pools] == [("colocated", 2)]
+    result = simulate_benchmark(spec, args)
+    paths = save_result(result, tmp_path / "sim.json", None)
+    assert paths[0].exists() and any(p.name == "attainment.png" for p in paths)
+    saved = json.loads(paths[0].read_text())
+    assert saved["config"]["simulated"] and len(saved["sweep"]) == 3
+    att = [r["attainment_ttft_tpot"] for r in saved["sweep"]]
+    assert att[0] == 1.0 and att[-1] < att[0]  # 32 req/s overloads two 10 ms + 1 ms/token engines
+    scored = rescore(saved, SLO(ttft_ms=200, tpot_ms=50), 0.9)
+    assert scored["run"]["attainment"] == {2.0: att[0], 8.0: att[1], 32.0: att[2]}
