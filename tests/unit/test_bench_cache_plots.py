@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from pdserve.bench import compare, multiturn
-from pdserve.bench.cachesim import ChainLRU, parse_capacity, simulate
+from pdserve.bench.cachesim import StoreCache, parse_capacity, simulate
 from pdserve.bench.cluster import ClusterError, UpProcess
 from pdserve.bench.plots import plot_attainment, plot_capacity_curve, plot_latency_cdfs
 from pdserve.bench.report import format_ratio_table, ratio_table
@@ -30,24 +30,31 @@ def test_parse_capacity():
         parse_capacity("lots")
 
 
-def test_chain_lru_evicts_from_tail_and_keeps_prefixes():
-    c = ChainLRU(capacity_blocks=4)
-    c.insert([1, 2, 3])  # chain A
-    c.insert([1, 4])  # chain B shares block 1 (touched again)
-    assert len(c) == 4 and c.lookup([1, 2, 3]) == 3
-    c.insert([5])  # over capacity: the LRU leaf is 3 (tail of A), not 1 or 2
-    assert 3 not in c.nodes and c.lookup([1, 2, 3]) == 2
-    c.insert([6])  # next LRU leaf: 2 (became a leaf when 3 left)
-    assert c.lookup([1, 2]) == 1 and c.lookup([1, 4]) == 2
+def test_store_cache_evicts_from_tail_and_keeps_prefixes():
+    # the kvstore's own BlockStore decides: LRU leaf first, so a chain shrinks from its tail
+    c = StoreCache(capacity_blocks=4)
+
+    def request(chain):  # what a worker does: fetch (touches the hit), then publish the rest
+        hit = c.lookup(chain)
+        c.insert(chain)
+        return hit
+
+    assert request([1, 2, 3]) == 0  # chain A
+    assert request([1, 4]) == 1  # chain B shares block 1 (touched again)
+    assert len(c) == 4 and c.contains([1, 2, 3]) == 3
+    request([5])  # over capacity: the LRU leaf is 3 (tail of A), not 1 or 2
+    assert c.contains([1, 2, 3]) == 2 and c.contains([1, 4]) == 2
+    request([6])  # next LRU leaf: 2 (became a leaf when 3 left)
+    assert c.contains([1, 2]) == 1 and c.contains([1, 4]) == 2
     c.check_integrity()
     assert c.evictions == 2
 
 
-def test_chain_lru_never_orphans_under_pressure():
+def test_store_cache_never_orphans_under_pressure():
     import numpy as np
 
     rng = np.random.default_rng(0)
-    c = ChainLRU(capacity_blocks=20)
+    c = StoreCache(capacity_blocks=20)
     for _ in range(300):
         root = int(rng.integers(0, 5))
         chain = [root] + [int(x) for x in 1000 + 100 * root + np.arange(rng.integers(0, 8))]

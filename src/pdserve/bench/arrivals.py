@@ -63,6 +63,31 @@ def replay_arrivals(
     return [t * time_scale for t in rel]
 
 
+def replay_window(
+    timestamps: Sequence[float], rate: float, duration_s: float
+) -> tuple[int, list[float]]:
+    """The replayed window of a trace at `rate` req/s for `duration_s` seconds.
+
+    The trace's first n = max(2, round(rate * duration_s)) requests (in time order) are the
+    window; they are rescaled so that *their* mean rate, (n - 1) / span, equals `rate`, so the
+    last one arrives at (n - 1) / rate < duration_s. Rescaling the whole file to the mean rate
+    and then cutting it (the old behaviour) offered a bursty trace's opening window at several
+    times the labelled rate. Returns (n, arrival offsets of those n requests).
+    """
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    if duration_s <= 0:
+        raise ValueError(f"duration must be > 0, got {duration_s}")
+    n = min(len(timestamps), max(2, int(rate * duration_s + 0.5)))
+    if n == 0:
+        return 0, []
+    window = list(timestamps[:n])
+    if n < 2 or max(window) == min(window):
+        # one request, or all at the same instant: spread them evenly at `rate`
+        return n, [i / rate for i in range(n)]
+    return n, replay_arrivals(window, rate=rate)
+
+
 def mean_rate(times: Sequence[float]) -> float:
     """Empirical rate of a sorted arrival sequence: (n - 1) / span."""
     if len(times) < 2 or times[-1] == times[0]:

@@ -1,10 +1,10 @@
-"""Capacity-curve simulation of a prefix block cache on a Mooncake trace (no cluster).
+"""Capacity-curve simulation of the kvstore's prefix block cache on a Mooncake trace (no cluster).
 
-`ChainLRU` models the kvstore's eviction: blocks form chains (a block's parent is the previous
-block of the prompt); only a block without cached children may be evicted, the least recently
-used such leaf first, so chains shrink from their tail and every cached block keeps its whole
-prefix cached (a lookup is a longest-prefix match). A request first looks up its chain (the
-hit), then inserts/touches all of its full blocks.
+The eviction is the kvstore's own: each request drives a real `pdserve.kvstore.store.BlockStore`
+(lookup, then begin_put/commit_put of the missing blocks), sized in blocks (one arena byte per
+block, no KV data is written), so this curve changes whenever the store's policy does. The
+store evicts the least recently used *leaf* of a chain, so chains shrink from their tail and a
+lookup is a longest-prefix match.
 
 Only full blocks are cacheable (a real store keys full blocks only): the last hash id of a
 prompt covers a partial block unless the prompt length is a multiple of the block size.
@@ -12,12 +12,12 @@ prompt covers a partial block unless the prompt length is a multiple of the bloc
 
 from __future__ import annotations
 
-import heapq
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
+from pdserve.kvstore.store import HASH_BYTES, BlockStore
 
 _UNITS = {
     "": 1,
@@ -44,75 +44,53 @@ def parse_capacity(spec: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-@dataclass
-class _Node:
-    parent: int | None
-    depth: int
-    stamp: int
-    children: int = 0
+NAMESPACE = "cachesim"
 
 
-class ChainLRU:
-    def __init__(self, capacity_blocks: int | None) -> None:
-        self.capacity = capacity_blocks  # None = unlimited
-        self.nodes: dict[int, _Node] = {}
-        self._heap: list[tuple[int, int, int]] = []  # (stamp, -depth, key): deeper goes first
-        self._clock = 0
-        self.evictions = 0
+def block_key(hash_id: int) -> bytes:
+    """A trace hash id as the store's 16-byte block hash."""
+    return int(hash_id).to_bytes(HASH_BYTES, "big", signed=False)
+
+
+class StoreCache:
+    """A `BlockStore` of `capacity_blocks` one-byte blocks (None = never evicts), driven the
+    way the workers drive the kvstore: look the chain up, then publish what is missing."""
+
+    def __init__(self, capacity_blocks: int | None, universe: int = 0) -> None:
+        cap = capacity_blocks if capacity_blocks is not None else max(1, universe)
+        self.capacity = capacity_blocks
+        self.store: BlockStore | None = BlockStore(cap, block_bytes=1) if cap > 0 else None
 
     def __len__(self) -> int:
-        return len(self.nodes)
+        return self.store.snapshot().num_blocks if self.store else 0
+
+    @property
+    def evictions(self) -> int:
+        return self.store.stats.evictions if self.store else 0
 
     def lookup(self, chain: Sequence[int]) -> int:
-        """Number of leading blocks of `chain` that are cached."""
-        n = 0
-        for key in chain:
-            if key not in self.nodes:
-                break
-            n += 1
-        return n
+        """Leading blocks of `chain` that are stored (touches them, as a fetch does)."""
+        if self.store is None or not chain:
+            return 0
+        return self.store.lookup(NAMESPACE, [block_key(h) for h in chain])
 
-    def insert(self, chain: Sequence[int]) -> None:
-        """Touch every block of `chain` (inserting missing ones), then evict to capacity."""
-        self._clock += 1
-        parent: int | None = None
-        for depth, key in enumerate(chain):
-            node = self.nodes.get(key)
-            if node is None:
-                node = _Node(parent, depth, self._clock)
-                self.nodes[key] = node
-                if parent is not None:
-                    self.nodes[parent].children += 1
-            node.stamp = self._clock
-            heapq.heappush(self._heap, (node.stamp, -node.depth, key))
-            parent = key
-        self._evict()
+    def contains(self, chain: Sequence[int]) -> int:
+        if self.store is None or not chain:
+            return 0
+        return self.store.contains(NAMESPACE, [block_key(h) for h in chain])
 
-    def _evict(self) -> None:
-        if self.capacity is None:
-            return
-        while len(self.nodes) > self.capacity and self._heap:
-            stamp, _, key = heapq.heappop(self._heap)
-            node = self.nodes.get(key)
-            if node is None or node.children or node.stamp != stamp:
-                continue  # stale entry: evicted, not a leaf any more, or touched since
-            del self.nodes[key]
-            self.evictions += 1
-            if node.parent is not None and node.parent in self.nodes:
-                par = self.nodes[node.parent]
-                par.children -= 1
-                if par.children == 0:
-                    heapq.heappush(self._heap, (par.stamp, -par.depth, node.parent))
+    def insert(self, chain: Sequence[int]) -> int:
+        """Publish `chain` (the store stores the blocks it lacks). Returns blocks stored."""
+        if self.store is None or not chain:
+            return 0
+        res = self.store.begin_put(NAMESPACE, [block_key(h) for h in chain], 0, 1)
+        if res is None or not res.slots:
+            return 0
+        return self.store.commit_put(res.put_id, [b""] * len(res.slots))
 
     def check_integrity(self) -> None:
-        """Every cached block's parent is cached and child counts add up."""
-        counts: dict[int, int] = {}
-        for node in self.nodes.values():
-            if node.parent is not None:
-                assert node.parent in self.nodes, "a cached block lost its prefix"
-                counts[node.parent] = counts.get(node.parent, 0) + 1
-        for key, node in self.nodes.items():
-            assert node.children == counts.get(key, 0), f"child count of {key}"
+        if self.store is not None:
+            self.store.check_integrity()
 
 
 def full_blocks(rec: TraceRecord, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[int]:
@@ -139,7 +117,8 @@ def simulate(
 ) -> SimResult:
     """Replay `records` through a ChainLRU of `capacity_bytes`; one block = one hash id."""
     cap_blocks = None if capacity_bytes is None else capacity_bytes // block_bytes
-    cache = ChainLRU(cap_blocks)
+    universe = len({h for rec in records for h in full_blocks(rec)})
+    cache = StoreCache(cap_blocks, universe)
     prompt = hits = 0
     for rec in records:
         chain = full_blocks(rec)

@@ -115,11 +115,24 @@ def base_requests(
     )
 
 
-def workload_at(args: argparse.Namespace, rate: float | None, salt: int = 0) -> list[BenchRequest]:
-    """Requests with arrival times for one run at `rate` (None: the default rate)."""
+def workload_at(
+    args: argparse.Namespace,
+    rate: float | None,
+    salt: int = 0,
+    base: list[BenchRequest] | None = None,
+) -> list[BenchRequest]:
+    """Requests with arrival times for one run at `rate` (None: the default rate). `base`:
+    the trace's `base_requests(args, salt=salt)` when the caller already has them (the
+    simulator replays one trace at many rates)."""
     if args.trace:
-        reqs = base_requests(args, salt=salt)
-        times = arrivals.replay_arrivals([r.arrival_s for r in reqs], args.time_scale, rate)
+        reqs = base if base is not None else base_requests(args, salt=salt)
+        stamps = [r.arrival_s for r in reqs]
+        if rate is not None and args.duration:
+            # rescale the window actually replayed, not the whole file (issue 12, item 6)
+            n, times = arrivals.replay_window(stamps, rate, args.duration)
+            reqs = reqs[:n]
+        else:
+            times = arrivals.replay_arrivals(stamps, args.time_scale, rate)
         out = [replace(r, arrival_s=t) for r, t in zip(reqs, times, strict=True)]
         if args.duration:
             out = [r for r in out if r.arrival_s < args.duration]
@@ -131,6 +144,19 @@ def workload_at(args: argparse.Namespace, rate: float | None, salt: int = 0) -> 
         times = arrivals.gamma_arrivals(args.num_requests or 100, rate, args.burstiness, args.seed)
     reqs = base_requests(args, n_hint=len(times), salt=salt)
     return [replace(r, arrival_s=t) for r, t in zip(reqs, times, strict=True)]
+
+
+def offered_rate(reqs: list[BenchRequest], args: argparse.Namespace) -> dict[str, Any]:
+    """What was actually offered: n requests, their mean rate (n - 1) / span and, for a
+    duration-bounded run, n / duration. Recorded with every run so a label cannot lie."""
+    times = sorted(r.arrival_s for r in reqs)
+    duration = getattr(args, "duration", None)
+    return {
+        "num_requests": len(times),
+        "span_s": (times[-1] - times[0]) if times else 0.0,
+        "mean_rate_req_s": arrivals.mean_rate(times),
+        "per_duration_req_s": (len(times) / duration) if duration else None,
+    }
 
 
 def run_once(
@@ -154,6 +180,7 @@ def run_once(
     ts = slo.only("ttft", "tpot")
     return {
         "rate": rate if rate is not None else arrivals.mean_rate([r.arrival_s for r in reqs]),
+        "offered": offered_rate(reqs, args),
         "records": [r.to_json() for r in records],
         "summary": summary,
         "vllm_goodput_req_s": vllm_goodput(records, slo, wall) if not slo.is_empty() else None,
@@ -213,6 +240,7 @@ def run_benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": {k: v for k, v in vars(args).items() if k != "func"} | {"addr": addr},
         "rate": main_run["rate"],
+        "offered": main_run["offered"],
         "summary": main_run["summary"],
         "goodput": {
             "slo": slo.to_json(),
@@ -260,6 +288,11 @@ def main(args: argparse.Namespace) -> int:
                 "DistServe (max rate >= target)": (g["distserve"] or {}).get("interpolated"),
             },
         )
+    )
+    off = result["offered"]
+    print(
+        f"offered       {off['num_requests']} requests, "
+        f"{off['mean_rate_req_s']:.3f} req/s measured (label {result['rate']})"
     )
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if result["summary"]["completed"] else 1

@@ -18,6 +18,9 @@ COMMANDS = {
     "model": "model",
     "certs": "certs",
     "kvstore": "kvstore",
+    "profile": "profile",
+    "sim": "sim",
+    "plan": "plan",
 }
 
 

@@ -1,0 +1,97 @@
+"""`pdserve plan --trace F --slo ttft:MS tpot:MS --model-config C --hardware h100:16`:
+search colocated and disaggregated M:N configurations by simulation (pdserve.sim.plan)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    from pdserve.bench.serve import add_workload_args
+
+    p = subparsers.add_parser("plan", help="how many prefill/decode instances, by simulation")
+    p.add_argument("--slo", dest="goodput", nargs="*", default=[], metavar="KEY:MS",
+                   help="SLOs in ms: ttft:MS tpot:MS (same as --goodput)")  # fmt: skip
+    p.add_argument("--model-config", required=True,
+                   help="config.json path/dir or built-in: llama3-8b, llama3-70b, qwen2.5-32b")  # fmt: skip
+    p.add_argument("--hardware", default="h100:16", help="NAME[xTP]:COUNT[,NAME:COUNT]")
+    p.add_argument("--prices", help="$ per device-hour, e.g. h100=2.5,l40s=0.9")
+    p.add_argument("--network", default="nvlink", help="KV link: nvlink, ib, eth100, ...")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--chunks", default="2048,8192", help="prefill token budgets to try")
+    p.add_argument("--decode-seqs", default="256", help="decode batch caps to try")
+    p.add_argument("--max-unit", type=int, default=6, help="largest M + N of a disagg unit")
+    p.add_argument("--start-rate", type=float, default=8.0, help="first rate per device (req/s)")
+    p.add_argument("--out", default="results/plan.json")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_workload_args(p)
+    p.set_defaults(func=main)
+
+
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pdserve.bench.plots import plot_attainment
+    from pdserve.bench.report import write_json
+    from pdserve.sim.hardware import load_model_config
+    from pdserve.sim.plan import Budget, plan
+
+    try:
+        budget = Budget.parse(args.hardware, args.prices)
+        shape = load_model_config(args.model_config)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve plan: {exc}") from None
+    if not args.vocab_size and not args.model:
+        args.vocab_size = shape.vocab_size
+    if args.duration is None and args.num_requests is None:
+        args.duration = 60.0
+
+    def log(m):
+        return print(m, file=sys.stderr, flush=True)
+
+    try:
+        res = plan(args, budget, args.model_config, args.network, args.dtype, args.target, log)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve plan: {exc}") from None
+    out = Path(args.out)
+    best = res["best"]
+    plot_units = {u["label"]: u["points"] for u in res["units"]
+                  if any(u["label"] == b["unit"] for b in best.values())}  # fmt: skip
+    plot_all = plot_attainment({u["label"]: u["points"] for u in res["units"]},
+                               out.parent / f"{out.stem}_attainment_all.png", args.target)  # fmt: skip
+    plot_best = plot_attainment(plot_units, out.parent / f"{out.stem}_attainment_best.png",
+                                args.target)  # fmt: skip
+    res["plots"] = [str(plot_all), str(plot_best)]
+    path = write_json(out, res | {"config": {k: v for k, v in vars(args).items() if k != "func"}})
+    if args.json:
+        json.dump({k: res[k] for k in ("best", "best_overall", "disagg_over_colocated_per_device")},
+                  sys.stdout, indent=1, default=str)  # fmt: skip
+        print()
+        return 0
+    print(f"model {res['model']} ({res['dtype']}), budget {res['budget']}, network {res['network']}, "
+          f"SLO {res['slo']} at {res['target']:.0%}")  # fmt: skip
+    head = f"{'unit':<52}{'goodput':>9}{'/device':>9}{'$/M out':>9}"
+    print(head)
+    print("-" * len(head))
+    for u in sorted(res["units"], key=lambda u: -u["per_device_goodput"]):
+        print(f"{u['label']:<52}{u['goodput_req_s']:>9.2f}{u['per_device_goodput']:>9.2f}"
+              f"{_fmt(u['cost_per_m_output_tokens']):>9}")  # fmt: skip
+    print()
+    for kind, b in best.items():
+        fs = b["full_scale"] or {}
+        print(f"best {kind:<9}: {b['unit']} x{b['replicas']} = {b['instances']} on {b['devices']}: "
+              f"{b['goodput_req_s']:.1f} req/s ({b['per_device_goodput']:.2f}/device), "
+              f"$/M out {_fmt(b['cost_per_m_output_tokens'])}; at full scale: attainment "
+              f"{_fmt(fs.get('attainment'), '.1%')}, TTFT p50/p90 {_fmt(fs.get('ttft_p50_ms'), '.0f')}/"
+              f"{_fmt(fs.get('ttft_p90_ms'), '.0f')} ms, TPOT p50/p90 {_fmt(fs.get('tpot_p50_ms'), '.1f')}/"
+              f"{_fmt(fs.get('tpot_p90_ms'), '.1f')} ms")  # fmt: skip
+    r = res["disagg_over_colocated_per_device"]
+    print(f"per-device goodput, best disagg / best colocated: {_fmt(r)}")
+    print(f"wrote {path}, {plot_all}, {plot_best}")
+    return 0

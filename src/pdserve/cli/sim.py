@@ -1,0 +1,197 @@
+"""`pdserve sim run` / `pdserve sim validate`: the cluster simulator (pdserve.sim).
+
+pdserve sim run --profile P.json --up "--mode colocated --colocated 2" --trace F --rate 1 ...
+pdserve sim run --model-config llama3-8b --hardware h100 --up "--mode disagg --prefill 2 --decode 6" ...
+pdserve sim validate --profile P.json --model M --trace F --rate 1 --duration 60 --arms ... --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_cost_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("costs (a measured profile, or a roofline)")
+    g.add_argument("--profile", help="JSON from `pdserve profile` (this machine's costs)")
+    g.add_argument(
+        "--step-fit",
+        choices=["typical", "floor"],
+        default="typical",
+        help="profile step model: typical (least squares on every step, contention included) "
+        "or floor (lower envelope: the uncontended engine)",
+    )
+    g.add_argument("--model-config", help="config.json path or built-in name (roofline costs)")
+    g.add_argument("--hardware", help="accelerator (roofline), e.g. h100; PREFILL_HW,DECODE_HW")
+    g.add_argument("--network", default="nvlink", help="KV link between pools (roofline)")
+    g.add_argument("--dtype", default="bfloat16", help="roofline serving dtype")
+
+
+def add_parser(subparsers: Any) -> None:
+    from pdserve.bench.serve import add_workload_args
+
+    p = subparsers.add_parser("sim", help="cluster simulator calibrated on profiles")
+    sub = p.add_subparsers(dest="sim_command", required=True)
+
+    r = sub.add_parser("run", help="simulate `bench serve` on a cluster given by `up` flags")
+    r.add_argument("--up", default="--mode disagg --prefill 1 --decode 1",
+                   help="`pdserve up` flags of the simulated cluster")  # fmt: skip
+    r.add_argument("--out", default="results/sim.json")
+    r.add_argument("--plots", help="plot directory (default: next to --out)")
+    add_cost_args(r)
+    add_workload_args(r)
+    r.set_defaults(func=run_main)
+
+    v = sub.add_parser("validate", help="each arm for real and simulated: the error table")
+    v.add_argument("--arms", default="colocated,disagg", help="as `bench compare --arms`")
+    v.add_argument("--up-args", default="", help="extra flags for every `pdserve up`")
+    v.add_argument("--ready-timeout", type=float, default=600.0)
+    v.add_argument("--real", help="a saved `bench compare`/validate JSON instead of running")
+    v.add_argument("--out", default="results/validate.json")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
+    v.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure the machine's contention before/after each real arm (pdserve.sim.probe) "
+        "and simulate with the profile's floor step model x that factor",
+    )
+    add_cost_args(v)
+    add_workload_args(v)
+    v.set_defaults(func=validate_main)
+
+
+def max_model_len(args: argparse.Namespace, default: int = 4096) -> int:
+    if getattr(args, "max_model_len", None):
+        return int(args.max_model_len)
+    if getattr(args, "model", None):
+        cfg = json.loads((Path(args.model) / "config.json").read_text())
+        return int(cfg.get("max_position_embeddings", default))
+    return default
+
+
+def costs_from_args(args: argparse.Namespace) -> Any:
+    """A CostModel (or one per role) from --profile, or from --model-config + --hardware."""
+    from pdserve.sim.costs import CostModel, StepCost
+
+    if args.profile:
+        from pdserve.sim.run import load_profile
+
+        prof = load_profile(args.profile)
+        costs = CostModel.from_json(prof["costs"])
+        if args.step_fit == "floor" and prof.get("step_floor"):
+            fields = StepCost.__dataclass_fields__
+            costs.step = StepCost(**{k: v for k, v in prof["step_floor"].items() if k in fields})
+        return costs
+    if args.model_config and args.hardware:
+        from pdserve.sim.hardware import pool_costs
+
+        return pool_costs(args.model_config, args.hardware, args.network, args.dtype)
+    raise SystemExit("pdserve sim: give --profile, or --model-config and --hardware")
+
+
+def calibrated_costs(profile: str, factor: float) -> Any:
+    """The profile's costs with its floor (uncontended) step model x `factor`."""
+    from pdserve.sim.costs import CostModel, StepCost
+    from pdserve.sim.run import load_profile
+
+    prof = load_profile(profile)
+    costs = CostModel.from_json(prof["costs"])
+    fields = StepCost.__dataclass_fields__
+    floor = prof.get("step_floor") or prof["costs"]["step"]
+    costs.step = StepCost(**{k: v for k, v in floor.items() if k in fields}).scaled(factor)
+    return costs
+
+
+def _defaults_from_costs(args: argparse.Namespace, costs: Any) -> None:
+    """Roofline runs have no checkpoint: vocab/context come from the model config."""
+    if args.model or args.vocab_size:
+        return
+    if args.model_config:
+        from pdserve.sim.hardware import load_model_config
+
+        m = load_model_config(args.model_config)
+        args.vocab_size = m.vocab_size
+        args.max_model_len = args.max_model_len or m.max_position_embeddings
+
+
+def run_main(args: argparse.Namespace) -> int:
+    from pdserve.bench.report import format_summary
+    from pdserve.bench.serve import save_result
+    from pdserve.sim.run import simulate_benchmark, spec_from_up_flags
+
+    costs = costs_from_args(args)
+    _defaults_from_costs(args, costs)
+    spec = spec_from_up_flags(shlex.split(args.up), costs, max_model_len(args), args.block_size)
+    try:
+        result = simulate_benchmark(spec, args)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve sim run: {exc}") from None
+    paths = save_result(result, args.out, args.plots)
+    g = result["goodput"]
+    print(f"simulated cluster: {spec.describe()}")
+    print(format_summary(result["summary"], {
+        "vLLM (req/s meeting all SLOs)": g["vllm_req_s"],
+        "DistServe (max rate >= target)": (g["distserve"] or {}).get("interpolated"),
+    }))  # fmt: skip
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def validate_main(args: argparse.Namespace) -> int:
+    from pdserve.bench.compare import parse_arms
+    from pdserve.bench.report import write_json
+    from pdserve.sim.run import simulate_benchmark, spec_from_up_flags
+    from pdserve.sim.validate import error_rows, format_table, max_rel_error, real_results
+
+    try:
+        arms = parse_arms(args.arms)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve sim validate: {exc}") from None
+    costs = costs_from_args(args)
+    extra = shlex.split(args.up_args) + (["--model", args.model] if args.model else [])
+    real = real_results(args, arms, extra)
+    sim: dict[str, Any] = {}
+    table: dict[str, list[dict[str, Any]]] = {}
+    raw_table: dict[str, list[dict[str, Any]]] = {}
+    for name, flags in arms.items():
+        spec = spec_from_up_flags(flags + extra, costs, max_model_len(args), args.block_size)
+        res = simulate_benchmark(spec, args)
+        sim[name] = {k: v for k, v in res.items() if not k.startswith("_")}
+        table[name] = error_rows(real[name], sim[name])
+        factor = (real[name].get("contention") or {}).get("factor")
+        if factor and args.profile:
+            raw_table[name] = table[name]  # the uncalibrated profile, kept for the record
+            cal = calibrated_costs(args.profile, factor)
+            spec = spec_from_up_flags(flags + extra, cal, max_model_len(args), args.block_size)
+            res = simulate_benchmark(spec, args)
+            sim[name] = {k: v for k, v in res.items() if not k.startswith("_")}
+            sim[name]["contention_factor"] = factor
+            table[name] = error_rows(real[name], sim[name])
+    out = {
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "arms": real,
+        "sim": sim,
+        "errors": table,
+        "max_rel_error": max_rel_error(table),
+        "errors_uncalibrated": raw_table or None,
+        "max_rel_error_uncalibrated": max_rel_error(raw_table) if raw_table else None,
+    }
+    path = write_json(args.out, out)
+    if args.json:
+        slim = {k: out[k] for k in ("errors", "max_rel_error")} | {"out": str(path)}
+        json.dump(slim, sys.stdout, indent=1)
+        print()
+    else:
+        if raw_table:
+            print("-- uncalibrated profile (--step-fit " + args.step_fit + "):")
+            print(format_table(raw_table))
+            print("-- floor step model x the contention factor measured around each arm:")
+        print(format_table(table))
+        m = out["max_rel_error"]
+        print(f"max_rel_error {m:.1%}" if m is not None else "max_rel_error -")
+        print(f"wrote {path}")
+    return 0

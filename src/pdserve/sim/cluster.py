@@ -1,0 +1,416 @@
+"""The simulated cluster: router + workers (+ kvstore) in simulated time.
+
+Real decision code, called as the services call it:
+- placement: a `pdserve.router.policies.PlacementPolicy` (pick_decode, pick_prefill, on_routed)
+  over `Registry.candidates(role)`, with the router's in-flight counters (`Registry.charge`)
+  and heartbeat loads (`Registry.heartbeat` every `heartbeat_interval_s` with the instance's
+  `LoadReport`), exactly the inputs the orchestrator gives them;
+- output-length prediction: an `OutputLengthPredictor` (predict at arrival, observe at finish);
+- role flips: `FlipPolicy.decide` every `flip_interval_s` on `router.flip.snapshot(registry)`;
+- batching, chunking, prefix caching, preemption: the engine `Scheduler` and `BlockPool`
+  (`pdserve.sim.instance.SimInstance`);
+- kvstore eviction: the kvstore's `BlockStore`, sized in blocks (one arena byte per block).
+
+The request path mirrors `router.orchestrator`: disaggregated = predict, pick decode, reserve
+prompt+1 blocks there (another decode when full; all full: back off 10 ms doubling to 200 ms,
+up to `kv_queue_timeout_s`), pick prefill, [kvstore fetch], prefill, KV push, decode.
+Colocated = pick an instance, [kvstore fetch], prefill + decode there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.workload import BenchRequest
+from pdserve.engine.sequence import Sequence as Seq
+from pdserve.kv.hashing import block_hashes
+from pdserve.kvstore.store import BlockStore
+from pdserve.router.flip import snapshot
+from pdserve.router.flip_policy import FlipPolicy, FlipThresholds
+from pdserve.router.policies import PlacementPolicy, RouteRequest, make_policy
+from pdserve.router.predictor import EwmaPredictor, OutputLengthPredictor
+from pdserve.router.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
+from pdserve.sim.costs import CostModel
+from pdserve.sim.events import EventLoop
+from pdserve.sim.instance import SAMPLED_TOKEN, InstanceConfig, SimInstance
+
+ROLE_BY_NAME = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE, "colocated": ROLE_COLOCATED}
+
+
+@dataclass
+class PoolSpec:
+    role: str  # prefill | decode | colocated
+    count: int
+    costs: CostModel
+    config: InstanceConfig = field(default_factory=InstanceConfig)
+
+
+@dataclass
+class ClusterSpec:
+    pools: list[PoolSpec]
+    policy: str = "prefix_aware"
+    session_affinity: bool = True
+    kvstore_capacity_bytes: int | None = None  # None: no kvstore
+    heartbeat_interval_s: float = 1.0
+    kv_queue_timeout_s: float = 30.0
+    predictor_alpha: float = 0.2
+    predictor_initial: float = 64.0
+    flip: FlipThresholds | None = None  # None: no flip controller
+    flip_interval_s: float = 2.0
+    flip_switch_s: float = 0.05  # SetRole after the instance drained
+
+    def describe(self) -> str:
+        return " + ".join(f"{p.count}x{p.role}" for p in self.pools)
+
+
+@dataclass
+class _Req:
+    req: BenchRequest
+    rec: RequestRecord
+    route: RouteRequest | None = None
+    decode: SimInstance | None = None
+    prefill: SimInstance | None = None
+    worker_arrival: float = 0.0
+    first_token_at: float = 0.0
+    kvstore_tokens: int = 0
+    backoff: float = 0.01
+    queue_deadline: float = 0.0
+
+
+class SimCluster:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        policy: PlacementPolicy | None = None,
+        predictor: OutputLengthPredictor | None = None,
+    ) -> None:
+        self.spec = spec
+        self.loop = EventLoop()
+        self.registry = Registry(heartbeat_timeout_s=1e18, clock=self.loop.clock)
+        self.policy = policy or make_policy(spec.policy, spec.session_affinity)
+        if hasattr(self.policy, "_clock"):  # session TTLs run on simulated time
+            self.policy._clock = self.loop.clock  # type: ignore[attr-defined]
+        self.predictor = predictor or EwmaPredictor(spec.predictor_alpha, spec.predictor_initial)
+        self.flip_policy = FlipPolicy(spec.flip) if spec.flip else None
+        self.flips: list[dict[str, Any]] = []
+        self.instances: dict[str, SimInstance] = {}
+        for pool in spec.pools:
+            for k in range(pool.count):
+                iid = f"{pool.role}-{k}"
+                inst = SimInstance(iid, ROLE_BY_NAME[pool.role], pool.costs, pool.config)
+                self.instances[iid] = inst
+                self.registry.register(
+                    iid, f"sim:{iid}", inst.role, "sim", pool.config.block_size, inst.load()
+                )
+        self.store: BlockStore | None = None
+        self._store_block_bytes = 0
+        if spec.kvstore_capacity_bytes is not None:
+            first = spec.pools[0]
+            bs = first.config.block_size
+            self._store_block_bytes = max(1, first.costs.kv_bytes_per_token * bs)
+            blocks = max(1, spec.kvstore_capacity_bytes // self._store_block_bytes)
+            self.store = BlockStore(blocks, block_bytes=1)
+        self._reqs: dict[str, _Req] = {}
+        self._pending = 0
+        self.misses = 0  # finished requests that missed `stop_slo` (early stop)
+        self.stop_slo: tuple[float, float] | None = None  # (ttft_s, tpot_s)
+        self.stop_after_misses: int | None = None
+        self.records: list[RequestRecord] = []
+
+    # ------------------------------------------------------------------ driver
+    def stop_early(self, ttft_s: float, tpot_s: float, max_misses: int) -> None:
+        """Stop as soon as more than `max_misses` finished requests missed the SLOs: the
+        run's attainment is then known to be below the target (the unfinished requests
+        count as failures, so the reported attainment is a lower bound)."""
+        self.stop_slo = (ttft_s, tpot_s)
+        self.stop_after_misses = max_misses
+
+    def _stopped(self) -> bool:
+        return self._pending == 0 or (
+            self.stop_after_misses is not None and self.misses > self.stop_after_misses
+        )
+
+    def run(
+        self, requests: Sequence[BenchRequest], until_s: float | None = None
+    ) -> list[RequestRecord]:
+        for req in requests:
+            self._pending += 1
+            self.loop.at(req.arrival_s, self._arrive_cb(req))
+        self.loop.at(0.0, self._heartbeat)
+        if self.flip_policy is not None:
+            self.loop.at(self.spec.flip_interval_s, self._flip_tick)
+        self.loop.run(until=until_s, stop=self._stopped)
+        for req in requests:  # not arrived yet when the run stopped early
+            if f"r{req.index}" not in self._reqs:
+                rec = RequestRecord(
+                    req.index, req.arrival_s, req.arrival_s, len(req.prompt_ids), req.max_tokens
+                )
+                self._reqs[f"r{req.index}"] = _Req(req, rec)
+        for st in self._reqs.values():  # anything left at `until_s` counts as failed
+            if st.rec.finish_s is None and st.rec.error is None:
+                st.rec.error = "simulation ended"
+        self.records = sorted((s.rec for s in self._reqs.values()), key=lambda r: r.index)
+        return self.records
+
+    def _arrive_cb(self, req: BenchRequest) -> Callable[[], None]:
+        return lambda: self._arrive(req)
+
+    def _heartbeat(self) -> None:
+        for inst in self.instances.values():
+            self.registry.heartbeat(inst.instance_id, inst.role, "", inst.load())
+        if self._pending:
+            self.loop.after(self.spec.heartbeat_interval_s, self._heartbeat)
+
+    def _hasher(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+        return block_hashes(token_ids, block_size, "sim-router")  # as router.app._hasher
+
+    # ------------------------------------------------------------------ arrival
+    def _arrive(self, req: BenchRequest) -> None:
+        rid = f"r{req.index}"
+        rec = RequestRecord(
+            req.index, req.arrival_s, req.arrival_s, len(req.prompt_ids), req.max_tokens
+        )
+        rec.session_id = req.session_id
+        st = _Req(req, rec)
+        self._reqs[rid] = st
+        overhead = max(c.costs.router_overhead_s for c in self.instances.values())
+        self.loop.after(overhead, lambda: self._route(rid))
+
+    def _route(self, rid: str) -> None:
+        st = self._reqs[rid]
+        req = st.req
+        st.route = RouteRequest(
+            rid, req.prompt_ids, session_id=req.session_id or "", hasher=self._hasher
+        )
+        st.route.predicted_tokens = self.predictor.predict(len(req.prompt_ids), req.max_tokens)
+        if self.registry.candidates(ROLE_PREFILL) and self.registry.candidates(ROLE_DECODE):
+            st.queue_deadline = self.loop.now + self.spec.kv_queue_timeout_s
+            self._reserve(rid)
+        elif self.registry.candidates(ROLE_COLOCATED):
+            inst = self._pick(ROLE_COLOCATED, st.route, None)
+            self.registry.charge(inst.instance_id, requests=1, tokens=len(req.prompt_ids))
+            st.prefill = inst
+            self._start_prefill(rid, inst, prefill_only=False)
+        else:
+            self._fail(rid, "no instance available")
+
+    def _pick(
+        self, role: int, route: RouteRequest, decode: SimInstance | None, exclude=()
+    ) -> SimInstance:
+        cands = [c for c in self.registry.candidates(role) if c.instance_id not in exclude]
+        if role == ROLE_DECODE:
+            return self.instances[self.policy.pick_decode(route, cands).instance_id]
+        chosen = self.policy.pick_prefill(route, cands)
+        dec = self.registry.get(decode.instance_id) if decode is not None else None
+        self.policy.on_routed(route, chosen, dec)
+        return self.instances[chosen.instance_id]
+
+    # ------------------------------------------------------------------ disaggregated
+    def _reserve(self, rid: str) -> None:
+        st = self._reqs[rid]
+        assert st.route is not None
+        n = len(st.req.prompt_ids)
+        tried: set[str] = set()
+        while True:
+            cands = [c for c in self.registry.candidates(ROLE_DECODE) if c.instance_id not in tried]
+            if not cands:
+                break
+            dec = self._pick(ROLE_DECODE, st.route, None, tried)
+            tried.add(dec.instance_id)
+            if dec.reserve(rid, n + 1):
+                self.registry.charge(dec.instance_id, requests=1)
+                st.decode = dec
+                pre = self._pick(ROLE_PREFILL, st.route, dec)
+                st.prefill = pre
+                self.registry.charge(pre.instance_id, requests=1, tokens=n)
+                self._start_prefill(rid, pre, prefill_only=True)
+                return
+        if self.loop.now + st.backoff > st.queue_deadline:
+            self._fail(rid, "RESOURCE_EXHAUSTED: no decode instance has free KV blocks")
+            return
+        delay, st.backoff = st.backoff, min(st.backoff * 2, 0.2)
+        self.loop.after(delay, lambda: self._reserve(rid))
+
+    # ------------------------------------------------------------------ prefill (or colocated)
+    def _start_prefill(self, rid: str, inst: SimInstance, prefill_only: bool) -> None:
+        st = self._reqs[rid]
+        st.worker_arrival = self.loop.now
+        prompt = st.req.prompt_ids
+        inst.tokens_in_flight += len(prompt)
+        delay = 0.0
+        if self.store is not None:
+            hashes = inst.hashes(prompt)
+            n_local = len(inst.pool.find_prefix(hashes, record=False))
+            n_store = self.store.lookup(inst.config.namespace, [_key(h) for h in hashes])
+            if n_store > n_local:
+                wanted = hashes[n_local:n_store]
+                nbytes = len(wanted) * self._store_block_bytes
+                delay = inst.costs.kvstore_fetch.time_s(nbytes)
+                st.kvstore_tokens = inst.import_cached(wanted) * inst.config.block_size
+
+        def admit() -> None:
+            inst.add(rid, prompt, st.req.max_tokens, prefill_only)
+            self._kick(inst)
+
+        if delay > 0:
+            self.loop.after(delay, admit)
+        else:
+            admit()
+
+    def _kick(self, inst: SimInstance) -> None:
+        if inst.busy:
+            return
+        planned = inst.plan()
+        if planned is None:
+            return
+        plan, dur = planned
+        inst.busy = True
+        self.loop.after(dur, lambda: self._step_done(inst, plan, dur))
+
+    def _step_done(self, inst: SimInstance, plan, dur: float) -> None:
+        inst.busy = False
+        res = inst.finish_step(plan, dur)
+        for seq, reason in res.produced:
+            self._produced(inst, seq, reason)
+        self._kick(inst)
+
+    def _produced(self, inst: SimInstance, seq: Seq, reason: str | None) -> None:
+        rid = seq.request_id
+        st = self._reqs[rid]
+        now = self.loop.now
+        if reason == "prefill_done":
+            self._prefill_done(rid, inst, seq)
+            return
+        if seq.num_output_tokens == 1 and inst.role == ROLE_COLOCATED:
+            st.rec.cached_tokens = seq.num_cached_tokens
+            st.rec.stages["prefill_ms"] = (now - st.worker_arrival) * 1e3
+            st.first_token_at = now
+            inst.tokens_in_flight -= len(st.req.prompt_ids)
+            self._publish(inst, st.req.prompt_ids)
+        self._emit(st, now + inst.costs.token_overhead_s)
+        if reason is not None:
+            self._finish(rid, inst, now)
+
+    def _prefill_done(self, rid: str, inst: SimInstance, seq: Seq) -> None:
+        st = self._reqs[rid]
+        now = self.loop.now
+        n = len(st.req.prompt_ids)
+        inst.tokens_in_flight -= n
+        st.rec.cached_tokens = seq.num_cached_tokens
+        st.rec.stages["prefill_ms"] = (now - st.worker_arrival) * 1e3
+        self._publish(inst, st.req.prompt_ids)
+        dec = st.decode
+        assert dec is not None
+        # the worker pushes every block of the prompt (`num_blocks_for(prompt)`)
+        bs = inst.config.block_size
+        nbytes = -(-n // bs) * bs * inst.costs.kv_bytes_per_token
+        t_xfer = inst.costs.transfer.time_s(nbytes)
+        st.rec.stages["transfer_ms"] = t_xfer * 1e3
+        st.rec.stages["transfer_bytes"] = float(nbytes)
+
+        def landed() -> None:
+            t = self.loop.now
+            self.registry.charge(inst.instance_id, requests=-1, tokens=-n)
+            st.first_token_at = t
+            self._emit(st, t + inst.costs.token_overhead_s)
+            if st.req.max_tokens <= 1:
+                dec.unreserve(rid)
+                self._finish(rid, dec, t)
+                return
+            dec.add_prefilled(rid, st.req.prompt_ids, SAMPLED_TOKEN, st.req.max_tokens)
+            st.rec.stages["queue_ms"] = 0.0  # early admission: decoding starts at landing
+            self._kick(dec)
+
+        self.loop.after(t_xfer, landed)
+
+    def _emit(self, st: _Req, t: float) -> None:
+        st.rec.token_times.append(t)
+        st.rec.n_out += 1
+
+    def _finish(self, rid: str, inst: SimInstance, now: float) -> None:
+        st = self._reqs[rid]
+        st.rec.finish_s = now + inst.costs.token_overhead_s
+        st.rec.finish_reason = "length"
+        st.rec.stages["decode_ms"] = (now - st.first_token_at) * 1e3
+        st.rec.stages["cached_tokens"] = float(st.rec.cached_tokens)
+        st.rec.stages["kvstore_tokens"] = float(st.kvstore_tokens)
+        if inst.role == ROLE_COLOCATED:
+            self.registry.charge(inst.instance_id, requests=-1, tokens=-len(st.req.prompt_ids))
+        else:
+            self.registry.charge(inst.instance_id, requests=-1)
+        self.predictor.observe(len(st.req.prompt_ids), st.rec.n_out)
+        self._pending -= 1
+        if self.stop_slo is not None:
+            ttft, tpot = st.rec.ttft_s, st.rec.tpot_s
+            late = ttft is None or ttft > self.stop_slo[0]
+            if late or (tpot is not None and tpot > self.stop_slo[1]):
+                self.misses += 1
+        self._draining_check()
+
+    def _fail(self, rid: str, error: str) -> None:
+        st = self._reqs[rid]
+        st.rec.error = error
+        self._pending -= 1
+
+    def _publish(self, inst: SimInstance, prompt: Sequence[int]) -> None:
+        """The worker's write-back (off the critical path): publish the prompt's full blocks."""
+        if self.store is None:
+            return
+        hashes = [_key(h) for h in inst.hashes(prompt)]
+        if not hashes:
+            return
+        ns = inst.config.namespace
+        res = self.store.begin_put(ns, hashes, self.store.contains(ns, hashes), 1)
+        if res is not None and res.slots:
+            self.store.commit_put(res.put_id, [b""] * len(res.slots))
+
+    # ------------------------------------------------------------------ flips
+    def _flip_tick(self) -> None:
+        assert self.flip_policy is not None
+        decision = self.flip_policy.decide(snapshot(self.registry), self.loop.now)
+        if decision.action == "flip":
+            inst = self.instances[decision.instance_id]
+            reg = self.registry.get(inst.instance_id)
+            if reg is not None:
+                reg.state = "flipping"
+            self.flips.append(
+                {"t": self.loop.now, "instance": inst.instance_id, "to": decision.to_role}
+            )
+            inst.flip_to = decision.to_role
+            self._draining_check()
+        if self._pending:
+            self.loop.after(self.spec.flip_interval_s, self._flip_tick)
+
+    def _draining_check(self) -> None:
+        for inst in self.instances.values():
+            to = inst.flip_to
+            if not to or inst.has_work() or inst.reserved:
+                continue
+            reg = self.registry.get(inst.instance_id)
+            if reg is not None and reg.inflight_requests:
+                continue
+            inst.flip_to = 0
+
+            def switch(inst: SimInstance = inst, to: int = to) -> None:
+                inst.role = to
+                r = self.registry.get(inst.instance_id)
+                if r is not None:
+                    r.role, r.state = to, "serving"
+                assert self.flip_policy is not None
+                self.flip_policy.flip_ended(self.loop.now)
+
+            self.loop.after(self.spec.flip_switch_s, switch)
+
+    # ------------------------------------------------------------------ reporting
+    def utilisation(self, wall_s: float) -> dict[str, float]:
+        return {
+            i.instance_id: (i.busy_s / wall_s if wall_s > 0 else 0.0)
+            for i in self.instances.values()
+        }
+
+
+def _key(h: bytes) -> bytes:
+    return h[:16].ljust(16, b"\0")

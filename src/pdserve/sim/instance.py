@@ -1,0 +1,157 @@
+"""One simulated worker: the real engine `Scheduler` and `BlockPool`, stepped in simulated
+time with step costs from a `CostModel` instead of a model forward.
+
+What this adapter re-states from `LLMEngine` (small, torch-bound there): the finish rule
+(prefill-only requests finish after their first token; others at max_tokens or the context
+limit, with ignore_eos as every benchmark request has), the decode side's block reservation
+(`reserve_blocks(prompt + 1)`) and the admission of a prefilled request (`add_prefilled_request`:
+the reserved blocks become the sequence's, token 0 already sampled elsewhere). The scheduling
+itself (batching, chunking, prefix hits, preemption by recompute) is the engine's own code.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerPlan
+from pdserve.engine.sequence import Sequence as Seq
+from pdserve.kv.block_pool import BlockPool
+from pdserve.kv.hashing import block_hashes
+from pdserve.load import LoadReport
+from pdserve.sim.costs import CostModel
+
+SAMPLED_TOKEN = 11  # every simulated sample; lengths are fixed by max_tokens (ignore_eos)
+
+
+@dataclass
+class InstanceConfig:
+    num_blocks: int = 4096
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    max_model_len: int = 1 << 30
+    namespace: str = "sim"
+
+
+@dataclass
+class StepResult:
+    produced: list[tuple[Seq, str | None]] = field(default_factory=list)  # (seq, finish reason)
+    first_scheduled: list[Seq] = field(default_factory=list)
+
+
+class SimInstance:
+    def __init__(self, instance_id: str, role: int, costs: CostModel, config: InstanceConfig):
+        self.instance_id = instance_id
+        self.role = role
+        self.costs = costs
+        self.config = config
+        self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.pool, config.max_num_batched_tokens, config.max_num_seqs, config.namespace
+        )
+        self.busy = False  # a step is in flight
+        self.reserved: dict[str, list[int]] = {}
+        self.tokens_in_flight = 0  # prompt tokens of requests in flight (worker's own count)
+        self.busy_s = 0.0
+        self.flip_to = 0  # role this instance drains towards (the flip controller's pick)
+        self.steps = 0
+        self._arrival = itertools.count()
+        self._seen: set[int] = set()
+
+    # ---- requests ---------------------------------------------------------------------
+    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, prefill_only: bool):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        seq = Seq(request_id, list(prompt), params, next(self._arrival), prefill_only=prefill_only)
+        self.scheduler.add(seq)
+        return seq
+
+    def hashes(self, prompt: Sequence[int]) -> list[bytes]:
+        return block_hashes(prompt, self.config.block_size, self.config.namespace)
+
+    def reserve(self, request_id: str, num_tokens: int) -> bool:
+        """`LLMEngine.reserve_blocks`: False (the worker's RESOURCE_EXHAUSTED) when short."""
+        n = -(-num_tokens // self.config.block_size)
+        if n > self.pool.num_free_blocks:
+            return False
+        self.reserved[request_id] = self.pool.allocate(n)
+        return True
+
+    def unreserve(self, request_id: str) -> None:
+        self.pool.free(self.reserved.pop(request_id, []))
+
+    def add_prefilled(
+        self, request_id: str, prompt: Sequence[int], first_token: int, max_tokens: int
+    ) -> Seq:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        seq = Seq(request_id, list(prompt), params, next(self._arrival))
+        seq.output_token_ids.append(first_token)
+        seq.block_table = self.reserved.pop(request_id)
+        seq.num_computed_tokens = len(prompt)
+        self.scheduler.add_running(seq)
+        return seq
+
+    def import_cached(self, hashes: Sequence[bytes]) -> int:
+        """`LLMEngine.import_cached_blocks` without the bytes: blocks fetched from the kvstore
+        enter the prefix cache free (ref 0) and cached."""
+        todo = [h for h in hashes if self.pool.lookup(h) is None]
+        todo = todo[: self.pool.num_free_blocks]
+        if not todo or not self.pool.enable_prefix_caching:
+            return 0
+        blocks = self.pool.allocate(len(todo))
+        for b, h in zip(blocks, todo, strict=True):
+            self.pool.cache_block(b, h)
+        self.pool.free(blocks)
+        return len(todo)
+
+    # ---- steps ------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def plan(self) -> tuple[SchedulerPlan, float] | None:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return None
+        batch = [(e.start, e.num_new_tokens) for e in plan.scheduled]
+        return plan, self.costs.step.step_s(batch)
+
+    def finish_step(self, plan: SchedulerPlan, duration_s: float) -> StepResult:
+        self.busy_s += duration_s
+        self.steps += 1
+        out = StepResult()
+        for e in plan.scheduled:
+            if id(e.seq) not in self._seen:
+                self._seen.add(id(e.seq))
+                out.first_scheduled.append(e.seq)
+        sampled = {e.seq.request_id: SAMPLED_TOKEN for e in plan.scheduled if e.sample}
+        for entry in self.scheduler.update(plan, sampled):
+            seq = entry.seq
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._seen.discard(id(seq))
+            out.produced.append((seq, reason))
+        return out
+
+    def _finish_reason(self, seq: Seq) -> str | None:
+        if seq.prefill_only:
+            return "prefill_done"
+        if (
+            seq.num_output_tokens >= seq.params.max_tokens
+            or seq.num_tokens >= self.config.max_model_len
+        ):
+            return "length"
+        return None
+
+    def load(self) -> LoadReport:
+        return LoadReport(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            free_blocks=self.pool.num_free_blocks,
+            total_blocks=self.config.num_blocks,
+            tokens_in_flight=self.tokens_in_flight,
+            num_reserved=len(self.reserved),
+        )

@@ -1,0 +1,327 @@
+"""`pdserve plan`: how many prefill and decode instances (or colocated ones) for a workload,
+SLOs, model and device budget, by simulation.
+
+Search (DistServe's approach: find the best *unit*, then replicate it):
+1. Candidates: colocated (one instance) and disaggregated units M:N (coprime, M + N <= 8
+   instances), each with per-pool engine caps: the chunk size / token budget of prefill or
+   colocated engines (`max_num_batched_tokens`) and the decode batch cap (`max_num_seqs`).
+   With two hardware types, disaggregated units also try each type per pool (heterogeneous).
+2. Each unit's goodput: the highest rate at which >= `target` of requests meet both TTFT and
+   TPOT SLOs (`bench.goodput.search_goodput_rate`: bracket by doubling, then bisect), every
+   point a full simulation of the workload window at that rate. Per-device goodput = that
+   rate / the unit's devices.
+3. The best unit of each kind is replicated to fill the budget (k units, k x the rate) and
+   the replicated cluster is simulated at k x its unit goodput to check (reported as
+   `full_scale_attainment`).
+Cost per million output tokens = price per device-hour x devices / (goodput x mean output
+tokens x 3600) x 1e6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.bench.goodput import SLO, distserve_goodput, search_goodput_rate
+from pdserve.router.flip_policy import FlipThresholds  # noqa: F401  (documented option)
+from pdserve.sim.cluster import ClusterSpec, PoolSpec
+from pdserve.sim.costs import CostModel
+from pdserve.sim.hardware import load_model_config, roofline_costs
+from pdserve.sim.instance import InstanceConfig
+from pdserve.sim.run import default_num_blocks, simulate_once
+
+
+@dataclass(frozen=True)
+class Budget:
+    devices: dict[str, int]  # hardware spec ('h100', 'h100x2' = TP 2) -> devices available
+    prices: dict[str, float] = field(default_factory=dict)  # $ per device-hour
+
+    @classmethod
+    def parse(cls, spec: str, prices: str | None = None) -> Budget:
+        """'h100:16' or 'h100:8,l40s:8'; prices 'h100=2.5,l40s=0.9'."""
+        devices = {}
+        for part in spec.split(","):
+            name, _, count = part.strip().partition(":")
+            if not name or not count.isdigit() or int(count) < 1:
+                raise ValueError(f"bad --hardware {spec!r}: NAME:COUNT[,NAME:COUNT]")
+            devices[name.lower()] = int(count)
+        pr = {}
+        for part in (prices or "").split(","):
+            if part.strip():
+                name, _, val = part.partition("=")
+                pr[name.strip().lower()] = float(val)
+        return cls(devices, pr)
+
+
+@dataclass
+class Candidate:
+    kind: str  # colocated | disagg
+    hw_prefill: str
+    hw_decode: str
+    n_prefill: int  # colocated: instances
+    n_decode: int
+    chunk: int  # max_num_batched_tokens of prefill/colocated engines
+    decode_seqs: int  # max_num_seqs of decode/colocated engines
+    costs: dict[str, CostModel]
+
+    @property
+    def label(self) -> str:
+        if self.kind == "colocated":
+            return f"colocated {self.n_prefill}x{self.hw_prefill} chunk={self.chunk} seqs={self.decode_seqs}"
+        hw = (
+            self.hw_prefill
+            if self.hw_prefill == self.hw_decode
+            else f"{self.hw_prefill}/{self.hw_decode}"
+        )
+        return f"disagg {self.n_prefill}P:{self.n_decode}D {hw} chunk={self.chunk} seqs={self.decode_seqs}"
+
+    def devices(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        pre = self.costs["prefill"].devices
+        dec = self.costs["decode"].devices
+        base_p = self.hw_prefill.split("x")[0]
+        base_d = self.hw_decode.split("x")[0]
+        if self.kind == "colocated":
+            out[base_p] = self.n_prefill * pre
+            return out
+        out[base_p] = out.get(base_p, 0) + self.n_prefill * pre
+        out[base_d] = out.get(base_d, 0) + self.n_decode * dec
+        return out
+
+    @property
+    def num_devices(self) -> int:
+        return sum(self.devices().values())
+
+    def spec(self, replicas: int, max_model_len: int, block_size: int = 16) -> ClusterSpec:
+        def cfg(role: str, seqs: int) -> InstanceConfig:
+            c = self.costs[role]
+            n = default_num_blocks(c.kv_bytes_per_token, block_size, max_model_len, seqs,
+                                   c.kv_capacity_bytes)  # fmt: skip
+            return InstanceConfig(num_blocks=n, block_size=block_size,
+                                  max_num_batched_tokens=self.chunk, max_num_seqs=seqs,
+                                  max_model_len=max_model_len)  # fmt: skip
+
+        if self.kind == "colocated":
+            pools = [PoolSpec("colocated", self.n_prefill * replicas, self.costs["colocated"],
+                              cfg("colocated", self.decode_seqs))]  # fmt: skip
+        else:
+            pools = [
+                PoolSpec("prefill", self.n_prefill * replicas, self.costs["prefill"],
+                         cfg("prefill", 256)),
+                PoolSpec("decode", self.n_decode * replicas, self.costs["decode"],
+                         cfg("decode", self.decode_seqs)),
+            ]  # fmt: skip
+        return ClusterSpec(pools=pools, policy="least_loaded", session_affinity=False)
+
+
+def candidates(
+    budget: Budget,
+    model: str,
+    network: str,
+    dtype: str,
+    chunks: Sequence[int] = (2048, 8192),
+    decode_seqs: Sequence[int] = (128, 256),
+    max_unit: int = 8,
+) -> list[Candidate]:
+    """Colocated and disaggregated units over the budget's hardware."""
+    hws = list(budget.devices)
+    costs = {hw: roofline_costs(model, hw, network, dtype) for hw in hws}
+    out: list[Candidate] = []
+    for hw in hws:
+        for chunk in chunks:
+            for seqs in decode_seqs:
+                c = {"prefill": costs[hw], "decode": costs[hw], "colocated": costs[hw]}
+                out.append(Candidate("colocated", hw, hw, 1, 0, chunk, seqs, c))
+    for hp in hws:
+        for hd in hws:
+            for m in range(1, max_unit):
+                for n in range(1, max_unit - m + 1):
+                    if math.gcd(m, n) != 1:
+                        continue
+                    for chunk in chunks:
+                        for seqs in decode_seqs:
+                            c = {"prefill": costs[hp], "decode": costs[hd], "colocated": costs[hp]}
+                            cand = Candidate("disagg", hp, hd, m, n, chunk, seqs, c)
+                            if all(
+                                budget.devices.get(k, 0) >= v for k, v in cand.devices().items()
+                            ):
+                                out.append(cand)
+    return out
+
+
+def unit_goodput(
+    cand: Candidate,
+    args: argparse.Namespace,
+    slo: SLO,
+    max_model_len: int,
+    target: float,
+    start_rate: float,
+) -> dict[str, Any]:
+    spec = cand.spec(1, max_model_len, args.block_size)
+    outputs: list[float] = []
+
+    def measure(rate: float) -> float:
+        run = simulate_once(spec, args, rate, slo, early_stop_target=target, keep_records=False)
+        s = run["summary"]
+        if s["completed"] and not run["sim"]["stopped_early"]:
+            outputs.append(s["total_output_tokens"] / s["completed"])
+        return run["attainment_ttft_tpot"] or 0.0
+
+    points = search_goodput_rate(measure, start_rate, target, max_steps=10, bisect_steps=3)
+    ds = distserve_goodput(points, target)
+    rate = ds["max_rate"] or 0.0
+    return {
+        "label": cand.label,
+        "goodput_req_s": rate,
+        "per_device_goodput": rate / cand.num_devices,
+        "devices": cand.devices(),
+        "points": [(p.rate, p.attainment) for p in points],
+        "mean_output_tokens": (sum(outputs) / len(outputs)) if outputs else 0.0,
+    }
+
+
+def latency_at(cand: Candidate, replicas: int, args: argparse.Namespace, slo: SLO,
+               max_model_len: int, rate: float) -> dict[str, Any]:  # fmt: skip
+    spec = cand.spec(replicas, max_model_len, args.block_size)
+    run = simulate_once(spec, args, rate, slo, keep_records=False)
+    s = run["summary"]
+    return {
+        "rate": rate,
+        "attainment": run["attainment_ttft_tpot"],
+        "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p90_ms": s["ttft_ms"]["p90"],
+        "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p90_ms": s["tpot_ms"]["p90"],
+        "completed": s["completed"], "num_requests": s["num_requests"],
+    }  # fmt: skip
+
+
+def refine_full_scale(
+    cand: Candidate,
+    replicas: int,
+    args: argparse.Namespace,
+    slo: SLO,
+    max_model_len: int,
+    target: float,
+    rate: float,
+) -> tuple[float, dict[str, Any] | None]:
+    """The replicated cluster's own goodput near `replicas` x the unit's: a larger pool
+    multiplexes better (or the trace's burstiness bites harder), so check at that rate and
+    step by 10 % (up while it passes, down while it fails; at most 3 steps). Returns the
+    highest passing rate and its latencies."""
+    if rate <= 0:
+        return 0.0, None
+    best: tuple[float, dict[str, Any] | None] = (0.0, None)
+    res = latency_at(cand, replicas, args, slo, max_model_len, rate)
+    passing = (res["attainment"] or 0.0) >= target
+    if passing:
+        best = (rate, res)
+    step = 1.1 if passing else 1 / 1.1
+    for _ in range(3):
+        rate *= step
+        res = latency_at(cand, replicas, args, slo, max_model_len, rate)
+        ok = (res["attainment"] or 0.0) >= target
+        if ok:
+            best = (rate, res) if rate > best[0] else best
+        if ok != passing:
+            break
+    return best
+
+
+def cost_per_m_tokens(devices: dict[str, int], prices: dict[str, float], rate: float,
+                      out_tokens: float) -> float | None:  # fmt: skip
+    if rate <= 0 or out_tokens <= 0 or not prices:
+        return None
+    if any(hw not in prices for hw in devices):
+        return None
+    per_hour = sum(prices[hw] * n for hw, n in devices.items())
+    return per_hour / (rate * out_tokens * 3600.0) * 1e6
+
+
+def plan(
+    args: argparse.Namespace,
+    budget: Budget,
+    model: str,
+    network: str = "nvlink",
+    dtype: str = "bfloat16",
+    target: float = 0.9,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    slo = SLO.parse(args.goodput)
+    ts = slo.only("ttft", "tpot")
+    if ts.ttft_ms is None or ts.tpot_ms is None:
+        raise ValueError("plan needs both SLOs: --slo ttft:MS tpot:MS")
+    shape = load_model_config(model)
+    max_model_len = args.max_model_len or shape.max_position_embeddings
+    chunks = [int(x) for x in args.chunks.split(",")]
+    seqs = [int(x) for x in args.decode_seqs.split(",")]
+    cands = candidates(budget, model, network, dtype, chunks, seqs, args.max_unit)
+    log(f"{len(cands)} candidate units; simulating each rate sweep ...")
+    results = []
+    for i, cand in enumerate(cands):
+        res = unit_goodput(
+            cand, args, slo, max_model_len, target, args.start_rate * cand.num_devices
+        )
+        res["candidate"] = cand
+        results.append(res)
+        log(f"  [{i + 1}/{len(cands)}] {cand.label}: {res['goodput_req_s']:.2f} req/s, "
+            f"{res['per_device_goodput']:.2f} req/s/device")  # fmt: skip
+    best: dict[str, Any] = {}
+    for kind in ("colocated", "disagg"):
+        pool = [r for r in results if r["candidate"].kind == kind]
+        if not pool:
+            continue
+        top = max(pool, key=lambda r: r["per_device_goodput"])
+        cand: Candidate = top["candidate"]
+        unit = cand.devices()
+        replicas = min(budget.devices[hw] // n for hw, n in unit.items())
+        unit_rate = top["goodput_req_s"] * replicas
+        full_rate, check = refine_full_scale(cand, replicas, args, slo, max_model_len, target,
+                                             unit_rate)  # fmt: skip
+        devices = {hw: n * replicas for hw, n in unit.items()}
+        best[kind] = {
+            "unit": cand.label,
+            "replicas": replicas,
+            "instances": {"prefill": cand.n_prefill * replicas, "decode": cand.n_decode * replicas}
+            if kind == "disagg" else {"colocated": cand.n_prefill * replicas},
+            "devices": devices,
+            "goodput_req_s": full_rate,
+            "unit_goodput_x_replicas": unit_rate,
+            "per_device_goodput": full_rate / sum(devices.values()),
+            "unit_per_device_goodput": top["per_device_goodput"],
+            "cost_per_m_output_tokens": cost_per_m_tokens(
+                devices, budget.prices, full_rate, top["mean_output_tokens"]),
+            "full_scale": check,
+        }  # fmt: skip
+    ratio = None
+    if "colocated" in best and "disagg" in best and best["colocated"]["per_device_goodput"]:
+        ratio = best["disagg"]["per_device_goodput"] / best["colocated"]["per_device_goodput"]
+    unit_ratio = None
+    if "colocated" in best and "disagg" in best and best["colocated"]["unit_per_device_goodput"]:
+        unit_ratio = (
+            best["disagg"]["unit_per_device_goodput"] / best["colocated"]["unit_per_device_goodput"]
+        )
+    overall = max(best.values(), key=lambda b: b["per_device_goodput"]) if best else None
+    return {
+        "model": shape.name,
+        "dtype": dtype,
+        "network": network,
+        "budget": budget.devices,
+        "prices": budget.prices,
+        "slo": slo.to_json(),
+        "target": target,
+        "units": [
+            {k: v for k, v in r.items() if k != "candidate"}
+            | {
+                "cost_per_m_output_tokens": cost_per_m_tokens(
+                    r["devices"], budget.prices, r["goodput_req_s"], r["mean_output_tokens"]
+                )
+            }
+            for r in results
+        ],
+        "best": best,
+        "best_overall": overall,
+        "disagg_over_colocated_per_device": ratio,
+        "disagg_over_colocated_per_device_units": unit_ratio,
+    }

@@ -1,0 +1,96 @@
+"""Contention probe: how much slower the real engine steps right now than its profile says.
+
+This machine's cores are shared with other work whose load changes minute to minute, so a
+profile taken earlier does not describe the steps of a benchmark run taken now. `pdserve sim
+validate --probe` runs this probe (a subprocess pinned to one core, one torch thread, the
+same checkpoint) just before and just after each real arm: a fixed set of prefill and decode
+steps, each compared with the profile's *floor* (uncontended) step model. The median ratio is
+the arm's contention factor; the simulator then scales step costs by it. It calibrates the
+machine's state, never the benchmark's outcome: the probe sees no request of the run.
+
+    python -m pdserve.sim.probe --model DIR --profile P.json [--cpu 0]  -> one JSON line
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+
+def run_probe(
+    model: str, profile: str, dtype: str = "float32", cpu: int | None = 0
+) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.params import SamplingParams
+    from pdserve.sim.costs import StepCost
+
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+    prof = json.loads(open(profile).read())
+    fields = StepCost.__dataclass_fields__
+    floor = StepCost(**{k: v for k, v in (prof.get("step_floor") or prof["costs"]["step"]).items()
+                        if k in fields})  # fmt: skip
+    engine = LLMEngine(EngineConfig(model_dir=model, dtype=dtype, enable_prefix_caching=False))
+    rng = np.random.default_rng(0)
+    ratios: list[float] = []
+    sched = engine.scheduler
+    orig = sched.schedule
+    last: list[list[tuple[int, int]]] = []
+
+    def schedule():
+        plan = orig()
+        last.append([(e.start, e.num_new_tokens) for e in plan.scheduled])
+        return plan
+
+    sched.schedule = schedule
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for rep in range(3):
+        for k in range(4):
+            engine.add_request(
+                f"q{rep}-{k}", rng.integers(10, engine.vocab_size, 96).tolist(), params
+            )
+        first = True
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+            if rep == 0 and first:  # warm-up step
+                first = False
+                continue
+            ratios.append(dt / max(floor.step_s(last[-1]), 1e-6))
+    return {"factor": statistics.median(ratios), "steps": len(ratios),
+            "p10": float(np.percentile(ratios, 10)), "p90": float(np.percentile(ratios, 90))}  # fmt: skip
+
+
+def probe_subprocess(
+    model: str, profile: str, dtype: str = "float32", cpu: int = 0
+) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "pdserve.sim.probe", "--model", model, "--profile", profile,
+            "--dtype", dtype, "--cpu", str(cpu)]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pdserve.sim.probe")
+    p.add_argument("--model", required=True)
+    p.add_argument("--profile", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--cpu", type=int, default=0)
+    a = p.parse_args(argv)
+    print(json.dumps(run_probe(a.model, a.profile, a.dtype, a.cpu)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""`pdserve profile`: measure what the simulator charges, from the real engine and transport.
+
+- Engine steps: a real `LLMEngine` (the checkpoint, dtype and thread count the workers use)
+  runs prefill-only batches (prompt lengths x batch sizes), chunked prefills over a cached or
+  earlier-chunk context, decode batches (batch size x context) and mixed steps (decodes + a
+  prefill chunk). Each `step()` is timed with the scheduler's plan for that step, and
+  `StepCost.fit` fits the linear cost model the simulator uses.
+- KV transfer: `bench.transfer.run_bench` (UCX between two processes, serial messages) by size;
+  `LinkCost.fit` gives latency + bytes / bandwidth.
+- kvstore: a real kvstore process; `KVStoreClient.put` (publish) and `fetch` by size.
+- Router overhead: a unary gRPC round trip on 127.0.0.1 (the kvstore's Lookup) x 2 hops
+  (client -> router -> worker) + the placement decision (`PrefixAware` over a `Registry`).
+- Machine limits: `pdserve.bench.limits` when present (see `limits_call_site`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.sim.costs import CostModel, LinkCost, StepCost
+
+MIB = 1 << 20
+
+
+# ---------------------------------------------------------------------------- engine steps
+def _timed_steps(engine: Any, samples: list[dict[str, Any]], label: str, max_steps: int = 10_000):
+    """Step `engine` until idle, recording (batch, seconds) of every step."""
+    sched = engine.scheduler
+    orig = sched.schedule
+    last: list[list[tuple[int, int]]] = []
+
+    def schedule():
+        plan = orig()
+        last.append([(e.start, e.num_new_tokens) for e in plan.scheduled])
+        return plan
+
+    sched.schedule = schedule
+    try:
+        for _ in range(max_steps):
+            if not engine.has_unfinished_requests():
+                break
+            t0 = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+            batch = last[-1] if last else []
+            if batch:
+                samples.append({"kind": label, "batch": batch, "s": dt})
+    finally:
+        sched.schedule = orig
+
+
+def profile_engine(
+    model_dir: str,
+    dtype: str,
+    threads: int,
+    quick: bool = True,
+    max_num_batched_tokens: int = 512,
+    seed: int = 0,
+) -> dict[str, Any]:
+    import torch
+
+    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.params import SamplingParams
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=model_dir,
+            dtype=dtype,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=64,
+            enable_prefix_caching=False,  # every prompt computes: steps show their full cost
+        )
+    )
+    rng = np.random.default_rng(seed)
+    vocab = engine.vocab_size
+    counter = iter(range(1 << 30))
+
+    def add(n: int, out: int) -> None:
+        ids = rng.integers(10, vocab, size=n).tolist()
+        engine.add_request(
+            f"p{next(counter)}",
+            ids,
+            SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True),
+        )
+
+    samples: list[dict[str, Any]] = []
+    add(32, 2)  # warm-up (not recorded)
+    _timed_steps(engine, [], "warmup")
+    prompt_lens = (16, 64, 256, 512) if quick else (16, 32, 64, 128, 256, 384, 512)
+    batch_sizes = (1, 4) if quick else (1, 2, 4, 8)
+    repeats = 2 if quick else 3
+    for _ in range(repeats):
+        for n in prompt_lens:  # prefill: one step per batch of prompts (budget permitting)
+            for b in batch_sizes:
+                if n * b > max_num_batched_tokens:
+                    continue
+                for _ in range(b):
+                    add(n, 1)
+                _timed_steps(engine, samples, "prefill")
+        for n in (1024, 2048) if quick else (1024, 1536, 2048):  # chunked: context grows
+            if n > engine.max_model_len - 2:
+                continue
+            add(n, 1)
+            _timed_steps(engine, samples, "chunked_prefill")
+    ctxs = (64, 512) if quick else (64, 256, 512, 1024)
+    decode_bs = (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32)
+    for ctx in ctxs:  # decode: b sequences of context ~ctx, 8 decode steps each
+        for b in decode_bs:
+            for _ in range(b):
+                add(ctx, 9)
+            _timed_steps(engine, samples, "decode")
+    for b in (4, 16):  # mixed: b decodes, then a prompt joins their steps as a chunk
+        for _ in range(b):
+            add(128, 24)
+        for _ in range(2):
+            engine.step()
+        add(384, 1)
+        _timed_steps(engine, samples, "mixed")
+    # label each sample by what the step held (the same request list mixes kinds)
+    for s in samples:
+        kinds = {"decode" if n == 1 else "prefill" for _, n in s["batch"]}
+        s["kind"] = "mixed" if len(kinds) == 2 else kinds.pop()
+    batches, times = [s["batch"] for s in samples], [s["s"] for s in samples]
+    step = StepCost.fit(batches, times)
+    spec = engine.spec
+    return {
+        "step": step,
+        "step_floor": StepCost.fit_floor(batches, times),
+        "samples": samples,
+        "kv_bytes_per_token": spec.bytes_per_block // spec.block_size,
+        "block_size": spec.block_size,
+        "num_blocks_default": engine.num_blocks,
+        "max_model_len": engine.max_model_len,
+        "model_config": {
+            "num_layers": spec.num_layers,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "vocab_size": vocab,
+            "dtype": spec.dtype,
+        },
+        "params": int(sum(p.numel() for p in engine.loaded.model.parameters())),
+    }
+
+
+# ---------------------------------------------------------------------------- transport
+def profile_transfer(sizes: list[int], iters: int = 8, repeats: int = 2) -> dict[str, Any]:
+    from pdserve.bench.transfer import run_bench
+
+    rows = asyncio.run(run_bench(sizes, iters, 1, repeats))
+    pts = [(r.size_bytes, r.size_bytes / (r.serial_gbps * 1e9)) for r in rows]
+    link = LinkCost.fit([p[0] for p in pts], [p[1] for p in pts])
+    return {"link": link, "samples": [{"bytes": b, "s": s} for b, s in pts]}
+
+
+def profile_kvstore(block_bytes: int, blocks: list[int], repeats: int = 3) -> dict[str, Any]:
+    """Publish (put) and fetch through a real kvstore process, by number of blocks."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from pdserve.kv.hashing import block_hashes
+    from pdserve.kv.store_client import KVStoreClient
+    from pdserve.kv.transfer import UcxTransport
+    from pdserve.rpc.ready import parse_ready_line
+
+    cap = max(64 * MIB, 4 * max(blocks) * block_bytes * (repeats + 1))
+    argv = [sys.executable, "-m", "pdserve.kvstore", "--port", "0", "--log-format", "console",
+            "--capacity-bytes", str(cap)]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        addr = None
+        deadline = time.monotonic() + 60
+        assert proc.stdout is not None
+        while time.monotonic() < deadline and addr is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            info = parse_ready_line(line)
+            if info is not None:
+                addr = f"127.0.0.1:{info['port']}"
+        if addr is None:
+            raise RuntimeError("kvstore did not start")
+
+        async def go() -> dict[str, Any]:
+            transport = await UcxTransport.create()
+            client = KVStoreClient(addr, transport, raise_errors=True, rpc_timeout_s=10.0,
+                                   transfer_timeout_s=30.0)  # fmt: skip
+            put_pts, fetch_pts, rtt = [], [], []
+            try:
+                salt = 0
+                for n in blocks:
+                    data = np.random.default_rng(n).integers(0, 256, n * block_bytes, np.uint8)
+                    out = np.empty_like(data)
+                    best_put = best_fetch = float("inf")
+                    for _ in range(repeats):
+                        salt += 1
+                        hashes = block_hashes(
+                            list(range(salt * 100_000, salt * 100_000 + 16 * n)), 16, "profile"
+                        )
+                        t0 = time.perf_counter()
+                        stored = await client.put("profile", hashes, 0, data)
+                        best_put = min(best_put, time.perf_counter() - t0)
+                        t0 = time.perf_counter()
+                        got = await client.fetch("profile", hashes, out)
+                        best_fetch = min(best_fetch, time.perf_counter() - t0)
+                        if stored != n or got != n:
+                            raise RuntimeError(f"kvstore stored {stored}, fetched {got} of {n}")
+                    put_pts.append((n * block_bytes, best_put))
+                    fetch_pts.append((n * block_bytes, best_fetch))
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    await client.lookup("profile", [b"\0" * 16])
+                    rtt.append(time.perf_counter() - t0)
+            finally:
+                await client.close()
+                await transport.close()
+            return {"put": put_pts, "fetch": fetch_pts, "rpc_rtt_s": float(np.median(rtt))}
+
+        res = asyncio.run(go())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {
+        "publish": LinkCost.fit([b for b, _ in res["put"]], [s for _, s in res["put"]]),
+        "fetch": LinkCost.fit([b for b, _ in res["fetch"]], [s for _, s in res["fetch"]]),
+        "rpc_rtt_s": res["rpc_rtt_s"],
+        "samples": {"put": res["put"], "fetch": res["fetch"]},
+    }
+
+
+def profile_router_decision(n_instances: int = 2, iters: int = 2000) -> float:
+    """Seconds per placement decision (PrefixAware over a Registry, 256-token prompt)."""
+    from pdserve.kv.hashing import block_hashes
+    from pdserve.router.policies import RouteRequest, make_policy
+    from pdserve.router.registry import ROLE_COLOCATED, Registry
+
+    reg = Registry()
+    for i in range(n_instances):
+        reg.register(f"w{i}", f"h:{i}", ROLE_COLOCATED, "fp", 16)
+    policy = make_policy("prefix_aware", session_affinity=True)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 16000, 256).tolist() for _ in range(64)]
+    t0 = time.perf_counter()
+    for k in range(iters):
+        route = RouteRequest(f"r{k}", prompts[k % 64], hasher=lambda t, b: block_hashes(t, b, "fp"))
+        inst = policy.pick_prefill(route, reg.candidates(ROLE_COLOCATED))
+        policy.on_routed(route, inst, None)
+    return (time.perf_counter() - t0) / iters
+
+
+# ---------------------------------------------------------------------------- limits
+def limits_call_site(dtype: str, threads: int) -> dict[str, Any] | None:
+    """Machine limits (memory read bandwidth, GEMM peak in `dtype`) from
+    `pdserve.bench.limits.measure_limits(dtype=, threads=)` (helper i12b's module for issue 12:
+    returns {"bandwidth_bytes_s", "gemm_flops_s", ...}). None where that module is absent
+    (this branch alone); after the merge `pdserve profile` records the limits and the engine's
+    achieved fractions in the same run."""
+    try:
+        from pdserve.bench import limits  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    fn: Callable[..., dict[str, Any]] | None = getattr(limits, "measure_limits", None)
+    if fn is None:
+        return None
+    return fn(dtype=dtype, threads=threads)
+
+
+def achieved_fractions(eng: dict[str, Any], limits: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Engine achieved fraction of the machine limits, from the fitted *floor* step model:
+    decode weight+KV bytes/s over memory bandwidth (16 sequences at context 512), prefill
+    FLOP/s over GEMM peak (512 tokens, 2 x params FLOP per token; attention not counted)."""
+    if not limits:
+        return None
+    step: StepCost = eng.get("step_floor") or eng["step"]
+    itemsize = 2 if "16" in eng["model_config"]["dtype"] else 4
+    weight_bytes = eng["params"] * itemsize
+    out: dict[str, Any] = {}
+    bw = limits.get("bandwidth_bytes_s")
+    if bw:
+        t = step.step_s([(512, 1)] * 16)
+        moved = weight_bytes + 16 * 513 * eng["kv_bytes_per_token"]
+        out["decode_bandwidth_fraction"] = moved / t / bw
+    peak = limits.get("gemm_flops_s")
+    if peak:
+        t = step.step_s([(0, 512)])
+        out["prefill_gemm_fraction"] = 2 * eng["params"] * 512 / t / peak
+    return out
+
+
+# ---------------------------------------------------------------------------- all
+def run_profile(
+    model_dir: str,
+    dtype: str = "float32",
+    threads: int = 1,
+    quick: bool = True,
+    skip_transport: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    log("profiling engine steps ...")
+    eng = profile_engine(model_dir, dtype, threads, quick)
+    log(
+        f"  {len(eng['samples'])} steps; fit rel. RMS error {eng['step'].fit_rel_rmse:.1%} "
+        f"(floor fit {eng['step_floor'].fit_rel_rmse:.1%} on its samples)"
+    )
+    block_bytes = eng["kv_bytes_per_token"] * eng["block_size"]
+    costs = CostModel(step=eng["step"], kv_bytes_per_token=eng["kv_bytes_per_token"],
+                      name=f"{Path(model_dir).name}/{dtype}/{threads}t")  # fmt: skip
+    transfer = kvstore = None
+    if not skip_transport:
+        log("profiling KV transfer (UCX) ...")
+        transfer = profile_transfer([block_bytes * n for n in (1, 8, 32, 128)])
+        costs.transfer = transfer["link"]
+        log("profiling kvstore publish/fetch ...")
+        kvstore = profile_kvstore(block_bytes, [1, 8, 32])
+        costs.kvstore_fetch, costs.kvstore_publish = kvstore["fetch"], kvstore["publish"]
+    decision_s = profile_router_decision()
+    rtt = kvstore["rpc_rtt_s"] if kvstore else 0.0
+    costs.router_overhead_s = 2 * rtt + decision_s
+    limits = limits_call_site(dtype, threads)
+    return {
+        "version": 1,
+        "model": str(model_dir),
+        "dtype": dtype,
+        "threads": threads,
+        "machine": {
+            "node": platform.node(),
+            "processor": platform.processor(),
+            "python": platform.python_version(),
+        },
+        "costs": costs.to_json(),
+        "engine": {k: v for k, v in eng.items() if k not in ("step", "step_floor")},
+        "step_floor": asdict(eng["step_floor"]),
+        "transfer": None if transfer is None else {"samples": transfer["samples"]},
+        "kvstore": None
+        if kvstore is None
+        else {"samples": kvstore["samples"], "rpc_rtt_s": kvstore["rpc_rtt_s"]},
+        "router": {"decision_s": decision_s, "rpc_rtt_s": rtt},
+        "limits": limits,
+        "achieved": achieved_fractions(eng, limits),
+        "profile_s": time.perf_counter() - started,
+    }
+
+
+def write_profile(data: dict[str, Any], out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1, default=str))
+    return out

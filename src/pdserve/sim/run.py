@@ -1,0 +1,242 @@
+"""Simulated `bench serve`: the same workloads (trace readers, arrival processes, seeds, rate
+sweeps) replayed on a `SimCluster`; the result has `bench serve`'s JSON shape and plots, so
+`bench compare`/`rescore` read simulated runs too.
+
+Cluster flags are a subset of `pdserve up`'s (`--mode`, `--prefill`, `--decode`,
+`--colocated`, `--kvstore`, `--kvstore-capacity-bytes`, `--policy`, `--worker-arg=--num-blocks=N`
+and the other engine-shape worker flags, `--router-arg=--flip-enabled`), so a `bench compare`
+arm string means the same cluster here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench import arrivals
+from pdserve.bench.goodput import (
+    SLO,
+    SweepPoint,
+    attainment,
+    distserve_goodput,
+    search_goodput_rate,
+    vllm_goodput,
+)
+from pdserve.bench.metrics import summarize
+from pdserve.bench.serve import offered_rate, parse_rates, workload_at
+from pdserve.router.flip_policy import FlipThresholds
+from pdserve.sim.cluster import ClusterSpec, PoolSpec, SimCluster
+from pdserve.sim.costs import CostModel
+from pdserve.sim.instance import InstanceConfig
+
+# worker defaults (pdserve.worker.settings) the simulated engines copy
+WORKER_MAX_BATCHED_TOKENS = 512
+WORKER_MAX_SEQS = 64
+WORKER_KV_BYTES = 1 << 30
+
+
+def up_parser() -> argparse.ArgumentParser:
+    """The `pdserve up` flags a simulated cluster understands (unknown ones are ignored)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--colocated", type=int, default=2)
+    p.add_argument("--kvstore", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--kvstore-capacity-bytes", type=int, default=1 << 30)
+    p.add_argument("--policy", default="prefix_aware")
+    p.add_argument("--worker-arg", action="append", default=[])
+    p.add_argument("--router-arg", action="append", default=[])
+    p.add_argument("--model")
+    return p
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--num-blocks", type=int)
+    p.add_argument("--kv-cache-bytes", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int, default=WORKER_MAX_BATCHED_TOKENS)
+    p.add_argument("--max-num-seqs", type=int, default=WORKER_MAX_SEQS)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    return p
+
+
+def router_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--flip-enabled", action="store_true")
+    p.add_argument("--session-affinity", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--policy")
+    return p
+
+
+def default_num_blocks(
+    kv_bytes_per_token: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    kv_bytes: int | None,
+) -> int:
+    """`LLMEngine._num_blocks` with the worker's defaults."""
+    per_block = max(1, kv_bytes_per_token * block_size)
+    per_seq = -(-max_model_len // block_size)
+    if kv_bytes is not None:
+        return max(1, kv_bytes // per_block)
+    budget = WORKER_KV_BYTES // per_block
+    return max(per_seq + 1, min(budget, per_seq * max_num_seqs))
+
+
+def load_profile(path: str | Path) -> dict[str, Any]:
+    data = json.loads(Path(path).read_text())
+    if "costs" not in data:
+        raise ValueError(f"{path}: not a pdserve profile (no 'costs')")
+    return data
+
+
+def spec_from_up_flags(
+    flags: list[str],
+    costs: CostModel | dict[str, CostModel],
+    max_model_len: int,
+    block_size: int = 16,
+) -> ClusterSpec:
+    """A ClusterSpec from `pdserve up` flags. `costs` may differ per role (heterogeneous)."""
+    up, _ = up_parser().parse_known_args(flags)
+    wk, _ = worker_parser().parse_known_args([a for f in up.worker_arg for a in shlex.split(f)])
+    rt, _ = router_parser().parse_known_args([a for f in up.router_arg for a in shlex.split(f)])
+
+    def cost_for(role: str) -> CostModel:
+        return costs[role] if isinstance(costs, dict) else costs
+
+    def config_for(role: str) -> InstanceConfig:
+        c = cost_for(role)
+        bs = wk.block_size or block_size
+        kv_bytes = wk.kv_cache_bytes or c.kv_capacity_bytes
+        n = wk.num_blocks or default_num_blocks(
+            c.kv_bytes_per_token, bs, max_model_len, wk.max_num_seqs, kv_bytes
+        )
+        return InstanceConfig(
+            num_blocks=n,
+            block_size=bs,
+            max_num_batched_tokens=wk.max_num_batched_tokens,
+            max_num_seqs=wk.max_num_seqs,
+            enable_prefix_caching=wk.enable_prefix_caching,
+            max_model_len=max_model_len,
+        )
+
+    if up.mode == "colocated":
+        pools = [
+            PoolSpec("colocated", up.colocated, cost_for("colocated"), config_for("colocated"))
+        ]
+    else:
+        pools = [
+            PoolSpec("prefill", up.prefill, cost_for("prefill"), config_for("prefill")),
+            PoolSpec("decode", up.decode, cost_for("decode"), config_for("decode")),
+        ]
+    return ClusterSpec(
+        pools=pools,
+        policy=rt.policy or up.policy,
+        session_affinity=rt.session_affinity,
+        kvstore_capacity_bytes=up.kvstore_capacity_bytes if up.kvstore else None,
+        flip=FlipThresholds() if rt.flip_enabled else None,
+    )
+
+
+_BASE_CACHE: dict[tuple[int, int], list[Any]] = {}
+
+
+def base_for(args: argparse.Namespace, salt: int) -> list[Any] | None:
+    """A trace's requests before arrivals, read once per (args, salt): a sweep or a plan
+    replays one trace at many rates."""
+    if not args.trace:
+        return None
+    key = (id(args), salt)
+    if key not in _BASE_CACHE:
+        from pdserve.bench.serve import base_requests
+
+        _BASE_CACHE.clear()
+        _BASE_CACHE[key] = base_requests(args, salt=salt)
+    return _BASE_CACHE[key]
+
+
+def simulate_once(
+    spec: ClusterSpec,
+    args: argparse.Namespace,
+    rate: float | None,
+    slo: SLO,
+    salt: int = 0,
+    early_stop_target: float | None = None,
+    keep_records: bool = True,
+) -> dict[str, Any]:
+    """`bench.serve.run_once` in simulated time. `early_stop_target`: stop once the run
+    cannot reach that TTFT+TPOT attainment (its attainment is then a lower bound)."""
+    reqs = workload_at(args, rate, salt, base=base_for(args, salt))
+    cluster = SimCluster(spec)
+    ts = slo.only("ttft", "tpot")
+    if early_stop_target is not None and ts.ttft_ms is not None and ts.tpot_ms is not None:
+        cluster.stop_early(ts.ttft_ms / 1e3, ts.tpot_ms / 1e3,
+                           int((1.0 - early_stop_target) * len(reqs)))  # fmt: skip
+    records = cluster.run(reqs)
+    ends = [r.finish_s for r in records if r.finish_s is not None]
+    wall = max(ends) if ends else 0.0
+    summary = summarize(records, wall)
+    return {
+        "rate": rate if rate is not None else arrivals.mean_rate([r.arrival_s for r in reqs]),
+        "offered": offered_rate(reqs, args),
+        "records": [r.to_json() for r in records] if keep_records else [],
+        "summary": summary,
+        "vllm_goodput_req_s": vllm_goodput(records, slo, wall) if not slo.is_empty() else None,
+        "attainment_ttft_tpot": attainment(records, ts) if not ts.is_empty() else None,
+        "sim": {
+            "events": cluster.loop.events,
+            "utilisation": cluster.utilisation(wall),
+            "flips": cluster.flips,
+            "preemptions": sum(i.scheduler.num_preemptions for i in cluster.instances.values()),
+            "stopped_early": cluster.stop_after_misses is not None
+            and cluster.misses > cluster.stop_after_misses,
+        },
+        "_records": records,
+    }
+
+
+def simulate_benchmark(spec: ClusterSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """`bench.serve.run_benchmark` in simulated time (same sweep logic and result shape)."""
+    slo = SLO.parse(args.goodput)
+    runs: list[dict[str, Any]] = []
+    if args.sweep_rates:
+        ts = slo.only("ttft", "tpot")
+        if ts.ttft_ms is None or ts.tpot_ms is None:
+            raise ValueError("--sweep-rates needs both SLOs: --goodput ttft:MS tpot:MS")
+
+        def measure(rate: float) -> float:
+            runs.append(simulate_once(spec, args, rate, slo, salt=len(runs)))
+            return runs[-1]["attainment_ttft_tpot"]
+
+        if args.sweep_rates == "auto":
+            points = search_goodput_rate(measure, args.sweep_start, args.target)
+        else:
+            points = [SweepPoint(r, measure(r)) for r in parse_rates(args.sweep_rates)]
+        ds = distserve_goodput(points, args.target)
+    else:
+        runs.append(simulate_once(spec, args, args.rate, slo))
+        ds = None
+    main_run = runs[0]
+    if ds and ds["max_rate"] is not None:
+        main_run = next(r for r in runs if r["rate"] == ds["max_rate"])
+    return {
+        "config": {k: v for k, v in vars(args).items() if k != "func"}
+        | {"simulated": True, "cluster": spec.describe()},
+        "rate": main_run["rate"],
+        "offered": main_run["offered"],
+        "summary": main_run["summary"],
+        "goodput": {
+            "slo": slo.to_json(),
+            "vllm_req_s": main_run["vllm_goodput_req_s"],
+            "attainment_ttft_tpot": main_run["attainment_ttft_tpot"],
+            "distserve": ds,
+        },
+        "sweep": [{k: v for k, v in r.items() if k != "_records"} for r in runs],
+        "_runs": runs,
+    }

@@ -1,0 +1,107 @@
+"""`pdserve sim validate`: the same arms and workload as `bench compare`, run for real on this
+machine and in simulation; the error table says how far the simulator is from the measurement.
+
+Relative error = |sim - real| / |real| per metric and arm; `max_rel_error` is the largest over
+every metric and arm that both sides report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.report import _dig
+
+METRICS: tuple[tuple[str, tuple[str, ...], float], ...] = (
+    # (label, path into a bench-serve result, scale to the unit shown)
+    ("TTFT p50 (ms)", ("summary", "ttft_ms", "p50"), 1.0),
+    ("TTFT p90 (ms)", ("summary", "ttft_ms", "p90"), 1.0),
+    ("TPOT p50 (ms)", ("summary", "tpot_ms", "p50"), 1.0),
+    ("TPOT p90 (ms)", ("summary", "tpot_ms", "p90"), 1.0),
+    ("goodput vLLM (req/s)", ("goodput", "vllm_req_s"), 1.0),
+    ("goodput DistServe (req/s)", ("goodput", "distserve", "interpolated"), 1.0),
+    ("prefill s/req", ("summary", "stages", "per_request", "prefill_ms"), 1e-3),
+    ("transfer s/req", ("summary", "stages", "per_request", "transfer_ms"), 1e-3),
+    ("decode s/req", ("summary", "stages", "per_request", "decode_ms"), 1e-3),
+)
+# stage rows with a real value this small are not scored (a relative error of noise)
+MIN_STAGE_S = 1e-3
+
+
+def error_rows(real: Mapping[str, Any], sim: Mapping[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for label, path, scale in METRICS:
+        r, s = _dig(real, path), _dig(sim, path)
+        r = r * scale if isinstance(r, int | float) else None
+        s = s * scale if isinstance(s, int | float) else None
+        err = None
+        if r is not None and s is not None and r != 0:
+            if not (label.endswith("s/req") and abs(r) < MIN_STAGE_S):
+                err = abs(s - r) / abs(r)
+        rows.append({"metric": label, "real": r, "sim": s, "rel_error": err})
+    return rows
+
+
+def max_rel_error(table: Mapping[str, list[dict[str, Any]]]) -> float | None:
+    errs = [
+        row["rel_error"] for rows in table.values() for row in rows if row["rel_error"] is not None
+    ]
+    return max(errs) if errs else None
+
+
+def format_table(table: Mapping[str, list[dict[str, Any]]]) -> str:
+    def f(v: Any) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+
+    lines = []
+    for arm, rows in table.items():
+        head = f"{'[' + arm + ']':<28}{'real':>12}{'sim':>12}{'rel.err':>10}"
+        lines += [head, "-" * len(head)]
+        for r in rows:
+            err = "-" if r["rel_error"] is None else f"{r['rel_error']:.1%}"
+            lines.append(f"{r['metric']:<28}{f(r['real']):>12}{f(r['sim']):>12}{err:>10}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def real_results(
+    args: argparse.Namespace, arms: dict[str, list[str]], extra: list[str]
+) -> dict[str, Any]:
+    """Each arm on a fresh `pdserve up` (as `bench compare` runs it), or read from --real."""
+    if args.real:
+        saved = json.loads(Path(args.real).read_text())
+        return {n: saved["arms"][n] for n in arms}
+    from pdserve.bench.cluster import Cluster
+    from pdserve.bench.serve import run_benchmark
+
+    out = Path(args.out)
+    results: dict[str, Any] = {}
+    for name, flags in arms.items():
+        before = _probe(args)
+        print(f"== real arm {name}: pdserve up {shlex.join(flags + extra)}", flush=True)
+        cluster = Cluster(flags + extra, port=0, ready_timeout_s=args.ready_timeout,
+                          log_path=out.parent / f"{out.stem}_{name}_up.log")  # fmt: skip
+        with cluster as addr:
+            res = run_benchmark(addr, args)
+        results[name] = {k: v for k, v in res.items() if not k.startswith("_")}
+        after = _probe(args)
+        if before and after:
+            factor = (before["factor"] + after["factor"]) / 2
+            results[name]["contention"] = {"before": before, "after": after, "factor": factor}
+            print(f"   contention factor {before['factor']:.2f} before, {after['factor']:.2f} "
+                  f"after: {factor:.2f}", flush=True)  # fmt: skip
+    return results
+
+
+def _probe(args: argparse.Namespace) -> dict[str, Any] | None:
+    if not (getattr(args, "probe", False) and args.profile and args.model):
+        return None
+    from pdserve.sim.probe import probe_subprocess
+
+    return probe_subprocess(args.model, args.profile)

@@ -1,0 +1,87 @@
+"""Roofline hardware, model shapes from config.json, and the planner's arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.sim.hardware import (
+    ACCELERATORS,
+    RooflineStep,
+    load_model_config,
+    pool_costs,
+    roofline_costs,
+)
+from pdserve.sim.plan import Budget, candidates, cost_per_m_tokens
+
+
+@pytest.mark.parametrize(
+    "name,params_b,kv_per_token",
+    [("llama3-8b", 8.03, 131072), ("llama3-70b", 70.55, 327680), ("qwen2.5-32b", 32.76, 262144)],
+)
+def test_builtin_shapes_match_published_sizes(name, params_b, kv_per_token):
+    m = load_model_config(name)
+    assert m.params / 1e9 == pytest.approx(params_b, rel=0.005)
+    assert m.kv_bytes_per_token(2) == kv_per_token  # 2 x layers x kv heads x head dim x 2 B
+
+
+def test_config_json_from_a_path(tmp_path):
+    cfg = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "intermediate_size": 2048, "vocab_size": 16384,
+           "max_position_embeddings": 4096}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = load_model_config(str(tmp_path))
+    assert m.head_dim == 64 and m.kv_bytes_per_token(4) == 2 * 8 * 2 * 64 * 4
+    with pytest.raises(ValueError):
+        load_model_config(str(tmp_path / "missing"))
+
+
+def test_roofline_decode_is_memory_bound_prefill_compute_bound():
+    m = load_model_config("llama3-8b")
+    hw = ACCELERATORS["h100"]
+    st = RooflineStep(m, hw, 2, 1, compute_eff=0.5, memory_eff=0.8, step_overhead_s=0.0)
+    weights_s = m.matmul_params * 2 / (hw.mem_bw_TBps * 1e12 * 0.8)
+    assert st.step_s([(0, 1)]) == pytest.approx(weights_s, rel=1e-3)
+    flops_s = 2 * m.matmul_params * 4096 / (hw.bf16_tflops * 1e12 * 0.5)
+    assert st.step_s([(0, 4096)]) > flops_s  # plus attention
+    assert st.step_s([(0, 4096)]) < 1.5 * flops_s
+
+
+def test_kv_capacity_and_tensor_parallel():
+    c = roofline_costs("llama3-8b", "h100")
+    assert 50e9 < c.kv_capacity_bytes < 57e9  # 72 GB usable - 16 GB of weights
+    with pytest.raises(ValueError):
+        roofline_costs("llama3-70b", "h100")  # 141 GB of weights on 80 GB
+    tp2 = roofline_costs("llama3-70b", "h100x2")
+    assert tp2.devices == 2 and tp2.kv_capacity_bytes > 0
+
+
+def test_heterogeneous_pools():
+    pc = pool_costs("llama3-8b", "h100,l40s", "pcie4")
+    assert pc["prefill"].name.endswith("h100/bfloat16") and pc["decode"].name.endswith(
+        "l40s/bfloat16"
+    )
+    decode_batch = [(1024, 1)] * 32
+    assert pc["decode"].step.step_s(decode_batch) > pc["prefill"].step.step_s(decode_batch)
+
+
+def test_budget_and_candidates():
+    b = Budget.parse("h100:16", "h100=2.5")
+    assert b.devices == {"h100": 16} and b.prices == {"h100": 2.5}
+    with pytest.raises(ValueError):
+        Budget.parse("h100")
+    cands = candidates(b, "llama3-8b", "nvlink", "bfloat16", [2048], [256], max_unit=4)
+    labels = [c.label for c in cands]
+    # colocated x1; coprime units with M + N <= 4: 1:1, 1:2, 2:1, 1:3, 3:1
+    assert len(cands) == 6 and sum(lbl.startswith("disagg") for lbl in labels) == 5
+    two_one = next(c for c in cands if c.kind == "disagg" and c.n_prefill == 2 and c.n_decode == 1)
+    assert two_one.num_devices == 3
+    spec = two_one.spec(replicas=5, max_model_len=8192)
+    assert [(p.role, p.count) for p in spec.pools] == [("prefill", 10), ("decode", 5)]
+
+
+def test_cost_per_million_output_tokens():
+    # 16 devices at $2/h = $32/h; 10 req/s x 100 tokens = 3.6 M tokens/h -> $8.89 per M
+    assert cost_per_m_tokens({"h100": 16}, {"h100": 2.0}, 10.0, 100.0) == pytest.approx(32 / 3.6)
+    assert cost_per_m_tokens({"h100": 16}, {}, 10.0, 100.0) is None
