@@ -16,6 +16,7 @@ COMMANDS = {
     "status": "status",
     "bench": "bench",
     "model": "model",
+    "predictor": "predictor",
 }
 
 
