@@ -179,7 +179,15 @@ def _rank_targets(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 def train(rows: Iterable[Mapping[str, Any]], config: TrainConfig | None = None) -> TextLengthModel:
     """Fit on the given rows (callers pass the train split). Deterministic."""
     cfg = config or TrainConfig()
-    rows = [r for r in rows if r.get("prompt") is not None]
+    rows = sorted(
+        (r for r in rows if r.get("prompt") is not None),
+        key=lambda r: (
+            _prompt_key(r),
+            str(r["model_canonical"]),
+            int(r["response_tokens_cl100k"]),
+            str(r.get("id", "")),
+        ),
+    )  # the input order must not matter
     if not rows:
         raise ValueError("no training rows")
     targets = _rank_targets(rows)

@@ -3,9 +3,10 @@
 Log-space estimate = prior + per-model drift, pulled toward a prefix memory:
 - prior: the offline text model when the request has text, else the running
   mean of log lengths for the model (cold start: `initial`);
-- per-model calibration: an EWMA of (log actual - log prior) per model, so a
-  served model that answers longer or shorter than the training data, or
-  drifts, is corrected (decay `drift_alpha`);
+- per-model calibration: an EWMA of (log actual - log text prior) per model,
+  so a served model that answers longer or shorter than the training data, or
+  drifts, is corrected (decay `drift_alpha`); without text the per-model mean
+  is itself an EWMA, so it follows drift directly;
 - prefix memory: every chained block hash of a finished request's prompt (and
   its session id) remembers an EWMA of log lengths and a count; a new request
   takes the deepest remembered prefix levels and blends their means with the
@@ -110,7 +111,7 @@ class OnlineLengthPredictor(OutputLengthPredictor):
     # -- interface
     def _log_estimate(self, q: LengthQuery) -> tuple[float, float, str]:
         mu, sd, source = self._prior(q)
-        drift = self._drift.get(q.model)
+        drift = self._drift.get(q.model) if source == "text" else None
         if drift is not None:
             mu += drift.mean
             sd = max(0.1, math.sqrt(drift.var)) if drift.n >= 8 else sd
@@ -133,8 +134,9 @@ class OnlineLengthPredictor(OutputLengthPredictor):
         y = math.log1p(completion_tokens)
         est = self.estimate(query)
         self._pairs.append((est.p50, float(completion_tokens)))
-        prior_mu, _, _ = self._prior(query)
-        self._drift.setdefault(query.model, _Stat()).add(y - prior_mu, self.drift_alpha)
+        prior_mu, _, source = self._prior(query)
+        if source == "text":  # the text model's bias for this served model, tracked
+            self._drift.setdefault(query.model, _Stat()).add(y - prior_mu, self.drift_alpha)
         self._model_prior.setdefault(query.model, _Stat()).add(y, self.drift_alpha)
         for key in self._keys(query):
             st = self._prefix.get(key)
