@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-KV_LAYOUT = "NHD:[blocks,2,block_size,kv_heads,head_dim]"
+from pdserve.model.dtypes import ITEMSIZE as _ITEMSIZE
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_LAYOUT = "NHD:[blocks,2,block_size,kv_heads,head_dim]"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,10 @@ from prometheus_client.registry import Collector
 
 from pdserve.worker.core import WorkerCore
 
-_GAUGES = {"pool_free_blocks", "pool_total_blocks"}  # the rest only grow
+_GAUGES = {  # the rest only grow
+    "pool_free_blocks", "pool_total_blocks", "pool_reservations", "pool_reserved_blocks",
+    "pool_held_blocks",
+}  # fmt: skip
 
 
 class WorkerCollector(Collector):
