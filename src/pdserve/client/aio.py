@@ -110,6 +110,10 @@ def _status(resp: router_pb2.StatusResponse) -> ClusterStatus:
         cached_tokens_total=resp.cached_tokens_total,
         model=resp.model,
         kvstore_address=resp.kvstore_address,
+        predictor=resp.predictor,
+        predictor_kendall_tau=resp.predictor_kendall_tau,
+        predictor_observed=resp.predictor_observed,
+        queue_waiting=resp.queue_waiting,
     )
 
 

@@ -221,7 +221,7 @@ class PredictedFootprint(PlacementPolicy):
 
     def decode_cost(self, request: RouteRequest, inst: Instance) -> float:
         horizon = max(1, request.predicted_tokens)
-        own = request.num_prompt_tokens * horizon + horizon * horizon / 2.0
+        own = len(request.token_ids) * horizon + horizon * horizon / 2.0
         capacity = inst.load.total_blocks * inst.block_size
         return (self.demand.overlap(inst.instance_id, horizon) + own) / max(1, capacity)
 
