@@ -99,6 +99,12 @@ def main(args: argparse.Namespace) -> int:
         )
         with cluster as addr:
             results[name] = run_benchmark(addr, args)
+            try:
+                from pdserve.bench.lengths import cluster_preemptions
+
+                results[name]["preemptions"] = cluster_preemptions(addr)
+            except Exception as exc:  # reporting only: never fail the arm for it
+                print(f"(preemption counters unavailable: {exc})", flush=True)
         print(format_summary(results[name]["summary"]), flush=True)
 
     saved: dict[str, Any] = {

@@ -100,6 +100,7 @@ class RouterApp(ServiceApp):
             queue=queue,
             reserve_max_tokens=s.reserve_max_tokens,
             oracle=s.predictor_oracle,
+            use_max_tokens=s.predictor_use_max_tokens,
             metrics=LengthMetrics(self.raw_metrics),
         )
 

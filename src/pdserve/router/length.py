@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 log = get_logger("pdserve.router.length")
 
+UNBOUNDED = 1 << 30
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _LOG2_ERR_BUCKETS = (-4, -3, -2, -1.5, -1, -0.5, -0.25, 0, 0.25, 0.5, 1, 1.5, 2, 3, 4)
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -91,6 +92,7 @@ class LengthScheduling:
         queue: OverloadQueue | None = None,
         reserve_max_tokens: int = 0,
         oracle: bool = False,
+        use_max_tokens: bool = True,
         metrics: LengthMetrics | None = None,
         window: int = 512,
     ) -> None:
@@ -99,6 +101,9 @@ class LengthScheduling:
         self.queue = queue
         self.reserve_max_tokens = reserve_max_tokens
         self.oracle = oracle
+        # False: the predictor does not see max_tokens (benchmarks whose max_tokens is the
+        # true length would otherwise leak it); the KV headroom is still capped by it.
+        self.use_max_tokens = use_max_tokens
         self.metrics = metrics
         self._pairs: deque[tuple[float, float]] = deque(maxlen=window)
         self.learned = 0
@@ -107,7 +112,7 @@ class LengthScheduling:
     def query(self, job: Job, route: RouteRequest, block_size: int) -> LengthQuery:
         return LengthQuery(
             num_prompt_tokens=len(job.token_ids),
-            max_tokens=job.params.max_tokens,
+            max_tokens=job.params.max_tokens if self.use_max_tokens else UNBOUNDED,
             model=job.model,
             text=job.prompt_text,
             block_hashes=tuple(route.hashes_for(block_size)) if block_size else (),
@@ -129,7 +134,9 @@ class LengthScheduling:
         route.predicted_tokens = est.tokens(q.max_tokens)
         route.predicted_p90 = max(route.predicted_tokens, math.ceil(est.p90))
         if self.reserve_max_tokens > 0:
-            route.reserve_tokens = min(route.predicted_p90, self.reserve_max_tokens)
+            route.reserve_tokens = min(
+                route.predicted_p90, self.reserve_max_tokens, job.params.max_tokens
+            )
         return LengthTicket(job.request_id, q, est, route)
 
     async def admit(self, ticket: LengthTicket) -> None:

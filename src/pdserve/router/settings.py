@@ -75,6 +75,11 @@ class RouterSettings(ServiceSettings):
         description="BENCHMARK ONLY: trust the true output length a request carries in "
         "its pdserve-oracle-tokens metadata",
     )
+    predictor_use_max_tokens: bool = Field(
+        True,
+        description="let the predictor clamp to max_tokens (off for benchmarks whose "
+        "max_tokens is the true length)",
+    )
     decode_placement: Literal["count", "predicted"] = Field(
         "predicted",
         description="decode placement: count (the policy's request counts) or predicted "
