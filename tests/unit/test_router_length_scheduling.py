@@ -65,12 +65,14 @@ def test_placement_follows_predictions_not_counts():
     assert p2.pick_decode(new, [a, b]).instance_id == "a"
 
 
-def test_placement_is_relative_to_capacity():
+def test_placement_avoids_predicted_kv_overflow():
     demand = DecodeDemand()
-    small, big = decode("a", total_blocks=100), decode("b", total_blocks=10_000)
-    demand.add("x", "b", 100, 100)  # the big one is busier in absolute terms
+    small, big = decode("a", total_blocks=20), decode("b", total_blocks=10_000)
+    demand.add("x", "a", 100, 100)  # same batch on both...
+    demand.add("y", "b", 100, 100)
     p = make_policy("round_robin", decode_placement="predicted", demand=demand)
-    assert p.pick_decode(route("n"), [small, big]).instance_id == "b"
+    # ...but on the small one (320 tokens of KV) the predicted peak would not fit
+    assert p.pick_decode(route("n", prompt=100, predicted=50), [small, big]).instance_id == "b"
     with pytest.raises(ValueError, match="decode placement"):
         make_policy("least_loaded", decode_placement="bogus")
 

@@ -208,28 +208,40 @@ class SessionAffinity(PlacementPolicy):
 
 
 class PredictedFootprint(PlacementPolicy):
-    """Decode placement by predicted KV footprint over time: the instance where the
-    new request's predicted lifetime overlaps the least KV token-steps of what the
-    router already placed there (each request's prompt + generated tokens, growing
-    for its predicted remaining length; see demand.DecodeDemand), plus its own,
-    relative to the instance's KV capacity. Prefill is the inner policy's choice."""
+    """Decode placement by predicted footprint over the new request's predicted lifetime
+    h (its p50), from what the router placed on each instance (demand.DecodeDemand):
+      - KV: the instance's predicted peak over [0, h] -- every placed request's prompt +
+        generated tokens, grown by min(its predicted remaining, h) -- plus the new
+        request's prompt + h, as a fraction of the instance's KV capacity; above 1 the
+        request would wait for blocks or cause preemptions, so overflow is penalised;
+      - batch: the expected number of sequences decoding alongside it, each placed
+        request weighted by the fraction of h it is predicted to still run (a request
+        about to finish barely counts; a long one counts fully), which sets its TPOT.
+    Lower (overflow, batch, KV fraction) wins; ties go to the policy's count order.
+    Prefill is the inner policy's choice."""
 
     def __init__(self, inner: PlacementPolicy, demand: DecodeDemand) -> None:
         self.inner = inner
         self.demand = demand
         self.name = f"{inner.name}+predicted_kv"
 
-    def decode_cost(self, request: RouteRequest, inst: Instance) -> float:
-        horizon = max(1, request.predicted_tokens)
-        own = len(request.token_ids) * horizon + horizon * horizon / 2.0
+    def decode_cost(self, request: RouteRequest, inst: Instance) -> tuple[float, float, float]:
+        h = max(1, request.predicted_tokens)
+        batch = 1.0
+        peak = len(request.token_ids) + h
+        for p in self.demand.placements(inst.instance_id):
+            grow = min(self.demand.remaining(p), h)
+            batch += grow / h
+            peak += p.prompt_tokens + p.generated + grow
         capacity = inst.load.total_blocks * inst.block_size
-        return (self.demand.overlap(inst.instance_id, horizon) + own) / max(1, capacity)
+        frac = peak / capacity if capacity > 0 else 0.0
+        return (max(0.0, frac - 1.0), round(batch, 6), frac)
 
     def pick_prefill(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
         return self.inner.pick_prefill(request, candidates)
 
     def pick_decode(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
-        return min(candidates, key=lambda i: (self.decode_cost(request, i), decode_load(i)))
+        return min(candidates, key=lambda i: (*self.decode_cost(request, i), decode_load(i)))
 
     def on_routed(
         self, request: RouteRequest, prefill: Instance | None, decode: Instance | None

@@ -68,6 +68,11 @@ class OnlineLengthPredictor(OutputLengthPredictor):
         self._drift: dict[str, _Stat] = {}  # residual vs prior per model
         self._pairs: deque[tuple[float, float]] = deque(maxlen=window)
         self.observed = 0
+        # query -> (prior, estimate) of its estimate(), so learn() does not featurize the
+        # text again: keyed by id, holding the query so the id cannot be reused meanwhile
+        self._recent: OrderedDict[int, tuple[LengthQuery, tuple[float, float, str], LengthEstimate]]
+        self._recent = OrderedDict()
+        self.recent_capacity = 4096
 
     # -- pieces
     def _prior(self, q: LengthQuery) -> tuple[float, float, str]:
@@ -109,8 +114,10 @@ class OnlineLengthPredictor(OutputLengthPredictor):
         return (total / total_w if total_w else 0.0), total_w
 
     # -- interface
-    def _log_estimate(self, q: LengthQuery) -> tuple[float, float, str]:
-        mu, sd, source = self._prior(q)
+    def _log_estimate(
+        self, q: LengthQuery, prior: tuple[float, float, str] | None = None
+    ) -> tuple[float, float, str]:
+        mu, sd, source = prior if prior is not None else self._prior(q)
         drift = self._drift.get(q.model) if source == "text" else None
         if drift is not None:
             mu += drift.mean
@@ -123,18 +130,28 @@ class OnlineLengthPredictor(OutputLengthPredictor):
         return mu, sd, source
 
     def estimate(self, query: LengthQuery) -> LengthEstimate:
-        mu, sd, source = self._log_estimate(query)
-        p50 = math.expm1(mu)
-        p90 = math.expm1(mu + Z90 * sd)
-        return LengthEstimate(p50, p90, source).clamp(query.max_tokens)
+        prior = self._prior(query)
+        mu, sd, source = self._log_estimate(query, prior)
+        est = LengthEstimate(math.expm1(mu), math.expm1(mu + Z90 * sd), source)
+        est = est.clamp(query.max_tokens)
+        self._recent[id(query)] = (query, prior, est)
+        while len(self._recent) > self.recent_capacity:
+            self._recent.popitem(last=False)
+        return est
+
+    def _recall(self, query: LengthQuery) -> tuple[tuple[float, float, str], LengthEstimate]:
+        hit = self._recent.pop(id(query), None)
+        if hit is not None and hit[0] is query:
+            return hit[1], hit[2]
+        est = self.estimate(query)
+        return self._recent.pop(id(query))[1], est
 
     def learn(self, query: LengthQuery, completion_tokens: int) -> None:
         if completion_tokens <= 0:
             return
         y = math.log1p(completion_tokens)
-        est = self.estimate(query)
+        (prior_mu, _, source), est = self._recall(query)  # what it predicted for this query
         self._pairs.append((est.p50, float(completion_tokens)))
-        prior_mu, _, source = self._prior(query)
         if source == "text":  # the text model's bias for this served model, tracked
             self._drift.setdefault(query.model, _Stat()).add(y - prior_mu, self.drift_alpha)
         self._model_prior.setdefault(query.model, _Stat()).add(y, self.drift_alpha)
