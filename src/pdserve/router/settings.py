@@ -86,7 +86,10 @@ class RouterSettings(ServiceSettings):
         "(least predicted KV footprint over the request's predicted lifetime)",
     )
     reserve_max_tokens: int = Field(
-        256, ge=0, description="decode KV headroom for the predicted output (p90), at most"
+        0,
+        ge=0,
+        description="decode KV headroom reserved for the predicted output (p90), at most "
+        "(0 = none: the decode grows the block table as it goes)",
     )
     queue_max_running_per_decode: int = Field(
         0,

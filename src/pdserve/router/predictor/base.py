@@ -99,4 +99,5 @@ class OraclePredictor(OutputLengthPredictor):
         return self.inner.estimate(query)
 
     def learn(self, query: LengthQuery, completion_tokens: int) -> None:
-        self.inner.learn(query, completion_tokens)
+        if query.oracle_tokens <= 0:  # the inner one learns from the others only
+            self.inner.learn(query, completion_tokens)
