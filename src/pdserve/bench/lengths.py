@@ -64,7 +64,10 @@ async def _preemptions(addr: str, timeout: float = 5.0) -> dict[str, float]:
 
     async with AsyncClient(addr) as client:
         status = await client.status(timeout=timeout)
-    out: dict[str, float] = {}
+    out: dict[str, float] = {
+        "_predictor_kendall_tau": status.predictor_kendall_tau,
+        "_predictor_observed": float(status.predictor_observed),
+    }
     for inst in status.instances:
         try:
             async with grpc.aio.insecure_channel(inst.address) as channel:
@@ -78,6 +81,8 @@ async def _preemptions(addr: str, timeout: float = 5.0) -> dict[str, float]:
 
 
 def cluster_preemptions(addr: str) -> dict[str, Any]:
-    """Preemptions per worker and in total (from each worker's Info counters)."""
+    """Preemptions per worker and in total (from each worker's Info counters), and the
+    router's running Kendall tau of its length predictions (Status)."""
     per = asyncio.run(_preemptions(addr))
-    return {"total": sum(per.values()), "per_instance": per}
+    router = {k.lstrip("_"): per.pop(k) for k in list(per) if k.startswith("_")}
+    return {"total": sum(per.values()), "per_instance": per, "router": router}

@@ -42,7 +42,7 @@ class LengthEstimate:
 
     def tokens(self, max_tokens: int) -> int:
         """p50 as an integer in [1, max_tokens]."""
-        return max(1, min(max(1, max_tokens), math.ceil(self.p50)))
+        return max(1, min(max(1, max_tokens), math.ceil(self.p50 - 1e-6)))
 
 
 class OutputLengthPredictor(ABC):
