@@ -86,3 +86,19 @@ def cluster_preemptions(addr: str) -> dict[str, Any]:
     per = asyncio.run(_preemptions(addr))
     router = {k.lstrip("_"): per.pop(k) for k in list(per) if k.startswith("_")}
     return {"total": sum(per.values()), "per_instance": per, "router": router}
+
+
+def wait_vs(records: list, base_records: list, factor: float = 2.0) -> dict[str, Any]:
+    """Per request (matched by index), TTFT in this arm over TTFT in the base arm: how
+    many waited more than `factor` x their base-arm time to first token, and the worst."""
+    base = {r.index: r.ttft_s for r in base_records if r.ttft_s}
+    ratios = [r.ttft_s / base[r.index] for r in records if r.ttft_s and r.index in base]
+    if not ratios:
+        return {"n": 0}
+    arr = np.asarray(ratios)
+    return {
+        "n": len(ratios),
+        f"over_{factor:g}x": int((arr > factor).sum()),
+        "max_ratio": round(float(arr.max()), 3),
+        "p99_ratio": round(float(np.percentile(arr, 99)), 3),
+    }
