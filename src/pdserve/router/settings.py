@@ -81,7 +81,7 @@ class RouterSettings(ServiceSettings):
         "max_tokens is the true length)",
     )
     decode_placement: Literal["count", "predicted"] = Field(
-        "predicted",
+        "count",
         description="decode placement: count (the policy's request counts) or predicted "
         "(least predicted KV footprint over the request's predicted lifetime)",
     )
