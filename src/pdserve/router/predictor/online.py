@@ -53,7 +53,8 @@ class OnlineLengthPredictor(OutputLengthPredictor):
         prefix_alpha: float = 0.01,
         prefix_strength: float = 0.5,
         prefix_levels: int = 1,
-        drift_alpha: float = 0.05,
+        drift_alpha: float = 0.02,
+        drift_prior_n: float = 50.0,
         window: int = 512,
     ) -> None:
         self.text_model = text_model
@@ -63,6 +64,7 @@ class OnlineLengthPredictor(OutputLengthPredictor):
         self.prefix_strength = prefix_strength
         self.prefix_levels = prefix_levels
         self.drift_alpha = drift_alpha
+        self.drift_prior_n = drift_prior_n
         self._prefix: OrderedDict[object, _Stat] = OrderedDict()
         self._model_prior: dict[str, _Stat] = {}  # log length per model (no text)
         self._drift: dict[str, _Stat] = {}  # residual vs prior per model
@@ -119,8 +121,8 @@ class OnlineLengthPredictor(OutputLengthPredictor):
     ) -> tuple[float, float, str]:
         mu, sd, source = prior if prior is not None else self._prior(q)
         drift = self._drift.get(q.model) if source == "text" else None
-        if drift is not None:
-            mu += drift.mean
+        if drift is not None:  # shrunk: a few residuals are noise, not a bias
+            mu += drift.mean * drift.n / (drift.n + self.drift_prior_n)
             sd = max(0.1, math.sqrt(drift.var)) if drift.n >= 8 else sd
         mem, weight = self._memory(q)
         if weight > 0:
