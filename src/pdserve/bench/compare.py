@@ -8,6 +8,7 @@ and saved with every arm's result; plots have one line per arm.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=0, help="router port per arm (0 = any free)")
     p.add_argument("--up-args", default="", help="extra flags for every `pdserve up`")
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run the arms at the same time (all clusters up, same workload, same moment)",
+    )
     p.add_argument("--out", default="results/compare.json")
     p.add_argument("--plots", help="plot directory (default: next to --out)")
     add_workload_args(p)
@@ -79,6 +85,52 @@ def pick_ratio(names: list[str], spec: str | None) -> tuple[str, str] | None:
     return (names[1], names[0]) if len(names) >= 2 else None
 
 
+def _cluster(name: str, flags: list[str], extra: list[str], args, out: Path) -> UpProcess:
+    print(f"== arm {name}: pdserve up {shlex.join(flags + extra)}", flush=True)
+    return UpProcess(
+        flags + extra,
+        port=args.port,
+        ready_timeout_s=args.ready_timeout,
+        log_path=out.parent / f"{out.stem}_{name}_up.log",
+    )
+
+
+def _with_counters(result: dict[str, Any], addr: str) -> dict[str, Any]:
+    try:
+        from pdserve.bench.lengths import cluster_preemptions
+
+        result["preemptions"] = cluster_preemptions(addr)
+    except Exception as exc:  # reporting only: never fail the arm for it
+        print(f"(preemption counters unavailable: {exc})", flush=True)
+    return result
+
+
+def _run_back_to_back(arms, extra, args, out: Path) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    for name, flags in arms.items():
+        with _cluster(name, flags, extra, args, out) as addr:
+            results[name] = _with_counters(run_benchmark(addr, args), addr)
+        print(format_summary(results[name]["summary"]), flush=True)
+    return results
+
+
+def _run_concurrently(arms, extra, args, out: Path) -> dict[str, dict[str, Any]]:
+    """Every arm's cluster up at once, the same workload sent to all of them at the same
+    time (one thread each): on a shared, noisy machine the arms see the same load, which
+    back-to-back runs minutes apart do not. Each arm gets a share of the cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with contextlib.ExitStack() as stack:
+        addrs = {n: stack.enter_context(_cluster(n, f, extra, args, out)) for n, f in arms.items()}
+        with ThreadPoolExecutor(len(addrs)) as pool:
+            futures = {n: pool.submit(run_benchmark, a, args) for n, a in addrs.items()}
+            results = {n: f.result() for n, f in futures.items()}
+        for n, a in addrs.items():
+            _with_counters(results[n], a)
+            print(f"== arm {n}\n" + format_summary(results[n]["summary"]), flush=True)
+    return results
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         arms = parse_arms(args.arms)
@@ -88,18 +140,11 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     plots_dir = Path(args.plots) if args.plots else out.parent / f"{out.stem}_plots"
     extra = shlex.split(args.up_args) + (["--model", args.model] if args.model else [])
-    results: dict[str, dict[str, Any]] = {}
-    for name, flags in arms.items():
-        print(f"== arm {name}: pdserve up {shlex.join(flags + extra)}", flush=True)
-        cluster = UpProcess(
-            flags + extra,
-            port=args.port,
-            ready_timeout_s=args.ready_timeout,
-            log_path=out.parent / f"{out.stem}_{name}_up.log",
-        )
-        with cluster as addr:
-            results[name] = run_benchmark(addr, args)
-        print(format_summary(results[name]["summary"]), flush=True)
+    results = (
+        _run_concurrently(arms, extra, args, out)
+        if args.concurrent
+        else _run_back_to_back(arms, extra, args, out)
+    )
 
     saved: dict[str, Any] = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
@@ -113,6 +158,15 @@ def main(args: argparse.Namespace) -> int:
         saved["ratio"] = {"numerator": ratio[0], "denominator": ratio[1], "rows": rows}
         print(f"\n== {ratio[0]} / {ratio[1]}")
         print(format_ratio_table(rows, *ratio))
+        from pdserve.bench.lengths import wait_vs
+
+        base = next(x for x in results[ratio[1]]["_runs"] if x["rate"] == results[ratio[1]]["rate"])
+        waits = {}
+        for n, r in results.items():
+            head = next(x for x in r["_runs"] if x["rate"] == r["rate"])
+            waits[n] = wait_vs(head["_records"], base["_records"])
+        saved["ratio"]["ttft_vs_denominator"] = waits
+        print(f"TTFT per request vs {ratio[1]}: {waits}")
     paths = [write_json(out, saved)]
     # CDFs of each arm's headline run; attainment curves when arms were swept
     heads = {n: next(x for x in r["_runs"] if x["rate"] == r["rate"]) for n, r in results.items()}

@@ -77,11 +77,16 @@ async def send_one(
         session_id=req.session_id,
     )
     kwargs: dict[str, Any] = dict(
-        token_ids=list(req.prompt_ids),
         max_tokens=req.max_tokens,
         temperature=temperature,
         ignore_eos=True,
     )
+    if req.prompt_text is not None:
+        kwargs["prompt"] = req.prompt_text
+    else:
+        kwargs["token_ids"] = list(req.prompt_ids)
+    if req.oracle_tokens:
+        kwargs["oracle_tokens"] = req.oracle_tokens
     if seed is not None:
         kwargs["seed"] = seed + req.index
     if req.session_id:
@@ -99,6 +104,8 @@ async def send_one(
             usage = _field(ev, "usage")
             if usage is not None and (not hasattr(usage, "ByteSize") or usage.ByteSize()):
                 apply_usage(rec, usage)
+                if not rec.n_in:  # a text prompt: the router counted its tokens
+                    rec.n_in = int(_field(usage, "prompt_tokens", 0) or 0)
         rec.n_out = len(rec.token_times)
         rec.finish_s = time.perf_counter() - t0
         if rec.n_out == 0:

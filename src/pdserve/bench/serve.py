@@ -39,7 +39,17 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="KV block size (Mooncake prefixes)")
     g.add_argument("--trace", help="Azure CSV or Mooncake JSONL trace (read in place)")
     g.add_argument("--trace-format", default="auto", choices=["auto", "azure", "mooncake"])
-    g.add_argument("--length-scale", type=float, default=1.0, help="scale trace lengths")
+    g.add_argument(
+        "--length-scale", type=float, default=1.0, help="scale trace (or --lengths) lengths"
+    )
+    g.add_argument(
+        "--lengths",
+        help="length data JSONL(.gz) (pdserve predictor format): real prompts sent as text, "
+        "max_tokens = --lengths-model's answer length x --length-scale, ignore_eos",
+    )
+    g.add_argument("--lengths-model", default="gpt-4-0613", help="whose answer lengths ('any')")
+    g.add_argument("--lengths-split", default="val", help="prompt_split to draw from ('' = all)")
+    g.add_argument("--max-prompt-chars", type=int, default=1500, help="--lengths: cut prompts")
     g.add_argument("--input-len", default="lognormal:256,0.5", help="synthetic input lengths")
     g.add_argument("--output-len", default="uniform:32,128", help="synthetic output lengths")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -106,6 +116,21 @@ def base_requests(
     """The workload before arrivals are assigned (trace requests keep the trace's times)."""
     vocab, max_len = model_limits(args)
     seed = prompt_seed(args, salt)
+    if getattr(args, "lengths", None):
+        from pdserve.bench.lengths import length_requests
+
+        n = n_hint if n_hint is not None else (args.num_requests or 100)
+        max_out = max(1, max_len // 2) if max_len else None
+        return length_requests(
+            args.lengths,
+            args.lengths_model,
+            n,
+            split=args.lengths_split,
+            scale=args.length_scale,
+            seed=seed,
+            max_prompt_chars=args.max_prompt_chars,
+            max_output=max_out,
+        )
     if args.trace:
         records = read_trace(args.trace, args.trace_format, limit=args.num_requests)
         return trace_requests(records, vocab, seed, args.length_scale, max_len, args.block_size)

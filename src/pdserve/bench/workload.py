@@ -27,6 +27,8 @@ class BenchRequest:
     arrival_s: float = 0.0  # offset from the start of the run
     session_id: str | None = None
     hash_ids: tuple[int, ...] = field(default=())
+    prompt_text: str | None = None  # sent as text instead of prompt_ids (length workload)
+    oracle_tokens: int = 0  # the true output length (read only by an oracle-mode router)
 
 
 @dataclass(frozen=True)

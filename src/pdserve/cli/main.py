@@ -21,6 +21,7 @@ COMMANDS = {
     "profile": "profile",
     "sim": "sim",
     "plan": "plan",
+    "predictor": "predictor",
 }
 
 

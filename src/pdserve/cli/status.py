@@ -53,6 +53,9 @@ def format_table(status) -> str:
         f"requests: {status.requests_total} total, {status.requests_running} running",
         f"prompt tokens: {status.prompt_tokens_total}, cached: {status.cached_tokens_total} "
         f"(hit rate {status.cache_hit_rate:.1%})",
+        f"length predictor: {status.predictor or '-'}, running Kendall tau "
+        f"{status.predictor_kendall_tau:.3f} over {status.predictor_observed} finished; "
+        f"queue: {status.queue_waiting} waiting",
     ]
     return "\n".join(lines)
 

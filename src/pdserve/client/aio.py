@@ -110,6 +110,10 @@ def _status(resp: router_pb2.StatusResponse) -> ClusterStatus:
         cached_tokens_total=resp.cached_tokens_total,
         model=resp.model,
         kvstore_address=resp.kvstore_address,
+        predictor=resp.predictor,
+        predictor_kendall_tau=resp.predictor_kendall_tau,
+        predictor_observed=resp.predictor_observed,
+        queue_waiting=resp.queue_waiting,
     )
 
 
@@ -146,17 +150,21 @@ class AsyncClient:
         self, *, timeout: float | None = None, **kwargs: Any
     ) -> AsyncIterator[GenerationEvent]:
         """Yields one GenerationEvent per router message; the last one has
-        finish_reason and usage. Keyword arguments: see `build_request`."""
+        finish_reason and usage. Keyword arguments: see `build_request`, plus
+        `oracle_tokens` (benchmarks only: the true output length, sent as metadata and
+        honored only by a router started with --predictor-oracle)."""
         kwargs.setdefault("request_id", uuid.uuid4().hex)
+        oracle = int(kwargs.pop("oracle_tokens", 0) or 0)
         req = build_request(**kwargs)
+        metadata: tuple[tuple[str, str], ...] = (("x-request-id", req.request_id),)
+        if oracle > 0:
+            metadata += (("pdserve-oracle-tokens", str(oracle)),)
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
         while True:
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            call = self._stub.Generate(
-                req, timeout=left, metadata=(("x-request-id", req.request_id),)
-            )
+            call = self._stub.Generate(req, timeout=left, metadata=metadata)
             got_any = False
             try:
                 while True:

@@ -80,6 +80,10 @@ class ClusterStatus:
     cached_tokens_total: int
     model: str
     kvstore_address: str
+    predictor: str = ""
+    predictor_kendall_tau: float = 0.0  # running, over the router's recent finished requests
+    predictor_observed: int = 0
+    queue_waiting: int = 0
 
     @property
     def cache_hit_rate(self) -> float:
@@ -97,6 +101,10 @@ class ClusterStatus:
             "cache_hit_rate": self.cache_hit_rate,
             "model": self.model,
             "kvstore_address": self.kvstore_address,
+            "predictor": self.predictor,
+            "predictor_kendall_tau": self.predictor_kendall_tau,
+            "predictor_observed": self.predictor_observed,
+            "queue_waiting": self.queue_waiting,
         }
 
 

@@ -14,15 +14,18 @@ from pdserve.rpc.metrics import Metrics
 from pdserve.rpc.server import ServiceApp
 from pdserve.v1 import router_pb2_grpc
 
+from .demand import DecodeDemand
 from .flip import FlipController, FlipMetrics
 from .flip_policy import FlipPolicy, FlipThresholds
 from .input_limits import InputLimits
+from .length import LengthMetrics, LengthScheduling
 from .metrics import RouterMetrics, Totals
 from .model_info import ModelInfo
 from .orchestrator import Deadlines, Orchestrator
+from .overload_queue import OverloadQueue
 from .policies import make_policy
-from .predictor import EwmaPredictor
-from .registry import ROLE_NAMES, Registry
+from .predictor import EwmaPredictor, OraclePredictor, OutputLengthPredictor
+from .registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_NAMES, Registry
 from .servicer import RegistryServicer, RouterServicer
 from .settings import RouterSettings
 from .workers import WorkerClients
@@ -51,8 +54,12 @@ class RouterApp(ServiceApp):
             heartbeat_timeout_s=settings.heartbeat_timeout_s,
             suspect_s=settings.heartbeat_interval_s,
         )
-        self.policy = make_policy(settings.policy, settings.session_affinity)
+        self.demand = DecodeDemand()  # predicted decode demand (placement, flip, metrics)
+        self.policy = make_policy(
+            settings.policy, settings.session_affinity, settings.decode_placement, self.demand
+        )
         self.registry.on_forget(self.policy.forget)
+        self.registry.on_forget(self.demand.forget)
         self.workers = WorkerClients()
         self.raw_metrics = metrics if metrics is not None else Metrics()
         self.metrics = RouterMetrics(self.raw_metrics)
@@ -63,19 +70,60 @@ class RouterApp(ServiceApp):
         self.router_servicer: RouterServicer | None = None
         self._tasks: list[asyncio.Task] = []
         self.flip: FlipController | None = None  # set when settings.flip_enabled
+        self.length: LengthScheduling | None = None  # built in start() (loads the predictor)
 
     def _prefix_hashes(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
         """Router-local prefix identity for prefix-aware placement: any KV namespace shared
         by all instances works, so the cluster's model fingerprint seeds the chain."""
         return block_hashes(token_ids, block_size, self.registry.model_fingerprint or "")
 
-    def _orchestrator(self, model: ModelInfo) -> Orchestrator:
+    def _predictor(self) -> OutputLengthPredictor:
+        s = self.settings
+        predictor: OutputLengthPredictor
+        if s.predictor == "ewma":
+            predictor = EwmaPredictor(alpha=s.predictor_alpha, initial=s.predictor_initial)
+        else:
+            from .predictor.offline import DEFAULT_DIR, TextLengthModel
+            from .predictor.online import OnlineLengthPredictor
+
+            text_model = None
+            if s.predictor_path != "none":
+                text_model = TextLengthModel.load(s.predictor_path or DEFAULT_DIR)
+            predictor = OnlineLengthPredictor(text_model, initial=s.predictor_initial)
+        return OraclePredictor(predictor) if s.predictor_oracle else predictor
+
+    def _queue_limit(self) -> int:
+        """Requests the router lets run at once: so many per decode (or colocated) instance."""
+        serving = self.registry.candidates(ROLE_DECODE) or self.registry.candidates(ROLE_COLOCATED)
+        return self.settings.queue_max_running_per_decode * max(1, len(serving))
+
+    def _length_scheduling(self, predictor: OutputLengthPredictor) -> LengthScheduling:
+        s = self.settings
+        queue = None
+        if s.queue_max_running_per_decode > 0:
+            queue = OverloadQueue(
+                self._queue_limit,
+                order=s.queue_order,
+                aging_tokens_per_s=s.queue_aging_tokens_per_s,
+                max_wait_s=s.queue_max_wait_s,
+            )
+        return LengthScheduling(
+            predictor,
+            demand=self.demand,
+            queue=queue,
+            reserve_max_tokens=s.reserve_max_tokens,
+            oracle=s.predictor_oracle,
+            use_max_tokens=s.predictor_use_max_tokens,
+            metrics=LengthMetrics(self.raw_metrics),
+        )
+
+    def _orchestrator(self, model: ModelInfo, length: LengthScheduling) -> Orchestrator:
         s = self.settings
         with_kvstore = bool(s.kvstore_addr) and s.use_kvstore
         return Orchestrator(
             self.registry,
             self.policy,
-            EwmaPredictor(alpha=s.predictor_alpha, initial=s.predictor_initial),
+            length.predictor,
             self.workers,
             Deadlines(
                 reserve_s=s.reserve_deadline_s,
@@ -91,13 +139,15 @@ class RouterApp(ServiceApp):
             use_kvstore=with_kvstore,
             write_back=with_kvstore,
             hasher=self._prefix_hashes,
+            length=length,
         )
 
     async def start(self, server) -> None:
         s = self.settings
         kv = s.kvstore_addr or ""
         self.model = await asyncio.to_thread(ModelInfo.from_dir, s.model)
-        self.orchestrator = self._orchestrator(self.model)
+        self.length = self._length_scheduling(await asyncio.to_thread(self._predictor))
+        self.orchestrator = self._orchestrator(self.model, self.length)
         self.router_servicer = RouterServicer(
             self.orchestrator, self.registry, self.model, self.metrics, self.totals, kv,
             limits=InputLimits.from_settings(s, self.model.max_model_len),
@@ -114,6 +164,8 @@ class RouterApp(ServiceApp):
             "router ready",
             model=self.model.name or None,
             policy=self.policy.name,
+            predictor=self.length.predictor.name,
+            queue=s.queue_order if self.length.queue is not None else None,
             kvstore=kv or None,
             flip=s.flip_enabled,
         )
@@ -136,6 +188,7 @@ class RouterApp(ServiceApp):
             interval_s=s.flip_interval_s,
             set_role_timeout_s=s.flip_timeout_s,
             on_role_changed=self.policy.forget,  # prefix LRU / session affinity of the old role
+            demand=self.demand,
         )
 
     async def drain(self) -> None:
@@ -170,3 +223,10 @@ class RouterApp(ServiceApp):
                 )
             for role, n in counts.items():
                 self.metrics.instances.labels(role).set(n)
+            if self.length is not None:
+                if self.length.queue is not None:
+                    self.length.queue.dispatch()  # the limit grows when instances join
+                decodes = [
+                    i.instance_id for i in self.registry.instances() if i.role == ROLE_DECODE
+                ]
+                self.length.refresh_gauges(decodes)

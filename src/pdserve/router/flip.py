@@ -18,6 +18,7 @@ from pdserve.logging import get_logger
 from pdserve.rpc.metrics import Metrics
 from pdserve.v1 import worker_pb2
 
+from .demand import DecodeDemand
 from .flip_policy import FlipDecision, FlipPolicy, InstanceLoad, direction
 from .registry import Registry
 from .workers import WorkerClients, remote_error
@@ -25,7 +26,7 @@ from .workers import WorkerClients, remote_error
 log = get_logger("pdserve.router.flip")
 
 
-def snapshot(registry: Registry) -> list[InstanceLoad]:
+def snapshot(registry: Registry, demand: DecodeDemand | None = None) -> list[InstanceLoad]:
     return [
         InstanceLoad(
             instance_id=i.instance_id,
@@ -37,6 +38,8 @@ def snapshot(registry: Registry) -> list[InstanceLoad]:
             num_reserved=i.load.num_reserved,
             free_blocks=i.load.free_blocks,
             total_blocks=i.load.total_blocks,
+            block_size=i.block_size,
+            predicted_kv_tokens=demand.footprint(i.instance_id) if demand is not None else 0,
         )
         for i in registry.instances()
     ]
@@ -67,8 +70,10 @@ class FlipController:
         set_role_timeout_s: float = 120.0,
         on_role_changed: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        demand: DecodeDemand | None = None,
     ) -> None:
         self.registry, self.workers, self.policy = registry, workers, policy
+        self.demand = demand
         self.metrics = metrics
         self.interval_s = interval_s
         self.set_role_timeout_s = set_role_timeout_s
@@ -88,7 +93,7 @@ class FlipController:
                 log.exception("flip controller tick failed")
 
     async def tick(self) -> FlipDecision:
-        decision = self.policy.decide(snapshot(self.registry), self._clock())
+        decision = self.policy.decide(snapshot(self.registry, self.demand), self._clock())
         self.last_decision = decision
         p = decision.pressure
         self.metrics.pressure.labels("prefill").set(p.prefill)

@@ -5,7 +5,10 @@ in units of "full" (1.0 = saturated):
     prefill = prompt tokens the router has in flight on prefill instances (queued there or in
               prefill; exact router counters) per prefill instance / `prefill_tokens_full`
     decode  = max(running sequences per decode instance (heartbeat) / `decode_seqs_full`,
-                  used fraction of the decode pool's KV blocks (reservations included))
+                  used fraction of the decode pool's KV blocks (reservations included),
+                  predicted demand: the predicted peak KV tokens of everything the router
+                  placed on the pool (prompt + generated + predicted remaining) / its KV
+                  capacity -- long generations that just started count before they grow)
 A pool is starved when its pressure >= `starved` and >= `ratio` x the other pool's. Then the
 least loaded instance of the other (donor) pool moves over, but only when
   - the condition held for `ticks` consecutive ticks (hysteresis: one quiet tick resets it),
@@ -39,6 +42,8 @@ class InstanceLoad:
     num_reserved: int = 0  # heartbeat: reservations waiting for KV / Decode
     free_blocks: int = 0
     total_blocks: int = 0
+    block_size: int = 0
+    predicted_kv_tokens: int = 0  # router: predicted peak KV of what it placed there
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Pressure:
     decode_running: int  # running sequences on the decode pool
     decode_used_blocks: int
     decode_total_blocks: int
+    decode_predicted_fraction: float = 0.0  # predicted peak KV / the pool's KV capacity
 
 
 @dataclass(frozen=True)
@@ -111,11 +117,15 @@ class FlipPolicy:
         running = sum(i.num_running for i in decode)
         total = sum(i.total_blocks for i in decode)
         used = total - sum(min(i.free_blocks, i.total_blocks) for i in decode)
+        capacity = sum(i.total_blocks * i.block_size for i in decode)
+        predicted = sum(i.predicted_kv_tokens for i in decode)
+        frac = predicted / capacity if capacity > 0 else 0.0
         return Pressure(
             prefill=self._prefill_pressure(tokens, len(prefill)),
-            decode=self._decode_pressure(running, used, total, len(decode)),
+            decode=max(self._decode_pressure(running, used, total, len(decode)), frac),
             n_prefill=len(prefill), n_decode=len(decode), prefill_tokens=tokens,
             decode_running=running, decode_used_blocks=used, decode_total_blocks=total,
+            decode_predicted_fraction=frac,
         )  # fmt: skip
 
     def _prefill_pressure(self, tokens: int, n: int) -> float:
@@ -174,7 +184,10 @@ class FlipPolicy:
         if donor == ROLE_PREFILL:
             return self._prefill_pressure(p.prefill_tokens, p.n_prefill - 1)
         total = p.decode_total_blocks - pick.total_blocks
-        return self._decode_pressure(p.decode_running, p.decode_used_blocks, total, p.n_decode - 1)
+        now = self._decode_pressure(p.decode_running, p.decode_used_blocks, total, p.n_decode - 1)
+        if p.decode_predicted_fraction and total > 0:  # same demand on less capacity
+            now = max(now, p.decode_predicted_fraction * p.decode_total_blocks / total)
+        return now
 
     def _hold(self, reason: str, p: Pressure, reset: bool = False) -> FlipDecision:
         if reset:

@@ -33,6 +33,7 @@ from pdserve.logging import get_logger
 from pdserve.rpc.channels import metadata_with_request_id
 from pdserve.v1 import common_pb2, worker_pb2
 
+from .length import LengthScheduling
 from .placement import RequestPlacement
 from .policies import PlacementPolicy, RouteRequest
 from .predictor import OutputLengthPredictor
@@ -74,6 +75,10 @@ class Job:
     decode_instance: str = ""
     prefill_attempts: int = 0
     output_token_ids: list[int] = field(default_factory=list)  # every token yielded so far
+    # What the length predictor may read (besides tokens, session and max_tokens):
+    prompt_text: str | None = None  # the prompt as text (chat rendered), if it came as text
+    model: str = ""
+    oracle_tokens: int = 0  # benchmark oracle mode only: the true output length
 
 
 @dataclass(frozen=True)
@@ -119,8 +124,11 @@ class Orchestrator:
         use_kvstore: bool = False,
         write_back: bool = False,
         hasher=None,
+        length: LengthScheduling | None = None,
     ) -> None:
         self.registry, self.policy, self.predictor = registry, policy, predictor
+        # Prediction, queue, demand tracking and metrics around the lifecycle (length.py).
+        self.length = length if length is not None else LengthScheduling(predictor)
         self.workers, self.deadlines = workers, deadlines
         self.aborter = Aborter(workers, deadlines.abort_s)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -133,7 +141,7 @@ class Orchestrator:
         route = RouteRequest(
             job.request_id, job.token_ids, session_id=job.session_id, hasher=self.hasher
         )
-        route.predicted_tokens = self.predictor.predict(len(job.token_ids), job.params.max_tokens)
+        ticket = await self.length.predict(job, route, self._predictor_block_size())
         if self.registry.candidates(ROLE_PREFILL) and self.registry.candidates(ROLE_DECODE):
             lifecycle = self._disagg
         elif self.registry.candidates(ROLE_COLOCATED):
@@ -142,18 +150,22 @@ class Orchestrator:
             raise UnavailableError("no decode (or colocated) instance is available")
         else:
             raise UnavailableError("no prefill instance is available")
+        await self.length.admit(ticket)  # the overload queue (no-op without a limit)
         placement = RequestPlacement(job.request_id, self.registry, self.aborter)
         gen = lifecycle(job, route, placement)
+        finished = False
         try:
             async for chunk in gen:
                 job.output_token_ids.extend(chunk.token_ids)
+                self.length.progress(ticket, len(chunk.token_ids))
+                finished = finished or bool(chunk.finish_reason)
                 yield chunk
         finally:
             try:
                 await gen.aclose()
             finally:
                 placement.close()  # the one place a request's footprint is released
-                self.predictor.observe(len(job.token_ids), len(job.output_token_ids))
+                self.length.done(ticket, len(job.output_token_ids), finished)
 
     async def close(self) -> None:
         """Wait for pending background aborts."""
@@ -319,16 +331,18 @@ class Orchestrator:
                 continue
             job.decode_instance = decode.instance_id
             placement.reserved(decode, resp.ticket)
+            self.length.placed(job.request_id, decode.instance_id, len(prompt), route)
             return decode
 
     def _reserve_request(
         self, job: Job, route: RouteRequest, prompt: list[int]
     ) -> worker_pb2.ReserveRequest:
-        """How much KV to ask for: the prompt plus the predicted output."""
+        """How much KV to ask for: the prompt plus bounded headroom for the predicted
+        output (`route.reserve_tokens`; the worker holds it when free, best effort)."""
         return worker_pb2.ReserveRequest(
             request_id=job.request_id,
             num_prompt_tokens=len(prompt),
-            num_predicted_tokens=route.predicted_tokens,
+            num_predicted_tokens=route.reserve_tokens,
             lease_s=self.lease_s,
             # early admission: decoding starts the moment the KV lands
             prompt_token_ids=prompt,
@@ -366,6 +380,13 @@ class Orchestrator:
                 self._give_up_or_retry(failure, job, ROLE_COLOCATED, tried)
 
     # -------------------------------------------------------------- helpers
+    def _predictor_block_size(self) -> int:
+        """Block size for the predictor's prefix memory: the cluster's (any instance)."""
+        for inst in self.registry.instances():
+            if inst.block_size > 0:
+                return inst.block_size
+        return 0
+
     async def _relay(
         self, call, inst: Instance, job: Job, placement: RequestPlacement, what: str
     ) -> AsyncIterator[Chunk]:

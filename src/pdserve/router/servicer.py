@@ -35,6 +35,21 @@ def worker_request_id(rid: str) -> str:
     return f"{rid[: MAX_ID_CHARS - 9]}.{secrets.token_hex(4)}"
 
 
+ORACLE_METADATA = "pdserve-oracle-tokens"
+
+
+def oracle_tokens(context) -> int:
+    """The true output length a benchmark request carries (metadata); honored by the
+    length scheduling only when the router runs with predictor_oracle."""
+    try:
+        for key, value in context.invocation_metadata() or ():
+            if key == ORACLE_METADATA:
+                return max(0, int(value))
+    except (AttributeError, TypeError, ValueError):
+        return 0
+    return 0
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(
         self,
@@ -73,16 +88,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise AlreadyExistsError(f"request_id {rid!r} is already in flight")
         self.inflight.add(rid)
         try:
-            async for resp in self._generate(request, rid, t0):
+            async for resp in self._generate(request, rid, t0, context):
                 yield resp
         finally:
             self.inflight.discard(rid)
 
     async def _generate(
-        self, request: router_pb2.GenerateRequest, rid: str, t0: float
+        self, request: router_pb2.GenerateRequest, rid: str, t0: float, context
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         check_raw_request(request, self.limits)
         job, stops = await self._prepare(request, rid)
+        job.oracle_tokens = oracle_tokens(context)
         text = TextStream(self.model.detokenizer(), stops)
         self.totals.requests += 1
         self.totals.running += 1
@@ -137,6 +153,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             model=self.model.name,
             kvstore_address=self.kvstore_addr,
         )
+        length = self.orch.length
+        resp.predictor = length.predictor.name
+        resp.predictor_kendall_tau = length.running_tau()
+        resp.predictor_observed = length.learned
+        resp.queue_waiting = length.queue.waiting if length.queue is not None else 0
         for inst in self.registry.instances():
             state = "suspect" if inst.suspect_since is not None else inst.state
             resp.instances.append(
@@ -157,14 +178,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, rid: str
     ) -> tuple[Job, list[str]]:
         kind = request.WhichOneof("prompt")
+        prompt_text = None  # what the length predictor reads
         if kind == "text":
             if not request.text:
                 raise InvalidRequestError("prompt", "text must not be empty")
             token_ids = await asyncio.to_thread(self.model.encode, request.text)
+            prompt_text = request.text
         elif kind == "chat":
             messages = [(m.role, m.content) for m in request.chat.messages]
             check_messages(messages)
             token_ids = await asyncio.to_thread(self.model.encode_chat, messages)
+            prompt_text = "\n".join(content for _, content in messages)
         elif kind == "token_ids":
             token_ids = list(request.token_ids.ids)
         else:
@@ -195,6 +219,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             params=params,
             sampling=sampling,
             session_id=request.session_id,
+            prompt_text=prompt_text,
+            model=self.model.name,
         ), stops
 
     def _usage(self, job: Job, n_out: int, t0: float, t_first: float) -> router_pb2.Usage:

@@ -77,6 +77,54 @@ class RouterSettings(ServiceSettings):
     predictor_initial: float = Field(
         64.0, gt=0, description="predicted output length before any request finished"
     )
+    # -- output-length prediction and the scheduling that reads it (length.py)
+    predictor: Literal["ewma", "online"] = Field(
+        "online",
+        description="output-length predictor: ewma (one number for all) or online (text "
+        "model + prefix/session memory + per-model calibration, learning from finished "
+        "requests)",
+    )
+    predictor_path: str | None = Field(
+        None,
+        description="length model artifact DIR (pdserve predictor train); default: the "
+        "shipped one; 'none' = no text model (online memory only)",
+    )
+    predictor_oracle: bool = Field(
+        False,
+        description="BENCHMARK ONLY: trust the true output length a request carries in "
+        "its pdserve-oracle-tokens metadata",
+    )
+    predictor_use_max_tokens: bool = Field(
+        True,
+        description="let the predictor clamp to max_tokens (off for benchmarks whose "
+        "max_tokens is the true length)",
+    )
+    decode_placement: Literal["count", "predicted"] = Field(
+        "count",
+        description="decode placement: count (the policy's request counts) or predicted "
+        "(least predicted KV footprint over the request's predicted lifetime)",
+    )
+    reserve_max_tokens: int = Field(
+        0,
+        ge=0,
+        description="decode KV headroom reserved for the predicted output (p90), at most "
+        "(0 = none: the decode grows the block table as it goes)",
+    )
+    queue_max_running_per_decode: int = Field(
+        0,
+        ge=0,
+        description="router overload queue: requests running per decode (or colocated) "
+        "instance before new ones wait in the router (0 = no router queue)",
+    )
+    queue_order: Literal["fcfs", "sjf"] = Field(
+        "sjf", description="overload queue order: sjf (shortest predicted first, aged) or fcfs"
+    )
+    queue_aging_tokens_per_s: float = Field(
+        64.0, ge=0, description="sjf aging: a waiter's predicted length shrinks this much per s"
+    )
+    queue_max_wait_s: float = Field(
+        60.0, gt=0, description="a waiter this old goes before everyone else, seconds"
+    )
     # -- flip controller (flip.py): move workers between the prefill and decode pools
     flip_enabled: bool = Field(
         False, description="let the router flip workers between prefill and decode"

@@ -192,11 +192,18 @@ class WorkerCore:
         lease_s: float,
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None,
+        num_predicted_tokens: int = 0,
     ) -> Ticket:
-        """Reserve KV for a request; it is admitted as soon as its KV and token 0 arrive."""
+        """Reserve KV for a request; it is admitted as soon as its KV and token 0 arrive.
+        `num_predicted_tokens`: output-length headroom the router asks for (best effort)."""
         self._accept("decode", "colocated")
         return await self.parts.decode.reserve(
-            request_id, num_prompt_tokens, lease_s or None, prompt_token_ids, params
+            request_id,
+            num_prompt_tokens,
+            lease_s or None,
+            prompt_token_ids,
+            params,
+            num_predicted_tokens,
         )
 
     async def prefill(

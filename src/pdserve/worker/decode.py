@@ -119,7 +119,11 @@ class DecodeHandler:
         lease_s: float | None,
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None,
+        num_predicted_tokens: int = 0,
     ) -> Ticket:
+        """`num_predicted_tokens`: the router's (bounded) output-length headroom; the
+        reservation holds those blocks too when they are free (best effort: without
+        them, the sequence grows or is preempted as it decodes, with exact tokens)."""
         if num_prompt_tokens < 1:
             raise InvalidRequestError("num_prompt_tokens", "must be at least 1")
         if len(prompt_token_ids) != num_prompt_tokens:
@@ -135,7 +139,14 @@ class DecodeHandler:
         try:
             # +1: the block table must also hold token 0, which the decode computes first.
             # Cancel-safe: a cancelled reserve releases what the engine reserved.
-            await self._engine.reserve(request_id, num_prompt_tokens + 1)
+            try:
+                await self._engine.reserve(
+                    request_id, num_prompt_tokens + 1 + max(0, num_predicted_tokens)
+                )
+            except OverloadedError:
+                if num_predicted_tokens <= 0:
+                    raise
+                await self._engine.reserve(request_id, num_prompt_tokens + 1)
         except OverloadedError:  # no room now: the router waits and retries
             self.counters["reservations_refused"] += 1
             raise

@@ -46,6 +46,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             request.lease_s,
             list(request.prompt_token_ids),
             self._sampling(request.sampling) if request.HasField("sampling") else None,
+            request.num_predicted_tokens,
         )
         return worker_pb2.ReserveResponse(ticket=convert.ticket_to_proto(ticket))
 

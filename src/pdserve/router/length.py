@@ -1,0 +1,198 @@
+"""Length-aware scheduling around a request's lifecycle (the orchestrator calls it):
+
+predict   -> a LengthQuery from what the router knows (prompt text or tokens,
+             model, max_tokens, session, block-hash prefix; the true length only
+             in oracle mode), the predictor's p50/p90, the RouteRequest filled in:
+             predicted_tokens (p50: placement, queue order) and reserve_tokens
+             (decode KV headroom = min(p90, max_tokens, reserve_max_tokens))
+admit     -> the overload queue (SJF with aging, or FCFS), when configured
+placed    -> the decode's predicted demand (demand.DecodeDemand)
+progress  -> tokens streamed so far (the demand shrinks as the request runs)
+done      -> demand and queue slot released; a finished request's true length is
+             learned online and scored (metrics, running Kendall tau)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pdserve.logging import get_logger
+from pdserve.rpc.metrics import Metrics
+
+from .demand import DecodeDemand
+from .overload_queue import OverloadQueue
+from .policies import RouteRequest
+from .predictor import LengthEstimate, LengthQuery, OutputLengthPredictor
+from .predictor.stats import kendall_tau
+
+if TYPE_CHECKING:
+    from .orchestrator import Job
+
+log = get_logger("pdserve.router.length")
+
+UNBOUNDED = 1 << 30
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_LOG2_ERR_BUCKETS = (-4, -3, -2, -1.5, -1, -0.5, -0.25, 0, 0.25, 0.5, 1, 1.5, 2, 3, 4)
+_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class LengthMetrics:
+    def __init__(self, metrics: Metrics) -> None:
+        m = metrics
+        self.log2_error = m.histogram(
+            "router_length_prediction_log2_error",
+            "log2(actual / predicted p50) of finished requests' output length",
+            buckets=_LOG2_ERR_BUCKETS,
+        )
+        self.predicted = m.histogram(
+            "router_length_predicted_tokens", "predicted p50 output tokens", buckets=_TOKEN_BUCKETS
+        )
+        self.actual = m.histogram(
+            "router_length_actual_tokens", "actual output tokens", buckets=_TOKEN_BUCKETS
+        )
+        self.p90_covered = m.counter(
+            "router_length_p90_covered", "finished requests whose length was <= predicted p90"
+        )
+        self.tau = m.gauge(
+            "router_length_running_kendall_tau",
+            "Kendall tau of predicted p50 vs actual over the recent window",
+        )
+        self.queue_waiting = m.gauge("router_queue_waiting", "requests in the overload queue")
+        self.queue_wait = m.histogram(
+            "router_queue_wait_seconds", "time spent in the overload queue", buckets=_WAIT_BUCKETS
+        )
+        self.predicted_kv = m.gauge(
+            "router_decode_predicted_kv_tokens",
+            "predicted peak KV tokens of what the router placed on a decode instance",
+            ["instance"],
+        )
+
+
+@dataclass
+class LengthTicket:
+    request_id: str
+    query: LengthQuery
+    estimate: LengthEstimate
+    route: RouteRequest
+    admitted: bool = False
+    t0: float = field(default_factory=time.monotonic)
+
+
+class LengthScheduling:
+    def __init__(
+        self,
+        predictor: OutputLengthPredictor,
+        *,
+        demand: DecodeDemand | None = None,
+        queue: OverloadQueue | None = None,
+        reserve_max_tokens: int = 0,
+        oracle: bool = False,
+        use_max_tokens: bool = True,
+        metrics: LengthMetrics | None = None,
+        window: int = 512,
+    ) -> None:
+        self.predictor = predictor
+        self.demand = demand if demand is not None else DecodeDemand()
+        self.queue = queue
+        self.reserve_max_tokens = reserve_max_tokens
+        self.oracle = oracle
+        # False: the predictor does not see max_tokens (benchmarks whose max_tokens is the
+        # true length would otherwise leak it); the KV headroom is still capped by it.
+        self.use_max_tokens = use_max_tokens
+        self.metrics = metrics
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=window)
+        self.learned = 0
+
+    # -- before placement
+    def query(self, job: Job, route: RouteRequest, block_size: int) -> LengthQuery:
+        return LengthQuery(
+            num_prompt_tokens=len(job.token_ids),
+            max_tokens=job.params.max_tokens if self.use_max_tokens else UNBOUNDED,
+            model=job.model,
+            text=job.prompt_text,
+            block_hashes=tuple(route.hashes_for(block_size)) if block_size else (),
+            session_id=job.session_id,
+            oracle_tokens=job.oracle_tokens if self.oracle else 0,
+        )
+
+    async def predict(self, job: Job, route: RouteRequest, block_size: int) -> LengthTicket:
+        q = self.query(job, route, block_size)
+        try:
+            if q.text:  # featurizing text takes milliseconds: off the event loop
+                est = await asyncio.to_thread(self.predictor.estimate, q)
+            else:
+                est = self.predictor.estimate(q)
+        except Exception:  # a predictor bug must not fail requests
+            log.exception("length prediction failed")
+            est = LengthEstimate(q.max_tokens, q.max_tokens, "error")
+        est = est.clamp(q.max_tokens)
+        route.predicted_tokens = est.tokens(q.max_tokens)
+        route.predicted_p90 = max(route.predicted_tokens, math.ceil(est.p90))
+        if self.reserve_max_tokens > 0:
+            route.reserve_tokens = min(
+                route.predicted_p90, self.reserve_max_tokens, job.params.max_tokens
+            )
+        return LengthTicket(job.request_id, q, est, route)
+
+    async def admit(self, ticket: LengthTicket) -> None:
+        if self.queue is None:
+            return
+        if self.metrics is not None:
+            self.metrics.queue_waiting.set(self.queue.waiting + 1)
+        try:
+            waited = await self.queue.acquire(ticket.route.predicted_tokens)
+        finally:
+            if self.metrics is not None:
+                self.metrics.queue_waiting.set(self.queue.waiting)
+        ticket.admitted = True
+        if self.metrics is not None:
+            self.metrics.queue_wait.observe(waited)
+
+    # -- while it runs
+    def placed(self, request_id: str, instance_id: str, prompt_tokens: int, route: RouteRequest):
+        self.demand.add(request_id, instance_id, prompt_tokens, route.predicted_tokens)
+
+    def progress(self, ticket: LengthTicket, new_tokens: int) -> None:
+        self.demand.progress(ticket.request_id, new_tokens)
+
+    def done(self, ticket: LengthTicket, completion_tokens: int, finished: bool) -> None:
+        self.demand.remove(ticket.request_id)
+        if ticket.admitted and self.queue is not None:
+            ticket.admitted = False
+            self.queue.release()
+        if not finished or completion_tokens <= 0:
+            return  # cancelled or failed: the length is unknown (censored)
+        try:
+            self.predictor.learn(ticket.query, completion_tokens)
+        except Exception:
+            log.exception("length predictor failed to learn")
+        self.learned += 1
+        self._pairs.append((ticket.estimate.p50, float(completion_tokens)))
+        if self.metrics is not None:
+            m = self.metrics
+            m.log2_error.observe(math.log2(completion_tokens / max(1.0, ticket.estimate.p50)))
+            m.predicted.observe(ticket.estimate.p50)
+            m.actual.observe(completion_tokens)
+            if completion_tokens <= ticket.estimate.p90:
+                m.p90_covered.inc()
+
+    # -- introspection
+    def running_tau(self) -> float:
+        if len(self._pairs) < 2:
+            return 0.0
+        p, a = zip(*self._pairs, strict=True)
+        tau = kendall_tau(p, a)
+        if self.metrics is not None:
+            self.metrics.tau.set(tau)
+        return tau
+
+    def refresh_gauges(self, decode_ids: list[str]) -> None:
+        if self.metrics is not None:
+            for iid in decode_ids:
+                self.metrics.predicted_kv.labels(iid).set(self.demand.footprint(iid))
+            self.running_tau()

@@ -1,0 +1,107 @@
+"""The router's overload queue: at most `limit()` requests run at once; the rest
+wait here and are let in as running ones finish.
+
+Order: `sjf` lets in the waiter with the smallest predicted length first, aged
+by its wait (score = predicted tokens - aging_tokens_per_s x waited seconds),
+and anyone who has waited `max_wait_s` goes before all others (oldest first),
+so no request waits unboundedly; `fcfs` lets them in by arrival. Pure asyncio,
+no I/O; the clock is injected for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+ORDERS = ("fcfs", "sjf")
+
+
+@dataclass
+class _Waiter:
+    seq: int
+    predicted: float
+    since: float
+    future: asyncio.Future = field(repr=False)
+
+
+class OverloadQueue:
+    def __init__(
+        self,
+        limit: Callable[[], int],
+        order: Literal["fcfs", "sjf"] = "sjf",
+        aging_tokens_per_s: float = 64.0,
+        max_wait_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if order not in ORDERS:
+            raise ValueError(f"unknown queue order {order!r}; choose one of {ORDERS}")
+        self.limit = limit
+        self.order = order
+        self.aging_tokens_per_s = aging_tokens_per_s
+        self.max_wait_s = max_wait_s
+        self._clock = clock
+        self._seq = itertools.count()
+        self._waiters: list[_Waiter] = []
+        self.running = 0
+        self.admitted_total = 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def _open(self) -> bool:
+        n = self.limit()
+        return n <= 0 or self.running < n
+
+    def score(self, w: _Waiter, now: float) -> tuple[float, ...]:
+        waited = now - w.since
+        if waited >= self.max_wait_s:
+            return (0.0, w.since, w.seq)  # overdue: before everyone else, oldest first
+        if self.order == "fcfs":
+            return (1.0, w.seq)
+        return (1.0, w.predicted - self.aging_tokens_per_s * waited, w.seq)
+
+    def _next(self) -> _Waiter:
+        now = self._clock()
+        return min(self._waiters, key=lambda w: self.score(w, now))
+
+    def dispatch(self) -> int:
+        """Let waiters in while there is room; returns how many. Also call it when the
+        limit grew (an instance joined)."""
+        n = 0
+        while self._waiters and self._open():
+            w = self._next()
+            self._waiters.remove(w)
+            if w.future.done():  # cancelled
+                continue
+            self.running += 1
+            self.admitted_total += 1
+            w.future.set_result(None)
+            n += 1
+        return n
+
+    async def acquire(self, predicted_tokens: float) -> float:
+        """Wait for a slot; returns the seconds waited. Pair with `release()`."""
+        t0 = self._clock()
+        if not self._waiters and self._open():
+            self.running += 1
+            self.admitted_total += 1
+            return 0.0
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(_Waiter(next(self._seq), float(predicted_tokens), t0, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # admitted as we were cancelled
+                self.release()
+            else:
+                self._waiters = [w for w in self._waiters if w.future is not fut]
+            raise
+        return self._clock() - t0
+
+    def release(self) -> None:
+        self.running = max(0, self.running - 1)
+        self.dispatch()
