@@ -45,6 +45,7 @@ class ManagedProcess:
     cpu: int | None = None
     popen: subprocess.Popen | None = None
     port: int | None = None
+    info: dict = field(default_factory=dict)  # the READY line's JSON
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
@@ -87,6 +88,7 @@ class ManagedProcess:
             info = self.ready_info()
             if info is not None:
                 self.port = int(info["port"])
+                self.info = info
                 return self.port
             if not self.alive:
                 raise RuntimeError(
@@ -126,6 +128,7 @@ class ClusterConfig:
     kvstore: bool = False
     kvstore_capacity_bytes: int = 1 << 30
     port: int = 50051  # router port; 0 = any free port
+    http_port: int | None = None  # router's OpenAI HTTP API; 0 = any free port; None = off
     pin_cpus: bool = False
     policy: str | None = None
     log_dir: str | None = None
@@ -143,6 +146,7 @@ class Cluster:
         self.processes: dict[str, ManagedProcess] = {}
         self.model_dir: str = ""
         self.router_port: int | None = None
+        self.http_port: int | None = None
         self.kvstore_port: int | None = None
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="pdserve-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -152,6 +156,11 @@ class Cluster:
     @property
     def addr(self) -> str:
         return f"127.0.0.1:{self.router_port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the OpenAI-compatible API (…/v1), when it is on."""
+        return f"http://127.0.0.1:{self.http_port}/v1" if self.http_port else None
 
     @property
     def log_dir(self) -> Path:
@@ -169,6 +178,7 @@ class Cluster:
                 self.kvstore_port = kv.wait_ready(deadline)
             router = self._spawn("router", self._router_argv())
             self.router_port = router.wait_ready(deadline)
+            self.http_port = router.info.get("http_port")
             for name, role in self._worker_plan():
                 self._spawn(name, self._worker_argv(role), cpu=self._pick_cpu())
             for name in self.worker_names():
@@ -302,6 +312,8 @@ class Cluster:
             argv += ["--kvstore-addr", f"127.0.0.1:{self.kvstore_port}"]
         if self.config.policy:
             argv += ["--policy", self.config.policy]
+        if self.config.http_port is not None:
+            argv += ["--http-port", str(self.config.http_port)]
         return argv + list(self.config.router_args)
 
     def _worker_argv(self, role: str) -> list[str]:
