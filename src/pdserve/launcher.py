@@ -129,6 +129,7 @@ class ClusterConfig:
     kvstore_capacity_bytes: int = 1 << 30
     port: int = 50051  # router port; 0 = any free port
     http_port: int | None = None  # router's OpenAI HTTP API; 0 = any free port; None = off
+    api_key: str | None = None  # a key the router accepts (for the launcher's Status polls)
     pin_cpus: bool = False
     policy: str | None = None
     log_dir: str | None = None
@@ -236,7 +237,7 @@ class Cluster:
         when one of the workers `names` (default: all) dies meanwhile."""
         while time.monotonic() < deadline:
             try:
-                if registered_instances(self.addr, timeout=2.0) >= count:
+                if registered_instances(self.addr, 2.0, self.config.api_key) >= count:
                     return
             except Exception:  # router still starting
                 pass
@@ -324,14 +325,15 @@ class Cluster:
         ]  # fmt: skip
 
 
-def registered_instances(addr: str, timeout: float) -> int:
+def registered_instances(addr: str, timeout: float, api_key: str | None = None) -> int:
     """How many serving instances the router at `addr` lists (a sync Status call)."""
     import grpc
 
     from pdserve.v1 import router_pb2, router_pb2_grpc
 
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     with grpc.insecure_channel(addr) as channel:
         status = router_pb2_grpc.RouterStub(channel).Status(
-            router_pb2.StatusRequest(), timeout=timeout
+            router_pb2.StatusRequest(), timeout=timeout, metadata=metadata
         )
     return sum(1 for inst in status.instances if inst.state == "serving")

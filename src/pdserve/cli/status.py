@@ -50,6 +50,8 @@ def format_table(status) -> str:
     lines += [
         "",
         f"model: {status.model or '-'}    kvstore: {status.kvstore_address or '-'}",
+        f"vocab: {status.vocab_size or '-'}    context: {status.context_length or '-'}    "
+        f"block size: {status.block_size or '-'}    dtype: {status.dtype or '-'}",
         f"requests: {status.requests_total} total, {status.requests_running} running",
         f"prompt tokens: {status.prompt_tokens_total}, cached: {status.cached_tokens_total} "
         f"(hit rate {status.cache_hit_rate:.1%})",

@@ -23,6 +23,7 @@ class Client:
         timeout: float | None = None,
         max_retries: int = 3,
         retry_backoff_s: float = 0.1,
+        api_key: str | None = None,
     ) -> None:
         self.addr = addr
         self._loop = asyncio.new_event_loop()
@@ -33,7 +34,11 @@ class Client:
 
         async def make() -> AsyncClient:  # the channel must be created on its loop
             return AsyncClient(
-                addr, timeout=timeout, max_retries=max_retries, retry_backoff_s=retry_backoff_s
+                addr,
+                timeout=timeout,
+                max_retries=max_retries,
+                retry_backoff_s=retry_backoff_s,
+                api_key=api_key,
             )
 
         self._aclient = self._run(make())
