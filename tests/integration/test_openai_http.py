@@ -7,6 +7,7 @@ Retry-After, and cached_tokens grows over a chat's turns. Also reflection and St
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import httpx
@@ -170,12 +171,12 @@ def test_concurrency_limit_is_429_with_retry_after(cluster, model_name):
                 ok = c.completions.create(model=model_name, prompt="hi", max_tokens=2)
                 break
             except openai.RateLimitError:
-                import time
-
                 time.sleep(0.1)
         else:
             pytest.fail("the key's slot was not released after the stream closed")
         assert ok.choices[0].finish_reason in ("length", "stop")
+    log = cluster.processes["router"].log_path.read_text()
+    assert "request cancelled by the client" in log  # the closed stream left a line
 
 
 def test_cached_tokens_grow_over_a_chat(oai, model_name):
@@ -205,7 +206,12 @@ def test_http_errors_name_the_parameter(cluster, model_name):
         ("/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
         ("/completions", {"prompt": "hi", "max_tokens": "x"}, 400, "max_tokens"),
         ("/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
-        ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt"}, 404, None),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "model": "gpt"},
+            404,
+            None,
+        ),
     ]
     for path, body, status, param in cases:
         r = httpx.post(url + path, json=body, headers=auth)

@@ -45,7 +45,30 @@ class Client:
         self._closed = False
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Run `coro` on the client's loop and wait. Interrupted (Ctrl-C), it cancels the
+        coroutine and waits until it stopped (so e.g. a stream's call is cancelled and the
+        stream can be closed) before re-raising."""
+        box: list[asyncio.Task] = []
+
+        async def guarded() -> T:
+            box.append(asyncio.current_task())  # type: ignore[arg-type]
+            return await coro
+
+        fut = asyncio.run_coroutine_threadsafe(guarded(), self._loop)
+        try:
+            return fut.result()
+        except KeyboardInterrupt:
+            if box:
+                task = box[0]
+                self._loop.call_soon_threadsafe(task.cancel)
+
+                async def settled() -> None:
+                    await asyncio.wait({task})
+
+                asyncio.run_coroutine_threadsafe(settled(), self._loop).result(timeout=10)
+            else:
+                fut.cancel()
+            raise
 
     def generate_stream(
         self, *, timeout: float | None = None, **kwargs: Any
