@@ -7,6 +7,7 @@ import json
 import signal
 import sys
 import time
+from pathlib import Path
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -29,6 +30,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kvstore-capacity-bytes", type=int, default=1 << 30)
     p.add_argument("--port", type=int, default=50051, help="router port (0 = any free port)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="OpenAI-compatible HTTP API port (0 = any free port)",
+    )
+    p.add_argument("--no-http", action="store_true", help="no HTTP API (gRPC only)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require this API key (repeatable); default: an open API",
+    )
+    p.add_argument(
+        "--api-keys-file", help="JSON keys file with per-key limits (see docs/HTTP_API.md)"
+    )
     p.add_argument("--pin-cpus", action="store_true", help="pin each worker to its own core")
     p.add_argument("--policy", help="router placement policy")
     p.add_argument("--log-dir", help="where each process writes its log (default: a temp dir)")
@@ -56,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"pdserve up: --{name} must be at least 1", file=sys.stderr)
             return 2
+    router_args = list(args.router_arg)
+    for key in args.api_key:
+        router_args += ["--api-key", key]
+    if args.api_keys_file:
+        router_args += ["--api-keys-file", args.api_keys_file]
     config = ClusterConfig(
         model=args.model,
         mode=args.mode,
@@ -69,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy,
         log_dir=args.log_dir,
         worker_args=list(args.worker_arg),
-        router_args=list(args.router_arg),
+        router_args=router_args,
+        http_port=None if args.no_http else args.http_port,
+        api_key=args.api_key[0] if args.api_key else _first_file_key(args.api_keys_file),
     )
     # A plain flag: a signal handler must not take locks (threading.Event.set does, and a
     # second signal arriving inside it deadlocks the launcher).
@@ -85,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve up: failed to start: {exc}", file=sys.stderr)
         return 1
     try:
-        _print_banner(cluster)
+        _print_banner(cluster, args)
         while not stop_signals:
             time.sleep(0.2)  # interrupted by a signal; the handler only appends to a list
             for name, proc in cluster.processes.items():
@@ -98,16 +123,71 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_banner(cluster) -> None:
-    workers = ", ".join(
+def _first_file_key(path: str | None) -> str | None:
+    """A key from the keys file, for the launcher's own Status polls."""
+    if not path:
+        return None
+    from pdserve.router.auth import read_keys_file
+
+    try:
+        entries = read_keys_file(Path(path))
+    except ValueError:
+        return None  # the router reports the problem
+    return str(entries[0].get("key")) if entries else None
+
+
+def pdserve_command() -> str:
+    """How to run `pdserve` so that the printed line works as is: the console script next to
+    this Python when there is one (a venv's bin/), else `python -m pdserve.cli.main`."""
+    script = Path(sys.executable).parent / "pdserve"
+    if script.exists():
+        return str(script)
+    return f"{sys.executable} -m pdserve.cli.main"
+
+
+def banner_lines(cluster, model_given: bool, keys: list[str], keys_file: str | None) -> list[str]:
+    procs = ", ".join(
         f"{n} (pid {p.popen.pid}, port {p.port})" for n, p in cluster.processes.items()
     )
-    print(f"pdserve: model {cluster.model_dir}")
-    print(f"pdserve: processes: {workers}")
-    print(f"pdserve: router listening on {cluster.addr}")
-    print(f'  try:  pdserve generate --addr {cluster.addr} --prompt "Hello" --max-tokens 16')
-    print(f"        pdserve chat --addr {cluster.addr}")
-    print(f"        pdserve status --addr {cluster.addr}")
-    print("pdserve: Ctrl-C stops everything")
+    cmd = pdserve_command()
+    lines = [f"pdserve: model {cluster.model_dir}"]
+    if not model_given:
+        lines.append(
+            "pdserve: this is the built-in tiny model with RANDOM weights: its replies are "
+            "gibberish; start with --model DIR for a real checkpoint"
+        )
+    lines.append(f"pdserve: processes: {procs}")
+    lines.append(f"pdserve: gRPC API on {cluster.addr}")
+    if cluster.http_url:
+        lines.append(f"pdserve: OpenAI-compatible HTTP API on {cluster.http_url}")
+    if keys or keys_file:
+        lines.append("pdserve: API keys required (authorization: Bearer KEY)")
+        key_flag = " --api-key KEY"
+        curl_auth = " -H 'authorization: Bearer KEY'"
+    else:
+        lines.append("pdserve: no API key configured: the API is open to anyone who can reach it")
+        key_flag = curl_auth = ""
+    lines += [
+        f'  try:  {cmd} generate --addr {cluster.addr}{key_flag} --prompt "Hello" --max-tokens 16',
+        f"        {cmd} chat --addr {cluster.addr}{key_flag}",
+        f"        {cmd} status --addr {cluster.addr}{key_flag}",
+    ]
+    if cluster.http_url:
+        body = '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
+        lines.append(
+            f"        curl -s {cluster.http_url}/chat/completions{curl_auth} "
+            f"-H 'content-type: application/json' -d '{body}'"
+        )
+    if sys.prefix != sys.base_prefix:  # a virtual environment: `pdserve` after activating it
+        lines.append(f"  (or `source {sys.prefix}/bin/activate` and use plain `pdserve`)")
+    lines.append("pdserve: Ctrl-C stops everything")
+    return lines
+
+
+def _print_banner(cluster, args: argparse.Namespace) -> None:
+    for line in banner_lines(cluster, bool(args.model), args.api_key, args.api_keys_file):
+        print(line)
     info = {"service": "cluster", "port": cluster.router_port, "log_dir": str(cluster.log_dir)}
+    if cluster.http_port:
+        info["http_port"] = cluster.http_port
     print("PDSERVE_READY " + json.dumps(info), flush=True)

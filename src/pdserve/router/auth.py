@@ -83,7 +83,7 @@ class ApiKeys:
         for secret in secrets:
             add(secret.strip(), key_id(secret.strip()), 0, 0)
         if file:
-            for entry in _read_file(Path(file)):
+            for entry in read_keys_file(Path(file)):
                 secret = str(entry.get("key") or "")
                 add(
                     secret,
@@ -115,7 +115,7 @@ class ApiKeys:
         return found
 
 
-def _read_file(path: Path) -> list[dict[str, Any]]:
+def read_keys_file(path: Path) -> list[dict[str, Any]]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
