@@ -7,7 +7,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-TOOLS = ("engine", "transfer", "serve", "compare", "multiturn", "admission", "rescore")
+TOOLS = (
+    "engine",
+    "transfer",
+    "serve",
+    "compare",
+    "multiturn",
+    "admission",
+    "rescore",
+    "frontdoor",
+)
 
 
 def add_parser(subparsers: Any) -> None:
