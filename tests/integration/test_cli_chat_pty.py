@@ -157,6 +157,7 @@ def test_ctrl_c_cancels_the_reply_and_keeps_the_session(router):
     t.send("//slash\n")
     t.expect("w2 ")
     assert router.requests[-1].chat.messages[-1].content == "/slash"
+    t.expect("> ")  # the reply is over: this Ctrl-C is at the prompt
     t.send("\x03")
     t.expect("Ctrl-C again")
     t.send("\x03")

@@ -128,27 +128,40 @@ class ChatLoop:
             )
 
     def run(self) -> int:
+        while True:
+            try:
+                step = self._step()
+            except KeyboardInterrupt:  # between reading and streaming: like one at the prompt
+                if self._interrupted:
+                    return 0
+                self._interrupted = True
+                self.err.write("\n(Ctrl-C again or Ctrl-D to exit)\n")
+                self.err.flush()
+                continue
+            if step is not None:
+                return step
+
+    def _step(self) -> int | None:
+        """One prompt and its reply; an exit status to leave."""
         from pdserve.client import InvalidArgument, ResourceExhausted
 
-        while True:
-            line = self.read()
-            if line is None:
-                if self.interactive:
-                    self.out.write("\n")
-                return 0
-            text = line.strip()
-            if not text:
-                continue
-            if text.startswith("/") and not text.startswith("//"):
-                if not self.command(text):
-                    return 0
-                continue
-            if text.startswith("//"):
-                text = text[1:]
-            try:
-                self.reply(text)
-            except (InvalidArgument, ResourceExhausted) as exc:  # this turn only
-                print(f"\nerror: {type(exc).__name__}: {exc.message}", file=self.err)
+        line = self.read()
+        if line is None:
+            if self.interactive:
+                self.out.write("\n")
+            return 0
+        text = line.strip()
+        if not text:
+            return None
+        if text.startswith("/") and not text.startswith("//"):
+            return None if self.command(text) else 0
+        if text.startswith("//"):
+            text = text[1:]
+        try:
+            self.reply(text)
+        except (InvalidArgument, ResourceExhausted) as exc:  # this turn only
+            print(f"\nerror: {type(exc).__name__}: {exc.message}", file=self.err)
+        return None
 
 
 def _readline() -> None:
@@ -166,7 +179,14 @@ def run(args: argparse.Namespace) -> int:
         _readline()
     try:
         with Client(args.addr, timeout=args.timeout, api_key=args.api_key) as client:
-            status = client.status(timeout=5.0)  # fail fast, with one line, when it is down
+            try:
+                status = client.status(timeout=5.0)  # fail fast, in one line, when it is down
+            except Unavailable as exc:
+                print(
+                    f"error: cannot reach the router at {args.addr}: {exc.message}",
+                    file=sys.stderr,
+                )
+                return 1
             session = ChatSession(
                 client,
                 system=args.system,
@@ -179,9 +199,6 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
             return ChatLoop(session, sys.stdout, sys.stderr, interactive).run()
-    except Unavailable as exc:
-        print(f"error: cannot reach the router at {args.addr}: {exc.message}", file=sys.stderr)
-        return 1
     except PdserveClientError as exc:
         print(f"error: {type(exc).__name__}: {exc.message}", file=sys.stderr)
         return 1

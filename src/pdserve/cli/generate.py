@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(exc, InvalidArgument):
             print(f"error: invalid {exc.message}", file=sys.stderr)
             return EXIT_INVALID
-        if isinstance(exc, Unavailable):
-            print(f"error: cannot reach the router at {args.addr}: {exc.message}", file=sys.stderr)
+        if isinstance(exc, Unavailable):  # router down, or no worker it needs
+            print(f"error: Unavailable (router {args.addr}): {exc.message}", file=sys.stderr)
             return 1
         if isinstance(exc, PdserveClientError):
             print(f"error: {type(exc).__name__}: {exc.message}", file=sys.stderr)
