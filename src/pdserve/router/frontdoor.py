@@ -51,6 +51,12 @@ class FrontDoor:
         self.idle = asyncio.Event()
         self.idle.set()
 
+    async def drain(self) -> None:
+        """Refuse new requests (both doors: UNAVAILABLE / 503); return once the running
+        ones are done."""
+        self.draining = True
+        await self.idle.wait()
+
     def authenticate(self, authorization: str | None) -> ApiKey:
         return self.keys.authenticate(authorization)
 
