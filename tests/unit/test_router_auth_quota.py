@@ -7,6 +7,7 @@ import json
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from pdserve.errors import OverloadedError, UnauthenticatedError
 from pdserve.router import quota as quota_mod
@@ -78,8 +79,19 @@ def test_metadata_value():
     assert metadata_value(md) == "Bearer k" and metadata_value(None) is None
 
 
+def _value(q: Quotas, name: str, **labels) -> float:
+    return q.registry.get_sample_value("pdserve_" + name, labels) or 0.0
+
+
+def _quotas(**kw) -> Quotas:
+    registry = CollectorRegistry()
+    q = Quotas(Metrics(registry), **kw)
+    q.registry = registry  # type: ignore[attr-defined]
+    return q
+
+
 async def test_per_key_concurrency():
-    q = Quotas(Metrics())
+    q = _quotas()
     key = ApiKey("k", max_concurrent=2)
     async with q.admit(key), q.admit(key):
         with pytest.raises(OverloadedError) as info:
@@ -91,12 +103,15 @@ async def test_per_key_concurrency():
     async with q.admit(key):  # released
         pass
     assert q.state(key).running == 0
+    assert _value(q, "router_key_requests_total", key="k") == 3
+    assert _value(q, "router_key_rejections_total", key="k", reason="concurrency") == 1
+    assert _value(q, "router_key_streams", key="k") == 0
 
 
 async def test_tokens_per_minute(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(quota_mod.time, "monotonic", lambda: now[0])
-    q = Quotas(Metrics())
+    q = _quotas()
     key = ApiKey("k", tokens_per_minute=100)
     async with q.admit(key) as a:
         a.charge(60)
@@ -110,10 +125,12 @@ async def test_tokens_per_minute(monkeypatch):
     now[0] += 31
     async with q.admit(key):
         pass
+    assert _value(q, "router_key_tokens_total", key="k") == 110
+    assert _value(q, "router_key_rejections_total", key="k", reason="tokens_per_minute") == 1
 
 
 async def test_bounded_queue():
-    q = Quotas(Metrics(), max_running=1, max_queue=1, queue_timeout_s=5)
+    q = _quotas(max_running=1, max_queue=1, queue_timeout_s=5)
     key = ApiKey("k")
     gate = asyncio.Event()
     entered = []
@@ -135,10 +152,12 @@ async def test_bounded_queue():
     gate.set()
     await asyncio.gather(first, second)
     assert entered == [1, 2] and q.waiting == 0
+    assert _value(q, "router_key_rejections_total", key="k", reason="queue_full") == 1
+    assert _value(q, "router_queue_waiting") == 0
 
 
 async def test_queue_timeout():
-    q = Quotas(Metrics(), max_running=1, max_queue=4, queue_timeout_s=0.05)
+    q = _quotas(max_running=1, max_queue=4, queue_timeout_s=0.05)
     key = ApiKey("k")
     async with q.admit(key):
         with pytest.raises(OverloadedError) as info:
