@@ -70,61 +70,66 @@ class FrontDoor:
         bind_request_id(rid)
         if self.draining:
             raise UnavailableError("router is draining")
-        async with self.quotas.admit(key) as admission:
-            job, stops = await self._prepare(request, rid)
-            admission.charge(len(job.token_ids))
-            text = TextStream(self.model.detokenizer(), stops)
-            self.totals.requests += 1
-            self.totals.running += 1
-            self.idle.clear()
-            n_out, t_first, finish = 0, 0.0, 0
-            gen = self.orch.run(job)
-            try:
-                async for chunk in gen:
-                    step = text.push(chunk.token_ids)
-                    n_out += len(step.token_ids)
-                    admission.charge(len(step.token_ids))
-                    if not t_first:
-                        t_first = time.perf_counter()
-                    finish, delta = chunk.finish_reason, step.text
-                    if step.stopped:
-                        finish = common_pb2.FINISH_REASON_STOP
-                    elif finish:
-                        delta += text.finish()  # release held-back text (or stop inside it)
-                        if text.matcher.matched is not None:
+        progress = {"prompt_tokens": 0, "completion_tokens": 0}
+        try:
+            async with self.quotas.admit(key) as admission:
+                job, stops = await self._prepare(request, rid)
+                progress["prompt_tokens"] = len(job.token_ids)
+                admission.charge(len(job.token_ids))
+                text = TextStream(self.model.detokenizer(), stops)
+                self.totals.requests += 1
+                self.totals.running += 1
+                self.idle.clear()
+                n_out, t_first, finish = 0, 0.0, 0
+                gen = self.orch.run(job)
+                try:
+                    async for chunk in gen:
+                        step = text.push(chunk.token_ids)
+                        n_out += len(step.token_ids)
+                        progress["completion_tokens"] = n_out
+                        admission.charge(len(step.token_ids))
+                        if not t_first:
+                            t_first = time.perf_counter()
+                        finish, delta = chunk.finish_reason, step.text
+                        if step.stopped:
                             finish = common_pb2.FINISH_REASON_STOP
-                    resp = router_pb2.GenerateResponse(
-                        request_id=rid,
-                        token_ids=step.token_ids,
-                        text=delta,
-                        server_ms=(time.perf_counter() - t0) * 1000.0,
-                        finish_reason=finish,
-                    )
-                    if finish:
-                        resp.usage.CopyFrom(self._usage(job, n_out, t0, t_first))
+                        elif finish:
+                            delta += text.finish()  # release held-back text (or stop inside it)
+                            if text.matcher.matched is not None:
+                                finish = common_pb2.FINISH_REASON_STOP
+                        resp = router_pb2.GenerateResponse(
+                            request_id=rid,
+                            token_ids=step.token_ids,
+                            text=delta,
+                            server_ms=(time.perf_counter() - t0) * 1000.0,
+                            finish_reason=finish,
+                        )
+                        if finish:
+                            resp.usage.CopyFrom(self._usage(job, n_out, t0, t_first))
+                            yield resp
+                            break
                         yield resp
-                        break
-                    yield resp
-            except (asyncio.CancelledError, GeneratorExit):  # the client went away
-                self.metrics.requests.labels(finish_reason="abort").inc()
-                log.info(
-                    "request cancelled by the client",
-                    key=key.name,
-                    prompt_tokens=len(job.token_ids),
-                    completion_tokens=n_out,
-                    e2e_s=round(time.perf_counter() - t0, 4),
-                )
-                raise
-            except Exception as exc:
-                code = getattr(exc, "code", None)
-                self.metrics.errors.labels(code=getattr(code, "name", type(exc).__name__)).inc()
-                raise
-            finally:
-                await gen.aclose()  # stop string / cancel: the orchestrator aborts the workers
-                self.totals.running -= 1
-                if not self.totals.running:
-                    self.idle.set()
-            self._observe(job, key, finish, n_out, t0, t_first)
+                except (asyncio.CancelledError, GeneratorExit):  # the client went away
+                    self.metrics.requests.labels(finish_reason="abort").inc()
+                    raise
+                except Exception as exc:
+                    code = getattr(exc, "code", None)
+                    self.metrics.errors.labels(code=getattr(code, "name", type(exc).__name__)).inc()
+                    raise
+                finally:
+                    await gen.aclose()  # stop string / cancel: the orchestrator aborts the workers
+                    self.totals.running -= 1
+                    if not self.totals.running:
+                        self.idle.set()
+                self._observe(job, key, finish, n_out, t0, t_first)
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (at any stage)
+            log.info(
+                "request cancelled by the client",
+                key=key.name,
+                e2e_s=round(time.perf_counter() - t0, 4),
+                **progress,
+            )
+            raise
 
     def status(self) -> router_pb2.StatusResponse:
         vocab, context = self.model.known_limits
