@@ -243,3 +243,15 @@ def test_status_and_reflection(cluster, grpc_client, serving_model_dir):
         assert {m.name for m in router.methods} == {"Generate", "Status"}
         status_msg = pool.FindMessageTypeByName("pdserve.v1.StatusResponse")
         assert "context_length" in status_msg.fields_by_name
+
+
+def test_grpc_cancel_leaves_a_log_line(cluster, grpc_client):
+    from .conftest import wait_until
+
+    log_path = cluster.processes["router"].log_path
+    line = "request cancelled by the client"
+    before = log_path.read_text().count(line)
+    stream = grpc_client.generate_stream(prompt="Once", max_tokens=100, ignore_eos=True)
+    next(stream)
+    stream.close()  # cancels the call
+    wait_until(lambda: log_path.read_text().count(line) > before, 15, "the cancel log line")
