@@ -145,7 +145,13 @@ def pdserve_command() -> str:
     return f"{sys.executable} -m pdserve.cli.main"
 
 
-def banner_lines(cluster, model_given: bool, keys: list[str], keys_file: str | None) -> list[str]:
+def banner_lines(
+    cluster,
+    model_given: bool,
+    keys: list[str],
+    keys_file: str | None,
+    restart: bool = False,
+) -> list[str]:
     procs = ", ".join(
         f"{n} (pid {p.popen.pid}, port {p.port})" for n, p in cluster.processes.items()
     )
@@ -180,12 +186,15 @@ def banner_lines(cluster, model_given: bool, keys: list[str], keys_file: str | N
         )
     if sys.prefix != sys.base_prefix:  # a virtual environment: `pdserve` after activating it
         lines.append(f"  (or `source {sys.prefix}/bin/activate` and use plain `pdserve`)")
+    if restart:  # supervision (`--restart`, when the launcher has it)
+        lines.append("pdserve: a service that dies is restarted (--no-restart to stop instead)")
     lines.append("pdserve: Ctrl-C stops everything")
     return lines
 
 
 def _print_banner(cluster, args: argparse.Namespace) -> None:
-    for line in banner_lines(cluster, bool(args.model), args.api_key, args.api_keys_file):
+    restart = bool(getattr(args, "restart", False))
+    for line in banner_lines(cluster, bool(args.model), args.api_key, args.api_keys_file, restart):
         print(line)
     info = {"service": "cluster", "port": cluster.router_port, "log_dir": str(cluster.log_dir)}
     if cluster.http_port:
