@@ -41,3 +41,13 @@ def test_commands_work_as_printed():
     assert os.path.isabs(argv[0]) and os.access(argv[0], os.X_OK)
     line = next(x for x in banner_lines(_cluster(), False, [], None) if "try:" in x)
     assert line.split("try:")[1].split()[0] == argv[0]
+
+
+def test_http_port_defaults():
+    from pdserve.cli.main import build_parser
+    from pdserve.cli.up import _http_port
+
+    parse = build_parser().parse_args
+    assert _http_port(parse(["up"])) == 8000
+    assert _http_port(parse(["up", "--port", "0"])) == 0  # side-by-side clusters never collide
+    assert _http_port(parse(["up", "--port", "0", "--http-port", "9000"])) == 9000

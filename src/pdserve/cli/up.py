@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+DEFAULT_HTTP_PORT = 8000
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -33,8 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--http-port",
         type=int,
-        default=8000,
-        help="OpenAI-compatible HTTP API port (0 = any free port)",
+        default=None,
+        help="OpenAI-compatible HTTP API port (0 = any free port; default 8000, or any free "
+        "port with --port 0)",
     )
     p.add_argument("--no-http", action="store_true", help="no HTTP API (gRPC only)")
     p.add_argument(
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         worker_args=list(args.worker_arg),
         router_args=router_args,
-        http_port=None if args.no_http else args.http_port,
+        http_port=None if args.no_http else _http_port(args),
         api_key=args.api_key[0] if args.api_key else _first_file_key(args.api_keys_file),
     )
     # A plain flag: a signal handler must not take locks (threading.Event.set does, and a
@@ -121,6 +124,14 @@ def run(args: argparse.Namespace) -> int:
         print("pdserve: stopping", flush=True)
         cluster.stop()
     return 0
+
+
+def _http_port(args: argparse.Namespace) -> int:
+    """--http-port, else 8000; with --port 0 (tests, benchmarks) a free port too, so that
+    clusters started side by side never collide on 8000."""
+    if args.http_port is not None:
+        return args.http_port
+    return 0 if args.port == 0 else DEFAULT_HTTP_PORT
 
 
 def _first_file_key(path: str | None) -> str | None:
