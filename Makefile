@@ -1,4 +1,4 @@
-# The whole set-up on a fresh machine:  `make run`  (start pdserve on the built-in tiny model)
+# The whole set-up on a fresh machine:  `make run`  (start pdserve + kvstore on the built-in tiny model)
 #                                        `make test` (run the test suite)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,8 +16,11 @@ $(VENV)/.installed: pyproject.toml services/*/pyproject.toml
 	$(PIP) install -q -e services/router -e services/prefill -e services/decode -e services/kvstore
 	touch $@
 
+# The whole local deployment: kvstore + router (gRPC :50051, OpenAI HTTP :8000) + workers on
+# the built-in tiny model (random weights: gibberish replies). The banner prints commands
+# that work as shown; ARGS passes more flags, e.g. make run ARGS="--model DIR --api-key KEY".
 run: setup
-	$(VENV)/bin/pdserve up
+	$(VENV)/bin/pdserve up --kvstore $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

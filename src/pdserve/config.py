@@ -12,8 +12,9 @@ Each service declares its own subclass in its package::
     settings = load_settings(RouterSettings, sys.argv[1:], prog="pdserve-router")
 
 Flags are generated from the fields: `--field-name VALUE`; bools as `--x/--no-x`; list/tuple
-fields take a comma-separated list or a JSON array. Values are validated by pydantic, so a bad
-value (from the environment or a flag) fails with the flag, the env variable and the reason.
+fields take a comma-separated list or a JSON array, and may be repeated (values add up).
+Values are validated by pydantic, so a bad value (from the environment or a flag) fails
+with the flag, the env variable and the reason.
 """
 
 from __future__ import annotations
@@ -211,6 +212,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
         if _is_sequence(info.annotation):
             kwargs["type"] = _parse_sequence
             kwargs["metavar"] = "A,B,..."
+            kwargs["action"] = "extend"  # repeatable: --x a --x b,c -> [a, b, c]
         parser.add_argument(flag, **kwargs)
 
 

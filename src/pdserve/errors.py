@@ -23,9 +23,20 @@ class InvalidRequestError(PdserveError, ValueError):
 
 
 class OverloadedError(PdserveError):
-    """Back-pressure: no room now, try later or elsewhere."""
+    """Back-pressure: no room now, try later or elsewhere. `retry_after_s`, when known, is
+    sent to clients as a hint (gRPC trailing metadata `retry-after`, HTTP `Retry-After`)."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class UnauthenticatedError(PdserveError):
+    """No API key, or one the router does not know."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class UnavailableError(PdserveError):

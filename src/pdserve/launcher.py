@@ -45,6 +45,7 @@ class ManagedProcess:
     cpu: int | None = None
     popen: subprocess.Popen | None = None
     port: int | None = None
+    info: dict = field(default_factory=dict)  # the READY line's JSON
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
@@ -87,6 +88,7 @@ class ManagedProcess:
             info = self.ready_info()
             if info is not None:
                 self.port = int(info["port"])
+                self.info = info
                 return self.port
             if not self.alive:
                 raise RuntimeError(
@@ -126,6 +128,8 @@ class ClusterConfig:
     kvstore: bool = False
     kvstore_capacity_bytes: int = 1 << 30
     port: int = 50051  # router port; 0 = any free port
+    http_port: int | None = None  # router's OpenAI HTTP API; 0 = any free port; None = off
+    api_key: str | None = None  # a key the router accepts (for the launcher's Status polls)
     pin_cpus: bool = False
     policy: str | None = None
     log_dir: str | None = None
@@ -148,6 +152,7 @@ class Cluster:
         self.model_dir: str = ""
         self.router_port: int | None = None
         self.router_internal_port: int | None = None
+        self.http_port: int | None = None
         self.kvstore_port: int | None = None
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="pdserve-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -162,6 +167,11 @@ class Cluster:
     def internal_addr(self) -> str:
         """The router's internal listener (registry), where workers register."""
         return f"127.0.0.1:{self.router_internal_port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the OpenAI-compatible API (…/v1), when it is on."""
+        return f"http://127.0.0.1:{self.http_port}/v1" if self.http_port else None
 
     @property
     def log_dir(self) -> Path:
@@ -210,6 +220,7 @@ class Cluster:
             router = self._spawn("router", self._router_argv())
             self.router_port = router.wait_ready(deadline)
             self.router_internal_port = int((router.ready_info() or {})["internal_port"])
+            self.http_port = router.info.get("http_port")
             for name, role in self._worker_plan():
                 self._spawn(name, self._worker_argv(role, name), cpu=self._pick_cpu())
             for name in self.worker_names():
@@ -267,7 +278,7 @@ class Cluster:
         when one of the workers `names` (default: all) dies meanwhile."""
         while time.monotonic() < deadline:
             try:
-                if registered_instances(self.addr, timeout=2.0) >= count:
+                if registered_instances(self.addr, 2.0, self.config.api_key) >= count:
                     return
             except Exception:  # router still starting
                 pass
@@ -360,6 +371,8 @@ class Cluster:
             argv += ["--kvstore-addr", f"127.0.0.1:{self.kvstore_port}"]
         if self.config.policy:
             argv += ["--policy", self.config.policy]
+        if self.config.http_port is not None:
+            argv += ["--http-port", str(self.config.http_port)]
         return argv + list(self.config.router_args)
 
     def _worker_argv(self, role: str, name: str) -> list[str]:
@@ -370,14 +383,15 @@ class Cluster:
         ]  # fmt: skip
 
 
-def registered_instances(addr: str, timeout: float) -> int:
+def registered_instances(addr: str, timeout: float, api_key: str | None = None) -> int:
     """How many serving instances the router at `addr` lists (a sync Status call)."""
     import grpc
 
     from pdserve.v1 import router_pb2, router_pb2_grpc
 
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     with grpc.insecure_channel(addr) as channel:
         status = router_pb2_grpc.RouterStub(channel).Status(
-            router_pb2.StatusRequest(), timeout=timeout
+            router_pb2.StatusRequest(), timeout=timeout, metadata=metadata
         )
     return sum(1 for inst in status.instances if inst.state == "serving")

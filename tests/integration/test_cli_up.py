@@ -93,7 +93,7 @@ def _run(args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess
 def up(serving_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("up-logs")
     argv = [
-        *_pdserve(), "up", "--port", "0", "--prefill", "1", "--decode", "1",
+        *_pdserve(), "up", "--port", "0", "--http-port", "0", "--prefill", "1", "--decode", "1",
         "--model", str(serving_model_dir), "--worker-arg=--num-blocks=256",
         "--log-dir", str(log_dir),
     ]  # fmt: skip
@@ -144,6 +144,21 @@ def test_status(up):
     assert "prefill" in text and "decode" in text
     res = _run(["status", "--addr", f"127.0.0.1:{info['port']}"])  # the table
     assert "prefill" in res.stdout and "decode" in res.stdout
+
+
+def test_banner_and_http(up):
+    handle, info, _ = up
+    banner = "\n".join(handle.lines)
+    assert f"OpenAI-compatible HTTP API on http://127.0.0.1:{info['http_port']}/v1" in banner
+    assert "the API is open" in banner
+    assert "RANDOM weights" not in banner  # --model given
+    # The printed commands work as printed: the first word is an executable path.
+    cmd = re.search(r"try:\s+(\S+)", banner).group(1)
+    assert os.access(cmd, os.X_OK), banner
+    import httpx
+
+    r = httpx.get(f"http://127.0.0.1:{info['http_port']}/health", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
 
 
 def test_sigterm_stops_everything(up):

@@ -239,7 +239,7 @@ async def test_bad_input_names_field_and_router_keeps_serving(router, cluster):
             (dict(token_ids=[1], max_tokens=2, temperature=-1.0), "temperature"),
             (dict(token_ids=[1], max_tokens=2, top_p=0.0), "top_p"),
             (dict(token_ids=[1], max_tokens=2, top_k=-3), "top_k"),
-            (dict(token_ids=[10**6], max_tokens=2), "prompt_token_ids"),
+            (dict(token_ids=[10**6], max_tokens=2), "token_ids.ids"),
             (dict(token_ids=[1], max_tokens=10_000), "max_tokens"),
             (dict(prompt="", max_tokens=2), "prompt"),
             (dict(token_ids=[1], max_tokens=2, session_id="no spaces"), "session_id"),

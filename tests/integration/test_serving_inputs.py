@@ -18,7 +18,7 @@ CASES = {
     "top_p 0": (dict(top_p=0.0), "top_p"),
     "top_p 1.5": (dict(top_p=1.5), "top_p"),
     "top_k -1": (dict(top_k=-1), "top_k"),
-    "token id >= vocab": (dict(token_ids=[5, VOCAB, 6]), "prompt_token_ids"),
+    "token id >= vocab": (dict(token_ids=[5, VOCAB, 6]), "token_ids.ids"),
     "session id with spaces": (dict(session_id="bad id with spaces"), "session_id"),
     "session id of 200 chars": (dict(session_id="s" * 200), "session_id"),
 }

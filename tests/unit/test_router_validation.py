@@ -18,8 +18,8 @@ def check(tokens=(1, 2, 3), params=None, stops=(), session="", vocab=100, max_le
     "kwargs, field, words",
     [
         ({"tokens": ()}, "prompt", "at least 1"),
-        ({"tokens": (1, 100)}, "prompt_token_ids", "[0, 100)"),
-        ({"tokens": (-1,)}, "prompt_token_ids", "[0, 100)"),
+        ({"tokens": (1, 100)}, "token_ids.ids", "[0, 100)"),
+        ({"tokens": (-1,)}, "token_ids.ids", "[0, 100)"),
         ({"params": SamplingParams(max_tokens=0)}, "max_tokens", ">= 1"),
         ({"params": SamplingParams(max_tokens=62)}, "max_tokens", "64"),
         ({"params": SamplingParams(temperature=-0.5)}, "temperature", ">= 0"),

@@ -76,7 +76,27 @@ def test_detokenizer_holds_back_split_characters(tok):
     head = tok.encode("🍞", add_special_tokens=False)
     assert len(head) > 1
     assert det.add(head[:-1]) == ""
-    assert det.flush().endswith("\ufffd")
+    assert "\ufffd" not in det.flush()  # an incomplete character is dropped, never U+FFFD
+
+
+def test_detokenizer_never_emits_replacement_chars(tok):
+    """A model may emit token sequences that are not UTF-8 (a lead byte then ASCII, a stray
+    continuation byte, a character cut off at the end): the bytes stay in the token ids but
+    no delta carries U+FFFD, and the valid text around them survives."""
+    import random
+
+    lead = [i for i in range(tok.vocab_size) if tok.decode([i]).endswith("\ufffd")]
+    assert lead, "the vocabulary should have tokens ending mid-character"
+    word = tok.encode(" harbor", add_special_tokens=False)
+    det = tok.detokenizer()
+    out = det.add(lead[0]) + "".join(det.add(i) for i in word) + det.flush()
+    assert "\ufffd" not in out and out.endswith("harbor")
+    rng = random.Random(0)
+    for _ in range(100):
+        det = tok.detokenizer()
+        ids = [rng.randrange(tok.vocab_size) for _ in range(30)]
+        deltas = [det.add(i) for i in ids] + [det.flush()]
+        assert all("\ufffd" not in d for d in deltas)
 
 
 def test_chat_template(tok):

@@ -7,7 +7,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-TOOLS = ("engine", "transfer", "serve", "compare", "multiturn", "admission", "rescore", "tls")
+TOOLS = (
+    "engine",
+    "transfer",
+    "serve",
+    "compare",
+    "multiturn",
+    "admission",
+    "rescore",
+    "frontdoor",
+    "tls",
+)
 
 
 def add_parser(subparsers: Any) -> None:

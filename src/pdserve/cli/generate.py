@@ -30,6 +30,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--session", default=None, help="session id (with --addr)")
+    p.add_argument(
+        "--api-key", default=None, help="API key (with --addr; default $PDSERVE_CLIENT_API_KEY)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--dtype",
@@ -58,10 +61,21 @@ def run(args: argparse.Namespace) -> int:
     except PdserveError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except Exception as exc:  # the SDK's typed errors
-        if type(exc).__name__ == "InvalidArgument":
-            print(f"error: invalid {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # the SDK's typed errors: one line, never a traceback
+        from pdserve.client import InvalidArgument, PdserveClientError, Unavailable
+
+        if isinstance(exc, InvalidArgument):
+            print(f"error: invalid {exc.message}", file=sys.stderr)
             return EXIT_INVALID
+        if isinstance(exc, Unavailable):  # router down, or no worker it needs
+            print(f"error: Unavailable (router {args.addr}): {exc.message}", file=sys.stderr)
+            return 1
+        if isinstance(exc, PdserveClientError):
+            print(f"error: {type(exc).__name__}: {exc.message}", file=sys.stderr)
+            return 1
         raise
     if args.json:
         print(json.dumps(result))
@@ -139,7 +153,7 @@ def run_remote(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["token_ids"] = parse_ids(args.prompt_ids)
     else:
         kwargs["prompt"] = args.prompt
-    with Client(args.addr) as client:
+    with Client(args.addr, api_key=args.api_key) as client:
         r = client.generate(**kwargs)
     return {
         "token_ids": list(r.token_ids),

@@ -11,6 +11,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("status", help="instances, roles, load, cache hit rate")
     p.add_argument("--addr", default="127.0.0.1:50051", help="router HOST:PORT")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--api-key", default=None, help="API key (default: $PDSERVE_CLIENT_API_KEY, if set)"
+    )
     p.add_argument("--timeout", type=float, default=5.0, help="deadline, seconds")
     p.set_defaults(func=run)
 
@@ -50,6 +53,8 @@ def format_table(status) -> str:
     lines += [
         "",
         f"model: {status.model or '-'}    kvstore: {status.kvstore_address or '-'}",
+        f"vocab: {status.vocab_size or '-'}    context: {status.context_length or '-'}    "
+        f"block size: {status.block_size or '-'}    dtype: {status.dtype or '-'}",
         f"requests: {status.requests_total} total, {status.requests_running} running",
         f"prompt tokens: {status.prompt_tokens_total}, cached: {status.cached_tokens_total} "
         f"(hit rate {status.cache_hit_rate:.1%})",
@@ -61,13 +66,16 @@ def format_table(status) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.client import Client, PdserveClientError
+    from pdserve.client import Client, PdserveClientError, Unavailable
 
     try:
-        with Client(args.addr, max_retries=0) as client:
+        with Client(args.addr, max_retries=0, api_key=args.api_key) as client:
             status = client.status(timeout=args.timeout)
-    except PdserveClientError as exc:
+    except Unavailable as exc:
         print(f"error: cannot reach the router at {args.addr}: {exc.message}", file=sys.stderr)
+        return 1
+    except PdserveClientError as exc:
+        print(f"error: {type(exc).__name__}: {exc.message}", file=sys.stderr)
         return 1
     print(json.dumps(status.to_dict(), indent=2) if args.json else format_table(status))
     return 0

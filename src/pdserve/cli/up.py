@@ -6,6 +6,9 @@ import argparse
 import signal
 import sys
 import time
+from pathlib import Path
+
+DEFAULT_HTTP_PORT = 8000
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -28,6 +31,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kvstore-capacity-bytes", type=int, default=1 << 30)
     p.add_argument("--port", type=int, default=50051, help="router port (0 = any free port)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="OpenAI-compatible HTTP API port (0 = any free port; default 8000, or any free "
+        "port with --port 0)",
+    )
+    p.add_argument("--no-http", action="store_true", help="no HTTP API (gRPC only)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require this API key (repeatable); default: an open API",
+    )
+    p.add_argument(
+        "--api-keys-file", help="JSON keys file with per-key limits (see docs/HTTP_API.md)"
+    )
     p.add_argument("--pin-cpus", action="store_true", help="pin each worker to its own core")
     p.add_argument("--policy", help="router placement policy")
     p.add_argument("--log-dir", help="where each process writes its log (default: a temp dir)")
@@ -62,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"pdserve up: --{name} must be at least 1", file=sys.stderr)
             return 2
+    router_args = list(args.router_arg)
+    for key in args.api_key:
+        router_args += ["--api-key", key]
+    if args.api_keys_file:
+        router_args += ["--api-keys-file", args.api_keys_file]
     config = ClusterConfig(
         model=args.model,
         mode=args.mode,
@@ -75,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy,
         log_dir=args.log_dir,
         worker_args=list(args.worker_arg),
-        router_args=list(args.router_arg),
+        router_args=router_args,
+        http_port=None if args.no_http else _http_port(args),
+        api_key=args.api_key[0] if args.api_key else _first_file_key(args.api_keys_file),
         tls=not args.insecure,
         tls_dir=args.tls_dir,
     )
@@ -98,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve up: failed to start: {exc}", file=sys.stderr)
         return 1
     try:
-        _print_banner(cluster)
+        _print_banner(cluster, args)
         while not stop_signals:
             time.sleep(0.2)  # interrupted by a signal; the handler only appends to a list
             for name, proc in cluster.processes.items():
@@ -111,23 +139,93 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_banner(cluster) -> None:
-    from pdserve.rpc.ready import format_ready_line
+def _http_port(args: argparse.Namespace) -> int:
+    """--http-port, else 8000; with --port 0 (tests, benchmarks) a free port too, so that
+    clusters started side by side never collide on 8000."""
+    if args.http_port is not None:
+        return args.http_port
+    return 0 if args.port == 0 else DEFAULT_HTTP_PORT
 
-    workers = ", ".join(
+
+def _first_file_key(path: str | None) -> str | None:
+    """A key from the keys file, for the launcher's own Status polls."""
+    if not path:
+        return None
+    from pdserve.router.auth import read_keys_file
+
+    try:
+        entries = read_keys_file(Path(path))
+    except ValueError:
+        return None  # the router reports the problem
+    return str(entries[0].get("key")) if entries else None
+
+
+def pdserve_command() -> str:
+    """How to run `pdserve` so that the printed line works as is: the console script next to
+    this Python when there is one (a venv's bin/), else `python -m pdserve.cli.main`."""
+    script = Path(sys.executable).parent / "pdserve"
+    if script.exists():
+        return str(script)
+    return f"{sys.executable} -m pdserve.cli.main"
+
+
+def banner_lines(
+    cluster,
+    model_given: bool,
+    keys: list[str],
+    keys_file: str | None,
+    restart: bool = False,
+) -> list[str]:
+    procs = ", ".join(
         f"{n} (pid {p.popen.pid}, port {p.port})" for n, p in cluster.processes.items()
     )
-    print(f"pdserve: model {cluster.model_dir}")
-    print(f"pdserve: processes: {workers}")
-    print(f"pdserve: router listening on {cluster.addr} (internal: {cluster.internal_addr})")
+    cmd = pdserve_command()
+    lines = [f"pdserve: model {cluster.model_dir}"]
+    if not model_given:
+        lines.append(
+            "pdserve: this is the built-in tiny model with RANDOM weights: its replies are "
+            "gibberish; start with --model DIR for a real checkpoint"
+        )
+    lines.append(f"pdserve: processes: {procs}")
+    lines.append(f"pdserve: gRPC API on {cluster.addr} (internal plane: {cluster.internal_addr})")
     tls = cluster.tls_dir
-    print(
+    lines.append(
         f"pdserve: internal plane {'mutual TLS, certificates in ' + str(tls) if tls else 'INSECURE'}"
     )
-    print(f'  try:  pdserve generate --addr {cluster.addr} --prompt "Hello" --max-tokens 16')
-    print(f"        pdserve chat --addr {cluster.addr}")
-    print(f"        pdserve status --addr {cluster.addr}")
-    print("pdserve: Ctrl-C stops everything")
+    if cluster.http_url:
+        lines.append(f"pdserve: OpenAI-compatible HTTP API on {cluster.http_url}")
+    if keys or keys_file:
+        lines.append("pdserve: API keys required (authorization: Bearer KEY)")
+        key_flag = " --api-key KEY"
+        curl_auth = " -H 'authorization: Bearer KEY'"
+    else:
+        lines.append("pdserve: no API key configured: the API is open to anyone who can reach it")
+        key_flag = curl_auth = ""
+    lines += [
+        f'  try:  {cmd} generate --addr {cluster.addr}{key_flag} --prompt "Hello" --max-tokens 16',
+        f"        {cmd} chat --addr {cluster.addr}{key_flag}",
+        f"        {cmd} status --addr {cluster.addr}{key_flag}",
+    ]
+    if cluster.http_url:
+        body = '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
+        lines.append(
+            f"        curl -s {cluster.http_url}/chat/completions{curl_auth} "
+            f"-H 'content-type: application/json' -d '{body}'"
+        )
+    if sys.prefix != sys.base_prefix:  # a virtual environment: `pdserve` after activating it
+        lines.append(f"  (or `source {sys.prefix}/bin/activate` and use plain `pdserve`)")
+    if restart:  # supervision (`--restart`, when the launcher has it)
+        lines.append("pdserve: a service that dies is restarted (--no-restart to stop instead)")
+    lines.append("pdserve: Ctrl-C stops everything")
+    return lines
+
+
+def _print_banner(cluster, args: argparse.Namespace) -> None:
+    from pdserve.rpc.ready import format_ready_line
+
+    restart = bool(getattr(args, "restart", False))
+    for line in banner_lines(cluster, bool(args.model), args.api_key, args.api_keys_file, restart):
+        print(line)
     info = {
         "service": "cluster",
         "port": cluster.router_port,
@@ -135,4 +233,6 @@ def _print_banner(cluster) -> None:
         "log_dir": str(cluster.log_dir),
         "tls_dir": str(cluster.tls_dir) if cluster.tls_dir else None,
     }
+    if cluster.http_port:
+        info["http_port"] = cluster.http_port
     print(format_ready_line(info), flush=True)

@@ -9,6 +9,7 @@ from .errors import (
     InvalidArgument,
     PdserveClientError,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 from .results import ClusterStatus, GenerationEvent, GenerationResult, InstanceInfo, Usage
@@ -29,6 +30,7 @@ __all__ = [
     "InvalidArgument",
     "PdserveClientError",
     "ResourceExhausted",
+    "Unauthenticated",
     "Unavailable",
     "Usage",
     "build_request",

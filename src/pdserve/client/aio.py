@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -25,6 +26,7 @@ from .results import (
 )
 
 DEFAULT_ADDR = "127.0.0.1:50051"
+API_KEY_ENV = "PDSERVE_CLIENT_API_KEY"  # not PDSERVE_API_KEY: that is the router's key list
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 30_000),
@@ -110,6 +112,10 @@ def _status(resp: router_pb2.StatusResponse) -> ClusterStatus:
         cached_tokens_total=resp.cached_tokens_total,
         model=resp.model,
         kvstore_address=resp.kvstore_address,
+        vocab_size=resp.vocab_size,
+        context_length=resp.context_length,
+        block_size=resp.block_size,
+        dtype=resp.dtype,
         predictor=resp.predictor,
         predictor_kendall_tau=resp.predictor_kendall_tau,
         predictor_observed=resp.predictor_observed,
@@ -120,7 +126,8 @@ def _status(resp: router_pb2.StatusResponse) -> ClusterStatus:
 class AsyncClient:
     """`timeout`: default per-call deadline in seconds (None = none). Calls that fail
     with UNAVAILABLE before the first token are retried `max_retries` times with
-    exponential backoff from `retry_backoff_s`."""
+    exponential backoff from `retry_backoff_s`. `api_key` (default: $PDSERVE_CLIENT_API_KEY) is
+    sent as `authorization: Bearer KEY` when set."""
 
     def __init__(
         self,
@@ -129,8 +136,13 @@ class AsyncClient:
         timeout: float | None = None,
         max_retries: int = 3,
         retry_backoff_s: float = 0.1,
+        api_key: str | None = None,
     ) -> None:
         self.addr = addr
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
+        self._auth: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {key}"),) if key else ()
+        )
         self.timeout = timeout
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
@@ -164,7 +176,7 @@ class AsyncClient:
         attempt = 0
         while True:
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            call = self._stub.Generate(req, timeout=left, metadata=metadata)
+            call = self._stub.Generate(req, timeout=left, metadata=metadata + self._auth)
             got_any = False
             try:
                 while True:
@@ -204,7 +216,9 @@ class AsyncClient:
 
     async def status(self, *, timeout: float | None = 10.0) -> ClusterStatus:
         try:
-            resp = await self._stub.Status(router_pb2.StatusRequest(), timeout=timeout)
+            resp = await self._stub.Status(
+                router_pb2.StatusRequest(), timeout=timeout, metadata=self._auth
+            )
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         return _status(resp)

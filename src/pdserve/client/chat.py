@@ -17,6 +17,7 @@ class _History:
     def __init__(
         self, system: str | None, session_id: str | None, defaults: dict[str, Any]
     ) -> None:
+        self.system = system
         self.session_id = session_id or uuid.uuid4().hex
         self.messages: list[dict[str, str]] = []
         if system:
@@ -59,6 +60,10 @@ class ChatSession:
     def messages(self) -> list[dict[str, str]]:
         return self._h.messages
 
+    def reset(self) -> None:
+        """Forget the conversation (keeps the system prompt and defaults; new session id)."""
+        self._h = _History(self._h.system, None, self._h.defaults)
+
     def stream(self, text: str, **overrides: Any) -> Iterator[GenerationEvent]:
         parts: list[str] = []
         for ev in self.client.generate_stream(**self._h.request(text, overrides)):
@@ -92,6 +97,10 @@ class AsyncChatSession:
     @property
     def messages(self) -> list[dict[str, str]]:
         return self._h.messages
+
+    def reset(self) -> None:
+        """Forget the conversation (keeps the system prompt and defaults; new session id)."""
+        self._h = _History(self._h.system, None, self._h.defaults)
 
     async def stream(self, text: str, **overrides: Any) -> AsyncIterator[GenerationEvent]:
         parts: list[str] = []

@@ -12,6 +12,7 @@ class PdserveClientError(Exception):
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.retry_after_s: float | None = None  # the server's retry hint, when it sent one
         if code is not None:
             self.code = code
 
@@ -40,6 +41,12 @@ class Internal(PdserveClientError):
     code = grpc.StatusCode.INTERNAL
 
 
+class Unauthenticated(PdserveClientError):
+    """The router wants an API key (`api_key=` / PDSERVE_CLIENT_API_KEY) and got none or a wrong one."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[PdserveClientError]] = {
     cls.code: cls
     for cls in (
@@ -49,6 +56,7 @@ _BY_CODE: dict[grpc.StatusCode, type[PdserveClientError]] = {
         DeadlineExceeded,
         Cancelled,
         Internal,
+        Unauthenticated,
     )
 }
 
@@ -58,4 +66,9 @@ def from_rpc_error(err: grpc.RpcError) -> PdserveClientError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     cls = _BY_CODE.get(code, PdserveClientError)
-    return cls(details, code)
+    error = cls(details, code)
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == "retry-after":
+            error.retry_after_s = float(value)
+    return error

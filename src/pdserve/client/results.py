@@ -80,6 +80,10 @@ class ClusterStatus:
     cached_tokens_total: int
     model: str
     kvstore_address: str
+    vocab_size: int = 0  # 0 = unknown (router without --model)
+    context_length: int = 0
+    block_size: int = 0
+    dtype: str = ""
     predictor: str = ""
     predictor_kendall_tau: float = 0.0  # running, over the router's recent finished requests
     predictor_observed: int = 0
@@ -99,6 +103,10 @@ class ClusterStatus:
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
             "cache_hit_rate": self.cache_hit_rate,
+            "vocab_size": self.vocab_size,
+            "context_length": self.context_length,
+            "block_size": self.block_size,
+            "dtype": self.dtype,
             "model": self.model,
             "kvstore_address": self.kvstore_address,
             "predictor": self.predictor,

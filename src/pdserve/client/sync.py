@@ -23,6 +23,7 @@ class Client:
         timeout: float | None = None,
         max_retries: int = 3,
         retry_backoff_s: float = 0.1,
+        api_key: str | None = None,
     ) -> None:
         self.addr = addr
         self._loop = asyncio.new_event_loop()
@@ -33,14 +34,41 @@ class Client:
 
         async def make() -> AsyncClient:  # the channel must be created on its loop
             return AsyncClient(
-                addr, timeout=timeout, max_retries=max_retries, retry_backoff_s=retry_backoff_s
+                addr,
+                timeout=timeout,
+                max_retries=max_retries,
+                retry_backoff_s=retry_backoff_s,
+                api_key=api_key,
             )
 
         self._aclient = self._run(make())
         self._closed = False
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Run `coro` on the client's loop and wait. Interrupted (Ctrl-C), it cancels the
+        coroutine and waits until it stopped (so e.g. a stream's call is cancelled and the
+        stream can be closed) before re-raising."""
+        box: list[asyncio.Task] = []
+
+        async def guarded() -> T:
+            box.append(asyncio.current_task())  # type: ignore[arg-type]
+            return await coro
+
+        fut = asyncio.run_coroutine_threadsafe(guarded(), self._loop)
+        try:
+            return fut.result()
+        except KeyboardInterrupt:
+            if box:
+                task = box[0]
+                self._loop.call_soon_threadsafe(task.cancel)
+
+                async def settled() -> None:
+                    await asyncio.wait({task})
+
+                asyncio.run_coroutine_threadsafe(settled(), self._loop).result(timeout=10)
+            else:
+                fut.cancel()
+            raise
 
     def generate_stream(
         self, *, timeout: float | None = None, **kwargs: Any

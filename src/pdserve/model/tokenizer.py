@@ -166,8 +166,14 @@ class IncrementalDetokenizer:
     new token it decodes ids[prefix:] and emits what lies beyond the prefix text, unless
     the decoded tail ends in U+FFFD (a multi-byte character split across tokens), in
     which case it holds back until a later token completes it. Decoding from `prefix`
-    (not from 0) keeps each step O(window). `flush()` returns whatever is held back
-    (replacement characters included) at the end of a stream."""
+    (not from 0) keeps each step O(window). `flush()` returns whatever is held back at the
+    end of a stream.
+
+    Deltas never contain U+FFFD: a byte sequence that is not UTF-8 (a model may emit any
+    token order, e.g. a lead byte followed by ASCII, a stray continuation byte, or a
+    character cut off by max_tokens) decodes to replacement characters, which used to leak
+    into the text; they are dropped (the token ids still carry every byte). The cost: a
+    model that really means U+FFFD loses it from the text."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
@@ -184,7 +190,7 @@ class IncrementalDetokenizer:
         full = self._tok.decode(self.ids[self._prefix :], self._skip)
         if len(full) <= len(prefix_text) or full.endswith(REPLACEMENT_CHAR):
             return ""
-        delta = full[len(prefix_text) :]
+        delta = full[len(prefix_text) :].replace(REPLACEMENT_CHAR, "")
         self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
         return delta
@@ -194,6 +200,7 @@ class IncrementalDetokenizer:
         prefix_text = self._tok.decode(self.ids[self._prefix : self._read], self._skip)
         full = self._tok.decode(self.ids[self._prefix :], self._skip)
         delta = full[len(prefix_text) :] if len(full) > len(prefix_text) else ""
+        delta = delta.replace(REPLACEMENT_CHAR, "")
         self._prefix = self._read = len(self.ids)
         self.text += delta
         return delta

@@ -6,17 +6,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 from pdserve.kv.hashing import block_hashes
 from pdserve.logging import get_logger
 from pdserve.rpc.channels import SERVER_OPTIONS
 from pdserve.rpc.metrics import Metrics
+from pdserve.rpc.reflection import enable_reflection
 from pdserve.rpc.server import ServiceApp
 from pdserve.v1 import router_pb2_grpc
 
+from .auth import ApiKeys
 from .demand import DecodeDemand
 from .flip import FlipController, FlipMetrics
 from .flip_policy import FlipPolicy, FlipThresholds
+from .frontdoor import FrontDoor
+from .http.app import OpenAIApp
+from .http.server import HttpServer
 from .input_limits import InputLimits
 from .length import LengthMetrics, LengthScheduling
 from .metrics import RouterMetrics, Totals
@@ -25,12 +31,15 @@ from .orchestrator import Deadlines, Orchestrator
 from .overload_queue import OverloadQueue
 from .policies import make_policy
 from .predictor import EwmaPredictor, OraclePredictor, OutputLengthPredictor
+from .quota import Quotas
 from .registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_NAMES, Registry
 from .servicer import RegistryServicer, RouterServicer
 from .settings import RouterSettings
 from .workers import WorkerClients
 
 log = get_logger("pdserve.router")
+# Listed by server reflection (with the health service and reflection itself).
+PUBLIC_SERVICES = ("pdserve.v1.Router",)
 
 
 class RouterApp(ServiceApp):
@@ -68,6 +77,15 @@ class RouterApp(ServiceApp):
         # Built in start(), once the model directory is read (EOS ids, tokenizer):
         self.orchestrator: Orchestrator | None = None
         self.router_servicer: RouterServicer | None = None
+        self.front: FrontDoor | None = None
+        self.http: HttpServer | None = None
+        # Fails fast (before any port opens) on a bad keys file.
+        self.keys = ApiKeys.load(
+            settings.api_key,
+            settings.api_keys_file,
+            max_concurrent=settings.key_max_concurrent,
+            tokens_per_minute=settings.key_tokens_per_minute,
+        )
         self._tasks: list[asyncio.Task] = []
         self.flip: FlipController | None = None  # set when settings.flip_enabled
         self.length: LengthScheduling | None = None  # built in start() (loads the predictor)
@@ -148,14 +166,33 @@ class RouterApp(ServiceApp):
         self.model = await asyncio.to_thread(ModelInfo.from_dir, s.model)
         self.length = self._length_scheduling(await asyncio.to_thread(self._predictor))
         self.orchestrator = self._orchestrator(self.model, self.length)
-        self.router_servicer = RouterServicer(
-            self.orchestrator, self.registry, self.model, self.metrics, self.totals, kv,
+        self.front = FrontDoor(
+            self.orchestrator,
+            self.registry,
+            self.model,
+            self.metrics,
+            self.totals,
+            self.keys,
+            Quotas(
+                self.raw_metrics,
+                max_running=s.max_running,
+                max_queue=s.max_queue,
+                queue_timeout_s=s.queue_timeout_s,
+            ),
+            kv,
             limits=InputLimits.from_settings(s, self.model.max_model_len),
-        )  # fmt: skip
+        )
+        self.router_servicer = RouterServicer(self.front)
         router_pb2_grpc.add_RouterServicer_to_server(self.router_servicer, server)
         router_pb2_grpc.add_RegistryServicer_to_server(
             RegistryServicer(self.registry, s.heartbeat_interval_s, kv), server
         )
+        enable_reflection(server, PUBLIC_SERVICES)
+        if s.http_port is not None:
+            self.http = HttpServer(
+                OpenAIApp(self.front).app, s.host, s.http_port, grace_s=s.grace_s
+            )
+            await self.http.start()
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         if s.flip_enabled:
             self.flip = self._flip_controller()
@@ -168,7 +205,12 @@ class RouterApp(ServiceApp):
             queue=s.queue_order if self.length.queue is not None else None,
             kvstore=kv or None,
             flip=s.flip_enabled,
+            http_port=self.http.port if self.http else None,
+            api_keys=len(self.keys) or "open",
         )
+
+    def ready_info(self) -> dict[str, Any]:
+        return {"http_port": self.http.port} if self.http is not None else {}
 
     def _flip_controller(self) -> FlipController:
         s = self.settings
@@ -192,11 +234,13 @@ class RouterApp(ServiceApp):
         )
 
     async def drain(self) -> None:
-        """Refuse new requests, wait for the running ones."""
-        if self.router_servicer is not None:
-            await self.router_servicer.drain()
+        """Refuse new requests (gRPC and HTTP), wait for the running ones."""
+        if self.front is not None:
+            await self.front.drain()
 
     async def close(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

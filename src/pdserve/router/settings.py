@@ -149,3 +149,33 @@ class RouterSettings(ServiceSettings):
     flip_timeout_s: float = Field(
         120.0, gt=0, description="SetRole deadline (the worker drains first), seconds"
     )
+    # -- public front doors (frontdoor.py, auth.py, quota.py, http/)
+    http_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="OpenAI-compatible HTTP API port (0 = pick a free port; unset = off)",
+    )
+    api_key: list[str] = Field(
+        default_factory=list,
+        description="accepted API key (repeatable; none and no keys file = open API); "
+        "prefer --api-keys-file: flags show up in ps",
+    )
+    api_keys_file: str | None = Field(
+        None, description='JSON keys file: {"keys": [{"name", "key", "max_concurrent", ...}]}'
+    )
+    key_max_concurrent: int = Field(
+        0, ge=0, description="default concurrent streams per API key (0 = unlimited)"
+    )
+    key_tokens_per_minute: int = Field(
+        0, ge=0, description="default tokens (prompt + completion) per minute per key (0 = off)"
+    )
+    max_running: int = Field(
+        0, ge=0, description="requests the router runs at once; more wait (0 = unlimited)"
+    )
+    max_queue: int = Field(
+        256, ge=0, description="requests waiting for a slot (with --max-running) before 429"
+    )
+    queue_timeout_s: float = Field(
+        30.0, gt=0, description="longest wait for a slot before RESOURCE_EXHAUSTED, seconds"
+    )

@@ -16,6 +16,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 DEFAULT_MAX_TOKENS = 128
 CHAT_ROLES = ("system", "user", "assistant")
+ENGINE_PROMPT_FIELD = "prompt_token_ids"  # what pdserve.engine.params calls the prompt ids
+PROMPT_IDS_FIELD = "token_ids.ids"  # GenerateRequest's field for them
 
 
 def check_session_id(session_id: str) -> None:
@@ -82,4 +84,11 @@ def check_request(
     """Raise InvalidRequestError naming the field and its allowed range."""
     check_session_id(session_id)
     check_stops(stops, max_stop_strings, max_stop_chars)
-    validate_request(token_ids, params, vocab_size, max_model_len)
+    try:
+        validate_request(token_ids, params, vocab_size, max_model_len)
+    except InvalidRequestError as exc:
+        if exc.field != ENGINE_PROMPT_FIELD:
+            raise
+        # The engine names its argument; clients know the proto field.
+        message = str(exc).removeprefix(f"{ENGINE_PROMPT_FIELD}: ")
+        raise InvalidRequestError(PROMPT_IDS_FIELD, message) from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
@@ -33,6 +34,7 @@ from pdserve.rpc._wrap import (
 from pdserve.rpc.ids import is_valid_id
 
 REQUEST_ID_KEY = "x-request-id"
+RETRY_AFTER_KEY = "retry-after"
 MAX_DETAILS = 300
 
 _PASS_THROUGH = frozenset(
@@ -61,6 +63,15 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {text}"[:MAX_DETAILS]
 
 
+def retry_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """`retry-after: SECONDS` (whole seconds, at least 1) for an error that carries a retry
+    hint (OverloadedError.retry_after_s); empty otherwise."""
+    after = getattr(exc, "retry_after_s", None)
+    if after is None:
+        return ()
+    return ((RETRY_AFTER_KEY, str(max(1, math.ceil(after)))),)
+
+
 async def _abort(context: aio.ServicerContext, exc: Exception, method: str) -> NoReturn:
     code, details = status_for(exc)
     if isinstance(exc, PdserveError):
@@ -69,7 +80,7 @@ async def _abort(context: aio.ServicerContext, exc: Exception, method: str) -> N
         _log.error("rpc crashed", method=method, code=code.name, exc_info=exc)
     else:
         _log.warning("rpc failed upstream", method=method, code=code.name, details=details)
-    await context.abort(code, details)  # raises AbortError
+    await context.abort(code, details, trailing_metadata=retry_metadata(exc))  # raises
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 

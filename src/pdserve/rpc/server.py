@@ -98,6 +98,10 @@ class ServiceApp(abc.ABC):
         """Called once health says SERVING, with the bound port (e.g. to register with a
         router). Default: nothing."""
 
+    def ready_info(self) -> dict[str, Any]:
+        """Extra fields for the READY line (e.g. a second port the app listens on)."""
+        return {}
+
     async def drain(self) -> None:  # noqa: B027 (optional hook)
         """Default: nothing to wait for."""
 
@@ -252,6 +256,7 @@ class ServiceRunner:
             "pid": os.getpid(),
             "instance_id": self.settings.instance_id,
         }
+        info.update(self.app.ready_info())
         self._log.info("serving", **info)
         out = self._ready_stream if self._ready_stream is not None else sys.stdout
         out.write(format_ready_line(info) + "\n")

@@ -102,7 +102,7 @@ class InstanceStatus(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("instances", "requests_total", "requests_running", "prompt_tokens_total", "cached_tokens_total", "model", "kvstore_address", "predictor", "predictor_kendall_tau", "predictor_observed", "queue_waiting")
+    __slots__ = ("instances", "requests_total", "requests_running", "prompt_tokens_total", "cached_tokens_total", "model", "kvstore_address", "vocab_size", "context_length", "block_size", "dtype", "predictor", "predictor_kendall_tau", "predictor_observed", "queue_waiting")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,10 @@ class StatusResponse(_message.Message):
     CACHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KVSTORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREDICTOR_FIELD_NUMBER: _ClassVar[int]
     PREDICTOR_KENDALL_TAU_FIELD_NUMBER: _ClassVar[int]
     PREDICTOR_OBSERVED_FIELD_NUMBER: _ClassVar[int]
@@ -121,11 +125,15 @@ class StatusResponse(_message.Message):
     cached_tokens_total: int
     model: str
     kvstore_address: str
+    vocab_size: int
+    context_length: int
+    block_size: int
+    dtype: str
     predictor: str
     predictor_kendall_tau: float
     predictor_observed: int
     queue_waiting: int
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_running: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., model: _Optional[str] = ..., kvstore_address: _Optional[str] = ..., predictor: _Optional[str] = ..., predictor_kendall_tau: _Optional[float] = ..., predictor_observed: _Optional[int] = ..., queue_waiting: _Optional[int] = ...) -> None: ...
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_running: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., model: _Optional[str] = ..., kvstore_address: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., predictor: _Optional[str] = ..., predictor_kendall_tau: _Optional[float] = ..., predictor_observed: _Optional[int] = ..., queue_waiting: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("instance_id", "address", "role", "model_fingerprint", "block_size", "load")

@@ -26,7 +26,19 @@ if _version_not_supported:
 
 
 class RouterStub:
-    """Public API: the only endpoint clients talk to.
+    """Public API: the only endpoint clients talk to (the router also serves the same requests
+    as an OpenAI-compatible HTTP API, see docs/HTTP_API.md).
+
+    Authentication: when the router has API keys configured, every Router call needs the
+    metadata `authorization: Bearer KEY`; otherwise the API is open.
+
+    Also on the public port:
+    - grpc.health.v1.Health (Check, Watch): service names "" (the process), "pdserve.v1.Router"
+    and "pdserve.v1.Registry"; NOT_SERVING while the router loads and while it drains.
+    - grpc.reflection.v1alpha.ServerReflection
+    (`grpcurl -plaintext HOST:PORT list`, `describe pdserve.v1.Router`).
+    Every failure carries a details string naming the problem (and the field, for
+    INVALID_ARGUMENT as "<field>: <message>", e.g. "token_ids.ids: token at index 3 ...").
     """
 
     def __init__(self, channel):
@@ -48,17 +60,43 @@ class RouterStub:
 
 
 class RouterServicer:
-    """Public API: the only endpoint clients talk to.
+    """Public API: the only endpoint clients talk to (the router also serves the same requests
+    as an OpenAI-compatible HTTP API, see docs/HTTP_API.md).
+
+    Authentication: when the router has API keys configured, every Router call needs the
+    metadata `authorization: Bearer KEY`; otherwise the API is open.
+
+    Also on the public port:
+    - grpc.health.v1.Health (Check, Watch): service names "" (the process), "pdserve.v1.Router"
+    and "pdserve.v1.Registry"; NOT_SERVING while the router loads and while it drains.
+    - grpc.reflection.v1alpha.ServerReflection
+    (`grpcurl -plaintext HOST:PORT list`, `describe pdserve.v1.Router`).
+    Every failure carries a details string naming the problem (and the field, for
+    INVALID_ARGUMENT as "<field>: <message>", e.g. "token_ids.ids: token at index 3 ...").
     """
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Streams GenerateResponse messages; the last one has finish_reason and usage set.
+        Status codes:
+        INVALID_ARGUMENT     bad prompt / sampling / session_id / stop (field named in details)
+        UNAUTHENTICATED      API keys configured and the key is missing or unknown
+        RESOURCE_EXHAUSTED   over the key's concurrency or tokens-per-minute limit, the router
+        queue is full, or no decode KV space in time; trailing metadata
+        `retry-after: SECONDS` gives a hint when known
+        FAILED_PRECONDITION  a text/chat prompt but the router has no tokenizer (--model)
+        UNAVAILABLE          no worker of a needed role, the router is draining, or a worker
+        died (before the first token, the client may retry)
+        DEADLINE_EXCEEDED    a worker stage took longer than its deadline
+        CANCELLED            the client cancelled
+        INTERNAL             a bug; the details carry the exception type
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Cluster view: instances, counters, model facts. UNAUTHENTICATED as for Generate.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -85,7 +123,19 @@ def add_RouterServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Router:
-    """Public API: the only endpoint clients talk to.
+    """Public API: the only endpoint clients talk to (the router also serves the same requests
+    as an OpenAI-compatible HTTP API, see docs/HTTP_API.md).
+
+    Authentication: when the router has API keys configured, every Router call needs the
+    metadata `authorization: Bearer KEY`; otherwise the API is open.
+
+    Also on the public port:
+    - grpc.health.v1.Health (Check, Watch): service names "" (the process), "pdserve.v1.Router"
+    and "pdserve.v1.Registry"; NOT_SERVING while the router loads and while it drains.
+    - grpc.reflection.v1alpha.ServerReflection
+    (`grpcurl -plaintext HOST:PORT list`, `describe pdserve.v1.Router`).
+    Every failure carries a details string naming the problem (and the field, for
+    INVALID_ARGUMENT as "<field>: <message>", e.g. "token_ids.ids: token at index 3 ...").
     """
 
     @staticmethod
@@ -144,7 +194,9 @@ class Router:
 
 
 class RegistryStub:
-    """Worker-facing registry, served by the router on the same port.
+    """Worker-facing registry, served by the router (the control-plane port).
+    Status codes: INVALID_ARGUMENT (empty instance_id or address, unknown role),
+    FAILED_PRECONDITION (a model fingerprint that differs from the registered instances').
     """
 
     def __init__(self, channel):
@@ -171,7 +223,9 @@ class RegistryStub:
 
 
 class RegistryServicer:
-    """Worker-facing registry, served by the router on the same port.
+    """Worker-facing registry, served by the router (the control-plane port).
+    Status codes: INVALID_ARGUMENT (empty instance_id or address, unknown role),
+    FAILED_PRECONDITION (a model fingerprint that differs from the registered instances').
     """
 
     def Register(self, request, context):
@@ -219,7 +273,9 @@ def add_RegistryServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Registry:
-    """Worker-facing registry, served by the router on the same port.
+    """Worker-facing registry, served by the router (the control-plane port).
+    Status codes: INVALID_ARGUMENT (empty instance_id or address, unknown role),
+    FAILED_PRECONDITION (a model fingerprint that differs from the registered instances').
     """
 
     @staticmethod

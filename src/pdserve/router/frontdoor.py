@@ -1,0 +1,294 @@
+"""The one domain path behind every public front door (gRPC Router service and the OpenAI
+HTTP API): authenticate -> admission (per-key limits, bounded queue) -> tokenize and
+validate -> Orchestrator.run -> detokenize and stop strings -> usage, metrics, log line.
+
+Both front doors build a `router_pb2.GenerateRequest` (the HTTP API through the SDK's
+`build_request`) and consume `router_pb2.GenerateResponse` messages, so a request means the
+same thing, is checked by the same code and fails with the same errors on either door.
+Errors are domain errors (pdserve.errors); each door maps them (gRPC: the ErrorInterceptor;
+HTTP: pdserve.router.http.errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pdserve.errors import AlreadyExistsError, InvalidRequestError, UnavailableError
+from pdserve.logging import bind_request_id, get_logger
+from pdserve.rpc.ids import MAX_ID_CHARS, check_id
+from pdserve.v1 import common_pb2, router_pb2
+
+from .auth import ApiKey, ApiKeys
+from .input_limits import FALLBACK_MAX_PROMPT_CHARS, InputLimits, check_raw_request
+from .metrics import RouterMetrics, Totals
+from .model_info import ModelInfo
+from .orchestrator import Job, Orchestrator
+from .quota import Quotas
+from .registry import Registry
+from .text import TextStream
+from .validation import check_messages, check_request, to_params
+
+log = get_logger("pdserve.router")
+
+
+def worker_request_id(rid: str) -> str:
+    """The id the workers see: the client's id (truncated) + a random suffix. Workers key
+    their state by request id and may still hold a finished request's blocks (write-back)
+    when the client reuses its id; one client request never shares worker state with
+    another, whatever ids clients choose."""
+    return f"{rid[: MAX_ID_CHARS - 9]}.{secrets.token_hex(4)}"
+
+
+class FrontDoor:
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        registry: Registry,
+        model: ModelInfo,
+        metrics: RouterMetrics,
+        totals: Totals,
+        keys: ApiKeys,
+        quotas: Quotas,
+        kvstore_addr: str = "",
+        limits: InputLimits | None = None,
+    ) -> None:
+        self.orch, self.registry, self.model = orchestrator, registry, model
+        self.metrics, self.totals, self.kvstore_addr = metrics, totals, kvstore_addr
+        self.keys, self.quotas = keys, quotas
+        self.limits = limits or InputLimits(
+            FALLBACK_MAX_PROMPT_CHARS, 256, model.max_model_len, model.max_model_len
+        )
+        self.inflight: set[str] = set()  # request ids being served (a duplicate is refused)
+        self.draining = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def drain(self) -> None:
+        """Refuse new requests (both doors: UNAVAILABLE / 503); return once the running
+        ones are done."""
+        self.draining = True
+        await self.idle.wait()
+
+    def authenticate(self, authorization: str | None) -> ApiKey:
+        return self.keys.authenticate(authorization)
+
+    async def generate(
+        self, request: router_pb2.GenerateRequest, key: ApiKey, oracle_tokens: int = 0
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """The response stream of one request; raises domain errors (before the first
+        message or mid-stream). `oracle_tokens`: the true output length a benchmark request
+        carries (used only when the router runs in oracle mode)."""
+        t0 = time.perf_counter()
+        rid = check_id("request_id", request.request_id or uuid.uuid4().hex)
+        bind_request_id(rid)
+        if self.draining:
+            raise UnavailableError("router is draining")
+        if rid in self.inflight:
+            raise AlreadyExistsError(f"request_id {rid!r} is already in flight")
+        self.inflight.add(rid)
+        try:
+            async for resp in self._generate(request, key, rid, t0, oracle_tokens):
+                yield resp
+        finally:
+            self.inflight.discard(rid)
+
+    async def _generate(
+        self,
+        request: router_pb2.GenerateRequest,
+        key: ApiKey,
+        rid: str,
+        t0: float,
+        oracle_tokens: int,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        check_raw_request(request, self.limits)  # before any expensive work
+        progress = {"prompt_tokens": 0, "completion_tokens": 0}
+        try:
+            async with self.quotas.admit(key) as admission:
+                job, stops = await self._prepare(request, rid)
+                job.oracle_tokens = oracle_tokens
+                progress["prompt_tokens"] = len(job.token_ids)
+                admission.charge(len(job.token_ids))
+                text = TextStream(self.model.detokenizer(), stops)
+                self.totals.requests += 1
+                self.totals.running += 1
+                self.idle.clear()
+                n_out, t_first, finish = 0, 0.0, 0
+                gen = self.orch.run(job)
+                try:
+                    async for chunk in gen:
+                        step = text.push(chunk.token_ids)
+                        n_out += len(step.token_ids)
+                        progress["completion_tokens"] = n_out
+                        admission.charge(len(step.token_ids))
+                        if not t_first:
+                            t_first = time.perf_counter()
+                        finish, delta = chunk.finish_reason, step.text
+                        if step.stopped:
+                            finish = common_pb2.FINISH_REASON_STOP
+                        elif finish:
+                            delta += text.finish()  # release held-back text (or stop inside it)
+                            if text.matcher.matched is not None:
+                                finish = common_pb2.FINISH_REASON_STOP
+                        resp = router_pb2.GenerateResponse(
+                            request_id=rid,
+                            token_ids=step.token_ids,
+                            text=delta,
+                            server_ms=(time.perf_counter() - t0) * 1000.0,
+                            finish_reason=finish,
+                        )
+                        if finish:
+                            resp.usage.CopyFrom(self._usage(job, n_out, t0, t_first))
+                            yield resp
+                            break
+                        yield resp
+                except (asyncio.CancelledError, GeneratorExit):  # the client went away
+                    self.metrics.requests.labels(finish_reason="abort").inc()
+                    raise
+                except Exception as exc:
+                    code = getattr(exc, "code", None)
+                    self.metrics.errors.labels(code=getattr(code, "name", type(exc).__name__)).inc()
+                    raise
+                finally:
+                    await gen.aclose()  # stop string / cancel: the orchestrator aborts the workers
+                    self.totals.running -= 1
+                    if not self.totals.running:
+                        self.idle.set()
+                self._observe(job, key, finish, n_out, t0, t_first)
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (at any stage)
+            log.info(
+                "request cancelled by the client",
+                key=key.name,
+                e2e_s=round(time.perf_counter() - t0, 4),
+                **progress,
+            )
+            raise
+
+    def status(self) -> router_pb2.StatusResponse:
+        vocab, context = self.model.known_limits
+        instances = self.registry.instances()
+        resp = router_pb2.StatusResponse(
+            requests_total=self.totals.requests,
+            requests_running=self.totals.running,
+            prompt_tokens_total=self.totals.prompt_tokens,
+            cached_tokens_total=self.totals.cached_tokens,
+            model=self.model.name,
+            kvstore_address=self.kvstore_addr,
+            vocab_size=vocab,
+            context_length=context,
+            block_size=instances[0].block_size if instances else 0,
+            dtype=self.model.dtype,
+        )
+        length = self.orch.length
+        resp.predictor = length.predictor.name
+        resp.predictor_kendall_tau = length.running_tau()
+        resp.predictor_observed = length.learned
+        resp.queue_waiting = length.queue.waiting if length.queue is not None else 0
+        for inst in instances:
+            state = "suspect" if inst.suspect_since is not None else inst.state
+            resp.instances.append(
+                router_pb2.InstanceStatus(
+                    instance_id=inst.instance_id,
+                    address=inst.address,
+                    role=inst.role,
+                    state=state,
+                    load=common_pb2.WorkerLoad(**inst.load.__dict__),
+                    heartbeat_age_s=self.registry.heartbeat_age(inst),
+                    model_fingerprint=inst.model_fingerprint,
+                )
+            )
+        return resp
+
+    # -------------------------------------------------------------- helpers
+    async def _prepare(
+        self, request: router_pb2.GenerateRequest, rid: str
+    ) -> tuple[Job, list[str]]:
+        kind = request.WhichOneof("prompt")
+        prompt_text = None  # what the length predictor reads
+        if kind == "text":
+            if not request.text:
+                raise InvalidRequestError("prompt", "text must not be empty")
+            token_ids = await asyncio.to_thread(self.model.encode, request.text)
+            prompt_text = request.text
+        elif kind == "chat":
+            messages = [(m.role, m.content) for m in request.chat.messages]
+            check_messages(messages)
+            token_ids = await asyncio.to_thread(self.model.encode_chat, messages)
+            prompt_text = "\n".join(content for _, content in messages)
+        elif kind == "token_ids":
+            token_ids = list(request.token_ids.ids)
+        else:
+            raise InvalidRequestError("prompt", "set one of text, chat or token_ids")
+        if len(token_ids) > self.limits.max_prompt_tokens:
+            raise InvalidRequestError("prompt", self.limits.too_many_tokens(len(token_ids)))
+        stops = list(request.sampling.stop)
+        params = to_params(request.sampling, len(token_ids), self.model.max_model_len)
+        check_request(
+            token_ids,
+            params,
+            stops,
+            request.session_id,
+            self.model.vocab_size,
+            self.model.max_model_len,
+            self.limits.max_stop_strings,
+            self.limits.max_stop_chars,
+        )
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        sampling.max_tokens = params.max_tokens
+        del sampling.stop[:]  # stop strings are the router's business
+        self.totals.prompt_tokens += len(token_ids)
+        self.metrics.prompt_tokens.inc(len(token_ids))
+        return Job(
+            request_id=worker_request_id(rid),
+            token_ids=token_ids,
+            params=params,
+            sampling=sampling,
+            session_id=request.session_id,
+            prompt_text=prompt_text,
+            model=self.model.name,
+        ), stops
+
+    def _usage(self, job: Job, n_out: int, t0: float, t_first: float) -> router_pb2.Usage:
+        now = time.perf_counter()
+        usage = router_pb2.Usage(
+            prompt_tokens=len(job.token_ids),
+            completion_tokens=n_out,
+            cached_tokens=job.stages.cached_tokens,
+            ttft_ms=(t_first - t0) * 1000.0 if t_first else 0.0,
+            e2e_ms=(now - t0) * 1000.0,
+            prefill_instance=job.prefill_instance,
+            decode_instance=job.decode_instance,
+        )
+        usage.stages.CopyFrom(job.stages)
+        return usage
+
+    def _observe(
+        self, job: Job, key: ApiKey, finish: int, n_out: int, t0: float, t_first: float
+    ) -> None:
+        now = time.perf_counter()
+        reason = common_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
+        self.metrics.requests.labels(finish_reason=reason).inc()
+        self.metrics.completion_tokens.inc(n_out)
+        self.metrics.cached_tokens.inc(job.stages.cached_tokens)
+        self.totals.cached_tokens += job.stages.cached_tokens
+        if job.prefill_attempts > 1:
+            self.metrics.prefill_retries.inc(job.prefill_attempts - 1)
+        if t_first:
+            self.metrics.ttft.observe(t_first - t0)
+            if n_out > 1:
+                self.metrics.tpot.observe((now - t_first) / (n_out - 1))
+        self.metrics.e2e.observe(now - t0)
+        log.info(
+            "request finished",
+            finish_reason=reason,
+            key=key.name,
+            prompt_tokens=len(job.token_ids),
+            completion_tokens=n_out,
+            cached_tokens=job.stages.cached_tokens,
+            prefill=job.prefill_instance,
+            decode=job.decode_instance,
+        )
