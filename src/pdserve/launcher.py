@@ -45,9 +45,11 @@ class ManagedProcess:
     cpu: int | None = None
     popen: subprocess.Popen | None = None
     port: int | None = None
+    started_at: float = 0.0  # time.monotonic() of the last start
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
+        self.started_at = time.monotonic()
         cpu = self.cpu
 
         def preexec() -> None:
@@ -202,22 +204,46 @@ class Cluster:
 
     def restart(self, name: str, timeout: float = 120.0) -> None:
         """Start a (killed) process again under the same name and wait until it is ready: a
-        worker until it registers; the kvstore on its old port (the router and the workers
-        keep the address they were given), empty."""
-        old = self.processes[name]
-        if old.alive:
+        worker until it registers; the kvstore and the router on their old ports (the other
+        processes keep the addresses they were given), the kvstore empty."""
+        if self.processes[name].alive:
             self.kill(name)
         deadline = time.monotonic() + timeout
+        new = self.respawn(name)
+        port = new.wait_ready(deadline)
         if name == "kvstore":
-            new = self._spawn(name, self._kvstore_argv(port=self.kvstore_port or 0))
-            self.kvstore_port = new.wait_ready(deadline)
+            self.kvstore_port = port
+        elif name == "router":
+            self.router_port = port
+        if name == "kvstore":
             return
-        role = name.rstrip("0123456789")
-        new = self._spawn(name, self._worker_argv(role), cpu=old.cpu)
-        new.wait_ready(deadline)
         # Other workers may be dead on purpose (fault tests): count and watch the live ones.
         live = [n for n in self.worker_names() if self.processes[n].alive]
         self.wait_registered(len(live), deadline, names=live)
+
+    def respawn(self, name: str) -> ManagedProcess:
+        """Start the dead process `name` again (same role, CPU and port where it matters);
+        returns at once: see `poll_ready`. Used by `restart` and by the Supervisor."""
+        old = self.processes[name]
+        if old.alive:
+            raise RuntimeError(
+                f"{name} is still running (pid {old.popen.pid if old.popen else '?'})"
+            )
+        if name == "kvstore":
+            return self._spawn(name, self._kvstore_argv(port=self.kvstore_port or 0))
+        if name == "router":
+            return self._spawn(name, self._router_argv(port=self.router_port))
+        role = name.rstrip("0123456789")
+        return self._spawn(name, self._worker_argv(role), cpu=old.cpu)
+
+    def poll_ready(self, name: str) -> bool:
+        """Whether process `name` printed its ready line (and learn its port); never blocks."""
+        proc = self.processes[name]
+        info = proc.ready_info()
+        if info is None:
+            return False
+        proc.port = int(info["port"])
+        return True
 
     def wait_registered(
         self, count: int, deadline: float, names: Sequence[str] | None = None
@@ -293,9 +319,10 @@ class Cluster:
             "--capacity-bytes", str(self.config.kvstore_capacity_bytes),
         ]  # fmt: skip
 
-    def _router_argv(self) -> list[str]:
+    def _router_argv(self, port: int | None = None) -> list[str]:
+        port = self.config.port if port is None else port
         argv = [
-            sys.executable, "-m", "pdserve.router", "--port", str(self.config.port),
+            sys.executable, "-m", "pdserve.router", "--port", str(port),
             "--model", self.model_dir,
         ]  # fmt: skip
         if self.kvstore_port is not None:

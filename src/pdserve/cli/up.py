@@ -46,16 +46,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="FLAG",
         help="extra flag for the router, e.g. --router-arg=--flip-enabled (repeatable)",
     )
+    p.add_argument(
+        "--restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="restart a service that dies, with back-off (default: on)",
+    )
+    p.add_argument(
+        "--restart-backoff-s",
+        type=float,
+        default=0.5,
+        help="delay before the first restart; it doubles with each consecutive crash",
+    )
+    p.add_argument(
+        "--restart-backoff-max-s", type=float, default=30.0, help="the longest restart delay"
+    )
+    p.add_argument(
+        "--restart-healthy-s",
+        type=float,
+        default=30.0,
+        help="a service up this long counts as healthy again: the back-off starts over",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.launcher import Cluster, ClusterConfig
+    from pdserve.supervisor import RestartPolicy, Supervisor
 
     for name in ("prefill", "decode", "colocated"):
         if getattr(args, name) < 1:
             print(f"pdserve up: --{name} must be at least 1", file=sys.stderr)
             return 2
+    try:
+        policy = RestartPolicy(
+            initial_s=args.restart_backoff_s,
+            max_s=args.restart_backoff_max_s,
+            healthy_s=args.restart_healthy_s,
+        )
+    except ValueError as exc:
+        print(f"pdserve up: restart back-off: {exc}", file=sys.stderr)
+        return 2
     config = ClusterConfig(
         model=args.model,
         mode=args.mode,
@@ -84,13 +115,19 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as exc:
         print(f"pdserve up: failed to start: {exc}", file=sys.stderr)
         return 1
+    supervisor = Supervisor(
+        cluster, policy, notify=lambda msg: print(f"pdserve: {msg}", flush=True)
+    )
     try:
-        _print_banner(cluster)
+        _print_banner(cluster, args.restart)
         while not stop_signals:
             time.sleep(0.2)  # interrupted by a signal; the handler only appends to a list
+            if args.restart:
+                supervisor.tick()
+                continue
             for name, proc in cluster.processes.items():
                 if not proc.alive and name in ("router", "kvstore"):
-                    print(f"pdserve: {name} exited; stopping", file=sys.stderr)
+                    print(f"pdserve: {name} exited (--no-restart); stopping", file=sys.stderr)
                     stop_signals.append(0)
     finally:
         print("pdserve: stopping", flush=True)
@@ -98,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_banner(cluster) -> None:
+def _print_banner(cluster, restart: bool) -> None:
     workers = ", ".join(
         f"{n} (pid {p.popen.pid}, port {p.port})" for n, p in cluster.processes.items()
     )
@@ -108,6 +145,8 @@ def _print_banner(cluster) -> None:
     print(f'  try:  pdserve generate --addr {cluster.addr} --prompt "Hello" --max-tokens 16')
     print(f"        pdserve chat --addr {cluster.addr}")
     print(f"        pdserve status --addr {cluster.addr}")
+    if restart:
+        print("pdserve: a service that dies is restarted (--no-restart to stop instead)")
     print("pdserve: Ctrl-C stops everything")
     info = {"service": "cluster", "port": cluster.router_port, "log_dir": str(cluster.log_dir)}
     print("PDSERVE_READY " + json.dumps(info), flush=True)

@@ -43,6 +43,7 @@ class RouterApp(ServiceApp):
         self.workers = WorkerClients()
         self.raw_metrics = metrics if metrics is not None else Metrics()
         self.metrics = RouterMetrics(self.raw_metrics)
+        self.registry.on_forget(self.metrics.forget_instance)  # no gauges of departed instances
         self.totals = Totals()
         self.model = ModelInfo()
         self.orchestrator: Orchestrator | None = None
@@ -145,8 +146,6 @@ class RouterApp(ServiceApp):
             counts = dict.fromkeys(ROLE_NAMES.values(), 0)
             for inst in self.registry.instances():
                 counts[inst.role_name] += 1
-                self.metrics.inflight.labels(inst.instance_id, inst.role_name).set(
-                    inst.inflight_requests
-                )
+                self.metrics.set_inflight(inst.instance_id, inst.role_name, inst.inflight_requests)
             for role, n in counts.items():
                 self.metrics.instances.labels(role).set(n)

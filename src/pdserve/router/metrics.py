@@ -51,3 +51,24 @@ class RouterMetrics:
             ["instance", "role"],
         )
         self.instances = m.gauge("router_instances", "registered instances", ["role"])
+        self._inflight_roles: dict[str, str] = {}  # instance -> role label of its series
+
+    def set_inflight(self, instance_id: str, role: str, value: float) -> None:
+        """Set an instance's in-flight gauge; a role change replaces its old series."""
+        old = self._inflight_roles.get(instance_id)
+        if old is not None and old != role:
+            self._remove_inflight(instance_id, old)
+        self._inflight_roles[instance_id] = role
+        self.inflight.labels(instance_id, role).set(value)
+
+    def forget_instance(self, instance_id: str) -> None:
+        """The instance left the registry: drop its per-instance series."""
+        role = self._inflight_roles.pop(instance_id, None)
+        if role is not None:
+            self._remove_inflight(instance_id, role)
+
+    def _remove_inflight(self, instance_id: str, role: str) -> None:
+        try:
+            self.inflight.remove(instance_id, role)
+        except KeyError:  # never set
+            pass
