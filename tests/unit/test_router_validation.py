@@ -67,5 +67,5 @@ def test_to_params_defaults_and_clamp():
 
 
 def test_output_offset_is_the_routers_business():
-    with pytest.raises(InvalidRequestError, match="sampling.output_offset"):
+    with pytest.raises(InvalidRequestError, match=r"sampling\.output_offset"):
         to_params(common_pb2.SamplingParams(output_offset=3), 4, 64)
