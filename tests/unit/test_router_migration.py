@@ -1,0 +1,236 @@
+"""Migration bookkeeping (router/migration.py) with fake attempts: the continuation's prompt,
+max_tokens and output offset; a broken stream continues with no token lost or repeated and
+the same finish (length or stop) as an uninterrupted run; what does not migrate; the bound."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.engine.params import SamplingParams
+from pdserve.errors import DeadlineError, InvalidRequestError, OverloadedError, UnavailableError
+from pdserve.router.migration import Migrator, StreamLost, continuation, fold, migratable
+from pdserve.router.orchestrator import Chunk, Job
+from pdserve.router.registry import ROLE_DECODE, ROLE_PREFILL, Registry
+from pdserve.router.workers import RemoteError
+from pdserve.v1 import common_pb2
+
+STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
+STOP_TOKEN = 7
+
+
+def make_job(prompt=(1, 2, 3), max_tokens=10, seed=5, stop=(STOP_TOKEN,)) -> Job:
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.8, seed=seed, stop_token_ids=tuple(stop)
+    )
+    sampling = common_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=0.8, seed=seed, stop_token_ids=list(stop)
+    )
+    return Job(request_id="r1", token_ids=list(prompt), params=params, sampling=sampling)
+
+
+def test_continuation_bookkeeping():
+    job = make_job(max_tokens=10)
+    job.stages.cached_tokens = 2
+    c = continuation(job, [40, 41, 42], migration=1)
+    assert c.token_ids == [1, 2, 3, 40, 41, 42]
+    assert c.params.max_tokens == 7 and c.sampling.max_tokens == 7
+    assert c.params.output_offset == 3 and c.sampling.output_offset == 3
+    # the context needed is unchanged: prompt + max_tokens
+    assert len(c.token_ids) + c.params.max_tokens == len(job.token_ids) + job.params.max_tokens
+    assert c.params.seed == job.params.seed and c.sampling.seed == job.sampling.seed
+    assert c.params.stop_token_ids == (STOP_TOKEN,) and list(c.sampling.stop_token_ids) == [7]
+    assert c.request_id == "r1.m1"
+    assert c.stages.cached_tokens == 0 and c.decode_instance == ""
+    # the original is untouched
+    assert job.token_ids == [1, 2, 3] and job.sampling.max_tokens == 10
+    assert job.sampling.output_offset == 0
+    # a second migration counts from the original job
+    c2 = continuation(job, [40, 41, 42, 43, 44], migration=2)
+    assert c2.params.max_tokens == 5 and c2.sampling.output_offset == 5
+    assert c2.request_id == "r1.m2"
+    with pytest.raises(ValueError):
+        continuation(job, [], migration=1)
+    with pytest.raises(ValueError):
+        continuation(job, list(range(10)), migration=1)
+
+
+def test_fold_adds_work_not_cache_hits():
+    job = make_job()
+    job.stages.cached_tokens, job.stages.decode_ms = 3, 1.0
+    part = continuation(job, [9], 1)
+    part.stages.cached_tokens, part.stages.decode_ms, part.stages.prefill_ms = 4, 2.0, 5.0
+    part.decode_instance = "d2"
+    fold(job, part)
+    assert job.stages.cached_tokens == 3
+    assert job.stages.decode_ms == 3.0 and job.stages.prefill_ms == 5.0
+    assert job.decode_instance == "d2"
+
+
+@pytest.mark.parametrize(
+    "exc, expected",
+    [
+        (RemoteError(grpc.StatusCode.UNAVAILABLE, "decode d1: socket closed"), True),
+        (UnavailableError("decode d1 ended the stream without finishing"), True),
+        (DeadlineError("decode d1 sent nothing for 60 s"), True),
+        (StreamLost("decode d1 stopped heartbeating"), True),
+        (RemoteError(grpc.StatusCode.INVALID_ARGUMENT, "bad"), False),
+        (RemoteError(grpc.StatusCode.INTERNAL, "bug"), False),
+        (OverloadedError("full"), False),
+        (InvalidRequestError("max_tokens", "bad"), False),
+        (RuntimeError("?"), False),
+    ],
+)
+def test_what_migrates(exc, expected):
+    assert migratable(exc) is expected
+
+
+# ---------------------------------------------------------------- a fake cluster
+def draw(seed: int, context: list[int], index: int) -> int:
+    """A position-derived 'sampler': token = f(seed, output index, context)."""
+    h = hashlib.blake2b(f"{seed}|{index}|{context[-3:]}".encode(), digest_size=4).digest()
+    return 2 + int.from_bytes(h, "little") % 40  # includes STOP_TOKEN sometimes
+
+
+class FakeWorkers:
+    """Attempts that generate like an engine would, and break after `breaks[i]` chunks."""
+
+    def __init__(self, breaks: list[int], error=None) -> None:
+        self.breaks = list(breaks)
+        self.jobs: list[Job] = []
+        self.closed = 0
+        self.error = error or (
+            lambda: RemoteError(grpc.StatusCode.UNAVAILABLE, "decode: connection reset")
+        )
+
+    async def attempt(self, job: Job):
+        self.jobs.append(job)
+        job.decode_instance = f"d{len(self.jobs)}"
+        limit = self.breaks.pop(0) if self.breaks else None
+        context = list(job.token_ids)
+        try:
+            for i in range(job.params.max_tokens):
+                if limit is not None and i >= limit:
+                    raise self.error()
+                tok = draw(job.params.seed, context, job.params.output_offset + i)
+                context.append(tok)
+                last = i == job.params.max_tokens - 1
+                finish = STOP if tok in job.params.stop_token_ids else (LENGTH if last else 0)
+                yield Chunk([tok], finish)
+                if finish:
+                    return
+        finally:
+            self.closed += 1
+
+
+def registry_with_instances() -> Registry:
+    reg = Registry()
+    reg.register("p1", "127.0.0.1:1", ROLE_PREFILL, "fp", 16)
+    for i in range(1, 6):
+        reg.register(f"d{i}", f"127.0.0.1:{10 + i}", ROLE_DECODE, "fp", 16)
+    return reg
+
+
+async def collect(migrator: Migrator, job: Job) -> tuple[list[int], int]:
+    tokens, finish = [], 0
+    async for chunk in migrator.run(job):
+        tokens += chunk.token_ids
+        finish = chunk.finish_reason
+    return tokens, finish
+
+
+def run_fake(job: Job, breaks: list[int], max_migrations=3, **kw):
+    workers = FakeWorkers(breaks, **kw)
+    reasons: list[str] = []
+    reg = registry_with_instances()
+    m = Migrator(workers.attempt, reg, max_migrations, wait_s=0.1, on_migration=reasons.append)
+    return asyncio.run(collect(m, job)), workers, reasons, reg
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    max_tokens=st.integers(1, 30),
+    seed=st.integers(0, 2**32),
+    breaks=st.lists(st.integers(1, 8), max_size=3),
+)
+def test_a_broken_stream_continues_exactly(max_tokens, seed, breaks):
+    (ref, ref_finish), *_ = run_fake(make_job(max_tokens=max_tokens, seed=seed), [])
+    (got, finish), workers, reasons, _ = run_fake(
+        make_job(max_tokens=max_tokens, seed=seed), breaks
+    )
+    assert got == ref  # no token lost, repeated or different
+    assert finish == ref_finish  # LENGTH at the original max_tokens, or STOP at the same token
+    emitted, expected_migrations = 0, 0
+    for b in breaks:  # attempt i breaks after breaks[i] of the tokens still owed
+        if b >= len(ref) - emitted:
+            break
+        emitted, expected_migrations = emitted + b, expected_migrations + 1
+    assert len(reasons) == len(workers.jobs) - 1 == expected_migrations
+    assert workers.closed == len(workers.jobs)
+    for j in workers.jobs[1:]:  # each continuation: prompt + tokens so far
+        k = len(j.token_ids) - 3
+        assert j.token_ids[3:] == ref[:k] and j.params.output_offset == k
+        assert j.params.max_tokens == max_tokens - k
+
+
+def test_the_failed_instance_is_marked_suspect_and_the_job_records_the_new_one():
+    job = make_job(max_tokens=12, stop=())
+    (_tokens, finish), workers, reasons, reg = run_fake(job, [3])
+    assert finish == LENGTH and reasons == ["unavailable"]
+    assert reg.get("d1").suspect_since is not None
+    assert job.decode_instance == "d2"
+
+
+def test_bounded_migrations():
+    job = make_job(max_tokens=20, stop=())
+    with pytest.raises(RemoteError):
+        run_fake(job, [2, 2, 2, 2], max_migrations=3)
+
+
+def test_no_migration_before_the_first_token_or_for_other_errors():
+    with pytest.raises(RemoteError):  # the orchestrator's own retries cover this phase
+        run_fake(make_job(max_tokens=5, stop=()), [0])
+    bad = lambda: RemoteError(grpc.StatusCode.INVALID_ARGUMENT, "no")  # noqa: E731
+    with pytest.raises(RemoteError, match="no"):
+        run_fake(make_job(max_tokens=5, stop=()), [2], error=bad)
+
+
+def test_consumer_leaving_early_closes_the_attempt():
+    workers = FakeWorkers([])
+    m = Migrator(workers.attempt, registry_with_instances())
+
+    async def first_two():
+        gen = m.run(make_job(max_tokens=10, stop=()))
+        got = [await gen.__anext__(), await gen.__anext__()]
+        await gen.aclose()
+        return got
+
+    assert len(asyncio.run(first_two())) == 2
+    assert workers.closed == 1
+
+
+def test_waits_for_a_place_then_gives_the_attempt_its_chance():
+    reg = Registry()
+    reg.register("p1", "127.0.0.1:1", ROLE_PREFILL, "fp", 16)
+    reg.register("d1", "127.0.0.1:2", ROLE_DECODE, "fp", 16)
+    workers = FakeWorkers([2])
+    m = Migrator(workers.attempt, reg, wait_s=5.0)
+
+    async def scenario():
+        async def comes_back():
+            await asyncio.sleep(0.3)
+            reg.register("d9", "127.0.0.1:3", ROLE_DECODE, "fp", 16)
+
+        back = asyncio.ensure_future(comes_back())
+        # d1 is marked suspect by the migration: no decode left until d9 registers
+        tokens, finish = await collect(m, make_job(max_tokens=6, stop=()))
+        await back
+        return tokens, finish
+
+    tokens, finish = asyncio.run(scenario())
+    assert len(tokens) == 6 and finish == LENGTH and len(workers.jobs) == 2
