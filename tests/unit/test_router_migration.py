@@ -180,7 +180,7 @@ def test_a_broken_stream_continues_exactly(max_tokens, seed, breaks):
 
 def test_the_failed_instance_is_marked_suspect_and_the_job_records_the_new_one():
     job = make_job(max_tokens=12, stop=())
-    (_tokens, finish), workers, reasons, reg = run_fake(job, [3])
+    (_tokens, finish), _workers, reasons, reg = run_fake(job, [3])
     assert finish == LENGTH and reasons == ["unavailable"]
     assert reg.get("d1").suspect_since is not None
     assert job.decode_instance == "d2"
