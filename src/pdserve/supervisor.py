@@ -133,3 +133,31 @@ class Supervisor:
     def _say(self, message: str, level: str = "info", **fields: object) -> None:
         getattr(log, level)(message, **fields)
         self._notify(message)
+
+
+class SupervisorThread:
+    """Ticks a Supervisor on a daemon thread (tests and embedders; `pdserve up` ticks it from
+    its main loop). Use as a context manager; stop it before `Cluster.stop()`."""
+
+    def __init__(self, supervisor: Supervisor, interval_s: float = 0.1) -> None:
+        import threading
+
+        self.supervisor = supervisor
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pdserve-supervisor", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.supervisor.tick()
+            except Exception as exc:  # keep supervising; say what went wrong
+                log.error("supervisor tick failed", error=repr(exc))
+
+    def __enter__(self) -> SupervisorThread:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)

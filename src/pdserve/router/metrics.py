@@ -45,6 +45,11 @@ class RouterMetrics:
         self.prefill_retries = m.counter(
             "router_prefill_retries", "prefill attempts beyond the first"
         )
+        self.migrations = m.counter(
+            "router_migrations",
+            "streams moved to another worker after theirs died mid-stream",
+            ["reason"],
+        )
         self.inflight = m.gauge(
             "router_instance_inflight",
             "requests the router has in flight per instance",
