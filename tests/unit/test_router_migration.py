@@ -234,3 +234,20 @@ def test_waits_for_a_place_then_gives_the_attempt_its_chance():
 
     tokens, finish = asyncio.run(scenario())
     assert len(tokens) == 6 and finish == LENGTH and len(workers.jobs) == 2
+
+
+def test_the_clients_job_records_every_token_once():
+    job = make_job(max_tokens=9, stop=())
+
+    workers = FakeWorkers([4])
+    original = workers.attempt
+
+    async def attempt(j):  # like Orchestrator._attempt: each attempt records on its job
+        async for chunk in original(j):
+            j.output_token_ids.extend(chunk.token_ids)
+            yield chunk
+
+    m = Migrator(attempt, registry_with_instances(), wait_s=0.1)
+    tokens, _finish = asyncio.run(collect(m, job))
+    assert job.output_token_ids == tokens and len(tokens) == 9
+    assert workers.jobs[1].output_token_ids == tokens[4:]

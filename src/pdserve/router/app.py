@@ -78,6 +78,9 @@ class RouterApp(ServiceApp):
             use_kvstore=bool(kv) and s.use_kvstore,
             write_back=bool(kv) and s.use_kvstore,
             hasher=self._hasher,
+            max_migrations=s.max_migrations,
+            migration_wait_s=s.migration_wait_s,
+            on_migration=lambda reason: self.metrics.migrations.labels(reason).inc(),
         )
         self.router_servicer = RouterServicer(
             self.orchestrator, self.registry, self.model, self.metrics, self.totals, kv

@@ -81,6 +81,7 @@ def continuation(job: Job, emitted: Sequence[int], migration: int) -> Job:
         prefill_instance="",
         decode_instance="",
         prefill_attempts=0,
+        output_token_ids=[],
     )
 
 
@@ -123,6 +124,8 @@ class Migrator:
             try:
                 async for chunk in gen:
                     emitted.extend(chunk.token_ids)
+                    if current is not job:  # (the first attempt records its own)
+                        job.output_token_ids.extend(chunk.token_ids)
                     yield chunk
                     if chunk.finish_reason:
                         return

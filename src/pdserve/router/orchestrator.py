@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,6 +32,7 @@ from pdserve.errors import DeadlineError, OverloadedError, UnavailableError
 from pdserve.logging import get_logger
 from pdserve.v1 import common_pb2, worker_pb2
 
+from .migration import Migrator, StreamLost
 from .placement import RequestPlacement
 from .policies import PlacementPolicy, RouteRequest
 from .predictor import OutputLengthPredictor
@@ -117,8 +118,14 @@ class Orchestrator:
         use_kvstore: bool = False,
         write_back: bool = False,
         hasher=None,
+        max_migrations: int = 3,
+        migration_wait_s: float = 10.0,
+        on_migration: Callable[[str], None] | None = None,
     ) -> None:
         self.registry, self.policy, self.predictor = registry, policy, predictor
+        self.migrator = Migrator(
+            self._attempt, registry, max_migrations, migration_wait_s, on_migration
+        )
         self.workers, self.deadlines = workers, deadlines
         self.aborter = Aborter(workers, deadlines.abort_s)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -128,6 +135,20 @@ class Orchestrator:
 
     # -------------------------------------------------------------- public
     async def run(self, job: Job) -> AsyncIterator[Chunk]:
+        """The request's chunks. When its stream breaks after the client has seen tokens,
+        `Migrator` continues it on other instances (migration.py): one `_attempt` each."""
+        gen = self.migrator.run(job)
+        try:
+            async for chunk in gen:
+                yield chunk
+        finally:
+            try:
+                await gen.aclose()  # at once, not when collected: it aborts the workers
+            finally:
+                self.predictor.observe(len(job.token_ids), len(job.output_token_ids))
+
+    async def _attempt(self, job: Job) -> AsyncIterator[Chunk]:
+        """One placement of `job` (a client's job, or a migration's continuation)."""
         route = RouteRequest(
             job.request_id, job.token_ids, session_id=job.session_id, hasher=self.hasher
         )
@@ -151,7 +172,6 @@ class Orchestrator:
                 await gen.aclose()
             finally:
                 placement.close()  # the one place a request's footprint is released
-                self.predictor.observe(len(job.token_ids), len(job.output_token_ids))
 
     async def close(self) -> None:
         """Wait for pending background aborts."""
@@ -258,8 +278,7 @@ class Orchestrator:
         self, job: Job, placement: RequestPlacement, prompt: list[int], first: int
     ) -> AsyncIterator[Chunk]:
         """Relay the tokens after `first` from the decode holding the ticket. A failure
-        ends the request (the client already has tokens); a decode lost mid-stream could
-        be re-placed here from `prompt + job.output_token_ids` (`_place_and_prefill`)."""
+        ends this attempt; `Migrator` continues the request elsewhere when it may."""
         decode = placement.decode
         call = self.workers.stub(decode.address).Decode(
             worker_pb2.DecodeRequest(
@@ -275,7 +294,7 @@ class Orchestrator:
         try:
             async for chunk in self._relay(call, decode, job, placement, "decode"):
                 yield chunk
-        except grpc.RpcError as err:  # failed before its first chunk: too late to retry
+        except grpc.RpcError as err:  # failed before its first chunk: the Migrator's turn
             raise self._failure(err, decode, "decode") from None
 
     async def _reserve(
@@ -373,11 +392,7 @@ class Orchestrator:
             while True:
                 wait = self.deadlines.first_token_s if first else self.deadlines.decode_idle_s
                 try:
-                    msg = await asyncio.wait_for(call.read(), wait)
-                except asyncio.TimeoutError:
-                    raise DeadlineError(
-                        f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
-                    ) from None
+                    msg = await self._read_while_alive(call, inst, wait, what)
                 except grpc.RpcError as err:
                     if first:
                         raise
@@ -397,6 +412,31 @@ class Orchestrator:
         finally:
             if not finished:
                 call.cancel()
+
+    async def _read_while_alive(self, call, inst: Instance, wait: float, what: str):
+        """The stream's next message. Raises DeadlineError after `wait` s of silence, and
+        StreamLost as soon as the instance is lost (expired, or not heartbeating for the
+        registry's timeout): a stream from a hung or partitioned worker may otherwise
+        stay open, silent, until the deadline."""
+        read = asyncio.ensure_future(call.read())
+        deadline = time.monotonic() + wait
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineError(
+                        f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
+                    )
+                done, _ = await asyncio.wait({read}, timeout=min(DECODE_WATCH_S, left))
+                if done:
+                    return read.result()
+                if self.registry.lost(inst.instance_id):
+                    raise StreamLost(
+                        f"{what} instance {inst.instance_id} stopped heartbeating mid-stream"
+                    )
+        finally:
+            if not read.done():
+                read.cancel()
 
     def _failure(self, err: grpc.RpcError, inst: Instance, what: str) -> RemoteError:
         """The domain error for a worker's RPC failure; UNAVAILABLE makes it suspect."""
