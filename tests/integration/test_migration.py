@@ -20,7 +20,7 @@ from .conftest import VOCAB, pool_idle, start_cluster, wait_until, worker_info
 pytestmark = pytest.mark.integration
 
 N_STREAMS = 32
-MAX_TOKENS = 40
+MAX_TOKENS = 48
 KILLS = 3  # SIGKILLs of a decode, one per wave of streams
 
 
@@ -108,11 +108,11 @@ def supervised(serving_model_dir):
         cluster.stop()
 
 
-async def _run_wave(addr: str, requests: list[dict], on_all_started) -> list:
+async def _run_wave(addr: str, requests: list[dict], on_most_started) -> list:
     from pdserve.client import AsyncClient
 
     progress = [0] * len(requests)
-    all_started = asyncio.Event()
+    most_started = asyncio.Event()
 
     async def one(client, i: int, req: dict):
         tokens: list[int] = []
@@ -121,14 +121,14 @@ async def _run_wave(addr: str, requests: list[dict], on_all_started) -> list:
             tokens += ev.token_ids
             finish = ev.finish_reason or finish
             progress[i] = len(tokens)
-            if all(progress):
-                all_started.set()
+            if sum(1 for p in progress if p) >= len(requests) * 3 // 4:
+                most_started.set()  # most streams are running: kill now, mid-stream
         return tokens, finish
 
     async with AsyncClient(addr, timeout=120.0, max_retries=0) as client:
         tasks = [asyncio.ensure_future(one(client, i, r)) for i, r in enumerate(requests)]
-        await asyncio.wait_for(all_started.wait(), 60)
-        await asyncio.to_thread(on_all_started)
+        await asyncio.wait_for(most_started.wait(), 60)
+        await asyncio.to_thread(on_most_started)
         return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
 
 
