@@ -251,3 +251,14 @@ def test_the_clients_job_records_every_token_once():
     tokens, _finish = asyncio.run(collect(m, job))
     assert job.output_token_ids == tokens and len(tokens) == 9
     assert workers.jobs[1].output_token_ids == tokens[4:]
+
+
+def test_no_place_within_the_wait_budget_fails_promptly():
+    reg = Registry()
+    reg.register("p1", "127.0.0.1:1", ROLE_PREFILL, "fp", 16)
+    reg.register("d1", "127.0.0.1:2", ROLE_DECODE, "fp", 16)  # the only decode: it breaks
+    workers = FakeWorkers([2])
+    m = Migrator(workers.attempt, reg, max_migrations=3, wait_s=0.3)
+    with pytest.raises(UnavailableError, match="no instance took it over"):
+        asyncio.run(collect(m, make_job(max_tokens=6, stop=())))
+    assert len(workers.jobs) == 1  # no attempt without a place

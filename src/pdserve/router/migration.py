@@ -13,7 +13,8 @@ text and do not see the seam.
 
 Failures before the first token are the orchestrator's own retries (prefill, reserve);
 migration starts once the client has seen a token. Bounded: at most `max_migrations` per
-request, and a continuation waits at most `wait_s` for a decode (or colocated) instance.
+request, and a request's continuations wait at most `wait_s` in all for a decode (or
+colocated) instance to exist (the supervisor may be restarting the only one).
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class Migrator:
     async def run(self, job: Job) -> AsyncIterator[Chunk]:
         emitted: list[int] = []
         current, migrations = job, 0
+        wait_deadline: float | None = None  # set at the first migration
         while True:
             gen = self._attempt(current)
             try:
@@ -161,18 +163,21 @@ class Migrator:
                 error=str(failure),
             )
             self._on_migration(reason)
-            await self._wait_for_capacity(job.request_id)
+            if wait_deadline is None:
+                wait_deadline = time.monotonic() + self.wait_s
+            await self._wait_for_capacity(job.request_id, wait_deadline)
             current = continuation(job, emitted, migrations)
 
-    async def _wait_for_capacity(self, request_id: str) -> None:
-        """Wait (bounded by wait_s) until a place for the continuation exists: a decode and a
-        prefill instance, or a colocated one. The launcher may be restarting the only one."""
-        deadline = time.monotonic() + self.wait_s
+    async def _wait_for_capacity(self, request_id: str, deadline: float) -> None:
+        """Wait (until `deadline`) for a place for the continuation: a decode and a prefill
+        instance, or a colocated one. The launcher may be restarting the only one."""
         delay = 0.05
         while not self._placeable():
             if time.monotonic() + delay > deadline:
-                log.warning("no instance for the continuation", request_id=request_id)
-                return  # the attempt raises UNAVAILABLE with the precise reason
+                log.warning("stream lost: no instance to continue it on", request_id=request_id)
+                raise UnavailableError(
+                    f"the stream's worker died and no instance took it over within {self.wait_s:g} s"
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 
