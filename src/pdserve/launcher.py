@@ -21,17 +21,30 @@ from pathlib import Path
 
 from pdserve.rpc.ready import parse_ready_line
 
+PARENT_PID_ENV = "PDSERVE_PARENT_PID"  # set for the children: see die_with_parent()
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL, so a
-    killed `pdserve up` never leaves orphan services behind (Linux only; else a no-op)."""
+
+def die_with_parent() -> None:
+    """In a service started by the launcher (env PDSERVE_PARENT_PID): ask the kernel for
+    SIGTERM when the launcher dies, even by SIGKILL, so a killed `pdserve up` never leaves
+    orphan services behind; exit at once if it is already gone. Called by every service at
+    start (pdserve.rpc.server.serve). Linux only; elsewhere a no-op.
+
+    Done in the child after exec rather than in a `preexec_fn`: running Python between fork
+    and exec is unsafe in a multi-threaded parent (the supervisor thread of a test process
+    with torch and gRPC threads crashed that way now and then)."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent:
+        return
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != int(parent):  # the launcher died before prctl: we are an orphan
+        os._exit(0)
 
 
 @dataclass
@@ -50,23 +63,23 @@ class ManagedProcess:
     def start(self) -> None:
         log = open(self.log_path, "ab")
         self.started_at = time.monotonic()
-        cpu = self.cpu
-
-        def preexec() -> None:
-            _die_with_parent()
-            if cpu is not None and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, {cpu})
-
+        env = {**self.env, PARENT_PID_ENV: str(os.getpid())}
+        # No preexec_fn (unsafe with threads, see die_with_parent): the child sets its
+        # parent-death signal itself, and the CPU pin is applied from here right after.
         self.popen = subprocess.Popen(
             self.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=self.env,
-            preexec_fn=preexec,
+            env=env,
             start_new_session=True,  # Ctrl-C in the terminal reaches the launcher only
         )
         log.close()
+        if self.cpu is not None and hasattr(os, "sched_setaffinity"):
+            try:
+                os.sched_setaffinity(self.popen.pid, {self.cpu})
+            except OSError:  # it died already
+                pass
 
     @property
     def alive(self) -> bool:

@@ -11,6 +11,7 @@ import asyncio
 import random
 import signal
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.integration
 N_STREAMS = 32
 MAX_TOKENS = 48
 KILLS = 3  # SIGKILLs of a decode, one per wave of streams
+MIN_RUNNING_AT_KILL = 4  # kill a decode once it runs at least this many of the streams
 
 
 def _free_port() -> int:
@@ -108,28 +110,32 @@ def supervised(serving_model_dir):
         cluster.stop()
 
 
-async def _run_wave(addr: str, requests: list[dict], on_most_started) -> list:
+async def _run_wave(addr: str, requests: list[dict], kill_when_running) -> list:
+    """Run the streams; meanwhile call `kill_when_running()` (in a thread) until it returns
+    True (it killed a decode)."""
     from pdserve.client import AsyncClient
 
-    progress = [0] * len(requests)
-    most_started = asyncio.Event()
-
-    async def one(client, i: int, req: dict):
+    async def one(client, req: dict):
         tokens: list[int] = []
         finish = None
         async for ev in client.generate_stream(**req):
             tokens += ev.token_ids
             finish = ev.finish_reason or finish
-            progress[i] = len(tokens)
-            if sum(1 for p in progress if p) >= len(requests) * 3 // 4:
-                most_started.set()  # most streams are running: kill now, mid-stream
         return tokens, finish
 
     async with AsyncClient(addr, timeout=120.0, max_retries=0) as client:
-        tasks = [asyncio.ensure_future(one(client, i, r)) for i, r in enumerate(requests)]
-        await asyncio.wait_for(most_started.wait(), 60)
-        await asyncio.to_thread(on_most_started)
-        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        tasks = [asyncio.ensure_future(one(client, r)) for r in requests]
+        try:
+            deadline = time.monotonic() + 60
+            while not await asyncio.to_thread(kill_when_running):
+                assert time.monotonic() < deadline, "the streams never ran on a decode"
+                assert not all(t.done() for t in tasks), "every stream ended before the kill"
+                await asyncio.sleep(0.02)
+            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def test_streams_survive_a_killed_decode(supervised, reference_engine):
@@ -140,16 +146,19 @@ def test_streams_survive_a_killed_decode(supervised, reference_engine):
         migrations0 = _migrations(metrics_port)
         killed: list[tuple[str, str, int]] = []  # (name, instance id, streams running there)
 
-        def kill(killed=killed) -> None:
-            """SIGKILL the decode running the most streams, now."""
+        def kill_when_running(killed=killed) -> bool:
+            """SIGKILL a decode as soon as it runs several streams (mid-stream)."""
             infos = {n: worker_info(cluster, n) for n in ("decode0", "decode1")}
             victim = max(infos, key=lambda n: infos[n].load.num_running)
+            running = infos[victim].load.num_running
+            if running < MIN_RUNNING_AT_KILL:
+                return False
             cluster.processes[victim].signal(signal.SIGKILL)
-            killed.append((victim, infos[victim].instance_id, infos[victim].load.num_running))
+            killed.append((victim, infos[victim].instance_id, running))
+            return True
 
-        results = asyncio.run(_run_wave(cluster.addr, requests, kill))
-        victim, old_id, running = killed[0]
-        assert running > 0, "no stream was running on the killed decode"
+        results = asyncio.run(_run_wave(cluster.addr, requests, kill_when_running))
+        victim, old_id, _running = killed[0]
         failures = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         assert not failures, f"wave {wave}: client-visible failures: {failures[:3]}"
         wrong = [i for i, (r, e) in enumerate(zip(results, expected, strict=True)) if r[0] != e]
