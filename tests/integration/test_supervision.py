@@ -1,6 +1,6 @@
 """`pdserve up` supervises its services: a worker killed with SIGKILL is restarted (and says
 so), registers again and serves; the router forgets the dead instance and its per-instance
-metric series; the kvstore comes back on its old port. Every wait is bounded (hang guards)."""
+metric series; the kvstore and the router come back on their old ports. Every wait is bounded (hang guards)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def _wait_line(handle: Up, pattern: str, timeout: float) -> re.Match:
     raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(handle.lines[-30:]))
 
 
-def test_killed_worker_and_kvstore_come_back(serving_model_dir, tmp_path):
+def test_killed_worker_kvstore_and_router_come_back(serving_model_dir, tmp_path):
     metrics_port = _free_port()
     argv = [
         *_pdserve(), "up", "--port", "0", "--prefill", "1", "--decode", "1", "--kvstore",
@@ -124,6 +124,14 @@ def test_killed_worker_and_kvstore_come_back(serving_model_dir, tmp_path):
         pids.add(int(back[1]))
         assert int(back[2]) == kv_port  # the others keep using the old address
         wait_until(lambda: _generate(addr) == expected, 60, "serving after the kvstore restart")
+
+        router_pid, router_port = procs["router"]
+        os.kill(router_pid, signal.SIGKILL)
+        back = _wait_line(handle, r"router is back \(pid (\d+), port (\d+)\)", 120)
+        pids.add(int(back[1]))
+        assert int(back[2]) == router_port == info["port"]  # clients keep their address
+        # the workers register again with the new router process, and it serves
+        wait_until(lambda: _generate(addr) == expected, 60, "serving after the router restart")
 
         handle.proc.send_signal(signal.SIGTERM)
         assert handle.proc.wait(60) == 0
