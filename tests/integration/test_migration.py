@@ -143,51 +143,69 @@ async def _run_wave(addr: str, requests: list[dict], kill_when_running) -> list:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _wave(cluster, metrics_port: int, requests, expected, sig: int, label: str) -> None:
+    """Run the streams, hit the busiest decode with `sig` mid-stream, check every stream,
+    SIGKILL the victim if it is still there (frozen), wait until the supervisor brought it
+    back and registered, and check that no live worker holds a KV block."""
+    migrations0 = _migrations(metrics_port)
+    hit: list[tuple[str, str]] = []  # (name, instance id)
+
+    def hit_when_running() -> bool:
+        """Signal the decode running the most streams (its Info load may be a heartbeat
+        old, hence the long streams), if it runs several."""
+        infos = {n: worker_info(cluster, n) for n in ("decode0", "decode1")}
+        victim = max(infos, key=lambda n: infos[n].load.num_running)
+        if infos[victim].load.num_running < MIN_RUNNING_AT_KILL:
+            return False
+        cluster.processes[victim].signal(sig)
+        hit.append((victim, infos[victim].instance_id))
+        return True
+
+    results = asyncio.run(_run_wave(cluster.addr, requests, hit_when_running))
+    victim, old_id = hit[0]
+    cluster.processes[victim].signal(signal.SIGKILL)  # a frozen one: now dead
+    failures = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+    assert not failures, f"{label}: client-visible failures: {failures[:3]}"
+    wrong = [i for i, (r, e) in enumerate(zip(results, expected, strict=True)) if r[0] != e]
+    assert not wrong, f"{label}: wrong tokens in streams {wrong}"
+    assert all(finish == "length" for _tokens, finish in results)
+    assert _migrations(metrics_port) > migrations0, f"{label}: no stream migrated"
+
+    # The supervisor brings the victim back; it registers under a new instance id.
+    def back() -> bool:
+        proc = cluster.processes[victim]
+        if not proc.alive or proc.port is None:
+            return False
+        try:
+            new_id = worker_info(cluster, victim).instance_id
+            ids = _registered_ids(cluster.addr)
+        except Exception:
+            return False
+        return new_id != old_id and new_id in ids and old_id not in ids
+
+    wait_until(back, 120, f"{label}: {victim} restarted and registered")
+    for name in cluster.worker_names():  # no KV block leaked anywhere
+        wait_until(lambda name=name: pool_idle(cluster, name), 30, f"{label}: {name} idle")
+
+
 def test_streams_survive_a_killed_decode(supervised, reference_engine):
     cluster, supervisor, metrics_port, said = supervised
     requests = _requests(seed=1)  # the same streams each wave (the prompts then hit the
     expected = _reference(reference_engine, requests)  # prefill's prefix cache: fine)
     for wave in range(KILLS):
-        migrations0 = _migrations(metrics_port)
-        killed: list[tuple[str, str, int]] = []  # (name, instance id, streams running there)
-
-        def kill_when_running(killed=killed) -> bool:
-            """SIGKILL the decode running the most streams (its Info load may be a heartbeat
-            old, hence the long streams), if it runs several."""
-            infos = {n: worker_info(cluster, n) for n in ("decode0", "decode1")}
-            victim = max(infos, key=lambda n: infos[n].load.num_running)
-            running = infos[victim].load.num_running
-            if running < MIN_RUNNING_AT_KILL:
-                return False
-            cluster.processes[victim].signal(signal.SIGKILL)
-            killed.append((victim, infos[victim].instance_id, running))
-            return True
-
-        results = asyncio.run(_run_wave(cluster.addr, requests, kill_when_running))
-        victim, old_id, _running = killed[0]
-        failures = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
-        assert not failures, f"wave {wave}: client-visible failures: {failures[:3]}"
-        wrong = [i for i, (r, e) in enumerate(zip(results, expected, strict=True)) if r[0] != e]
-        assert not wrong, f"wave {wave}: wrong tokens in streams {wrong}"
-        assert all(finish == "length" for _tokens, finish in results)
-        assert _migrations(metrics_port) > migrations0, "no stream migrated"
-
-        # The supervisor brings the victim back; it registers under a new instance id.
-        def back(victim=victim, old_id=old_id) -> bool:
-            proc = cluster.processes[victim]
-            if not proc.alive or proc.port is None:
-                return False
-            try:
-                new_id = worker_info(cluster, victim).instance_id
-                ids = _registered_ids(cluster.addr)
-            except Exception:
-                return False
-            return new_id != old_id and new_id in ids and old_id not in ids
-
-        wait_until(back, 120, f"{victim} restarted and registered")
-        for name in cluster.worker_names():  # no KV block leaked anywhere
-            wait_until(lambda name=name: pool_idle(cluster, name), 30, f"{name} idle")
+        _wave(cluster, metrics_port, requests, expected, signal.SIGKILL, f"kill {wave}")
     assert sum(supervisor.restarts.values()) == KILLS
     assert set(supervisor.restarts) <= {"decode0", "decode1"}
     assert sum("exited with code -9" in line for line in said) == KILLS
     assert sum(" is back " in line for line in said) == KILLS
+
+
+def test_streams_leave_a_frozen_decode(supervised, reference_engine):
+    """SIGSTOP: the socket stays open and silent. The decode stops heartbeating; the router
+    counts it lost after the heartbeat timeout and moves its streams (StreamLost)."""
+    cluster, supervisor, metrics_port, _said = supervised
+    requests = _requests(seed=2)[:12]
+    expected = _reference(reference_engine, requests)
+    restarts0 = sum(supervisor.restarts.values())
+    _wave(cluster, metrics_port, requests, expected, signal.SIGSTOP, "freeze")
+    assert sum(supervisor.restarts.values()) == restarts0 + 1

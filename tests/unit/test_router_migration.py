@@ -262,3 +262,20 @@ def test_no_place_within_the_wait_budget_fails_promptly():
     with pytest.raises(UnavailableError, match="no instance took it over"):
         asyncio.run(collect(m, make_job(max_tokens=6, stop=())))
     assert len(workers.jobs) == 1  # no attempt without a place
+
+
+def test_registry_lost_means_expired_or_silent_not_suspect_or_deregistered():
+    now = [100.0]
+    reg = Registry(heartbeat_timeout_s=3.0, suspect_s=1.0, clock=lambda: now[0])
+    for iid in ("a", "b", "c", "d"):
+        reg.register(iid, f"127.0.0.1:{ord(iid)}", ROLE_DECODE, "fp", 16)
+    reg.mark_suspect("a")  # one failed RPC: not lost
+    reg.deregister("b")  # graceful: it finishes its streams
+    assert not reg.lost("a") and not reg.lost("b") and not reg.lost("c")
+    now[0] += 2.0
+    reg.heartbeat("c", ROLE_DECODE, "serving", reg.get("c").load)
+    now[0] += 2.0  # a, d silent for 4 s > 3 s; c for 2 s
+    assert reg.lost("a") and reg.lost("d") and not reg.lost("c")
+    assert sorted(reg.expire()) == ["a", "d"]
+    assert reg.lost("a") and reg.lost("d")  # gone, and known to have expired
+    assert not reg.lost("never-registered")
