@@ -148,7 +148,7 @@ def _wave(cluster, metrics_port: int, requests, expected, sig: int, label: str) 
     SIGKILL the victim if it is still there (frozen), wait until the supervisor brought it
     back and registered, and check that no live worker holds a KV block."""
     migrations0 = _migrations(metrics_port)
-    hit: list[tuple[str, str]] = []  # (name, instance id)
+    hit: list[tuple[str, str, object]] = []  # (name, instance id, its ManagedProcess)
 
     def hit_when_running() -> bool:
         """Signal the decode running the most streams (its Info load may be a heartbeat
@@ -157,13 +157,14 @@ def _wave(cluster, metrics_port: int, requests, expected, sig: int, label: str) 
         victim = max(infos, key=lambda n: infos[n].load.num_running)
         if infos[victim].load.num_running < MIN_RUNNING_AT_KILL:
             return False
-        cluster.processes[victim].signal(sig)
-        hit.append((victim, infos[victim].instance_id))
+        proc = cluster.processes[victim]
+        proc.signal(sig)
+        hit.append((victim, infos[victim].instance_id, proc))
         return True
 
     results = asyncio.run(_run_wave(cluster.addr, requests, hit_when_running))
-    victim, old_id = hit[0]
-    cluster.processes[victim].signal(signal.SIGKILL)  # a frozen one: now dead
+    victim, old_id, proc = hit[0]
+    proc.signal(signal.SIGKILL)  # a frozen one: now dead (not its restarted successor)
     failures = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
     assert not failures, f"{label}: client-visible failures: {failures[:3]}"
     wrong = [i for i, (r, e) in enumerate(zip(results, expected, strict=True)) if r[0] != e]
