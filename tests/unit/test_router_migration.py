@@ -279,3 +279,22 @@ def test_registry_lost_means_expired_or_silent_not_suspect_or_deregistered():
     assert sorted(reg.expire()) == ["a", "d"]
     assert reg.lost("a") and reg.lost("d")  # gone, and known to have expired
     assert not reg.lost("never-registered")
+
+
+def test_a_continuation_failing_before_it_streams_does_not_blame_its_decode():
+    job = make_job(max_tokens=12, stop=())
+    # attempt 1 (d1) breaks after 3 tokens; attempt 2 (d2) fails before streaming (e.g. its
+    # prefill); attempt 3 (d3) finishes
+    (tokens, finish), workers, reasons, reg = run_fake(job, [3, 0])
+    assert finish == LENGTH and len(tokens) == 12 and len(workers.jobs) == 3
+    assert reg.get("d1").suspect_since is not None
+    assert reg.get("d2").suspect_since is None
+    assert reasons == ["unavailable", "unavailable"]
+
+
+def test_stream_lost_is_its_own_reason():
+    job = make_job(max_tokens=8, stop=())
+    (_t, finish), _w, reasons, _reg = run_fake(
+        job, [2], error=lambda: StreamLost("decode d1 stopped heartbeating mid-stream")
+    )
+    assert finish == LENGTH and reasons == ["lost"]

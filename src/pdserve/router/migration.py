@@ -123,8 +123,10 @@ class Migrator:
         wait_deadline: float | None = None  # set at the first migration
         while True:
             gen = self._attempt(current)
+            streamed = False  # this attempt yielded tokens: a failure is its stream's
             try:
                 async for chunk in gen:
+                    streamed = True
                     emitted.extend(chunk.token_ids)
                     if current is not job:  # (the first attempt records its own)
                         job.output_token_ids.extend(chunk.token_ids)
@@ -143,16 +145,19 @@ class Migrator:
                         error=str(exc),
                     )
                     raise
+                assert isinstance(exc, PdserveError)  # (migratable)
                 failure = exc
             finally:
                 await gen.aclose()
                 if current is not job:
                     fold(job, current)
             migrations += 1
-            failed = current.decode_instance or current.prefill_instance
+            # The streaming instance broke (a continuation's failed prefill is the
+            # orchestrator's to judge): skip it while it may be dead.
+            failed = (current.decode_instance or current.prefill_instance) if streamed else ""
             if failed:
-                self.registry.mark_suspect(failed)  # skip it while it may be dead
-            reason = failure.code.name.lower() if isinstance(failure, PdserveError) else "lost"
+                self.registry.mark_suspect(failed)
+            reason = "lost" if isinstance(failure, StreamLost) else failure.code.name.lower()
             log.warning(
                 "stream migrating",
                 request_id=job.request_id,
