@@ -5,6 +5,7 @@ decode, and only instances still holding the request are aborted."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import grpc
 import pytest
@@ -73,9 +74,15 @@ class FakeWorker:
         self.reserved: set[str] = set()
         self.gate: dict[str, asyncio.Event] = {}  # method -> wait for it before answering
         self.fail: dict[str, grpc.StatusCode] = {}
+        self.jitter: random.Random | None = None  # random sleeps (0-2 ms) at every step
+
+    async def _pause(self) -> None:
+        if self.jitter is not None:
+            await asyncio.sleep(self.jitter.random() * 0.002)
 
     async def _enter(self, method: str) -> None:
         self.calls.append(method)
+        await self._pause()
         if method in self.gate:
             await self.gate[method].wait()
         if method in self.fail:
@@ -101,6 +108,7 @@ class FakeWorker:
             for i, tok in enumerate(REST):
                 if i == 1 and "Decode.mid" in self.gate:
                     await self.gate["Decode.mid"].wait()
+                await self._pause()
                 last = i == len(REST) - 1
                 if last:
                     self.reserved.discard(req.request_id)
@@ -314,6 +322,44 @@ async def test_colocated_failure_before_first_chunk_retries():
     assert out == [FIRST, *REST] and job.decode_instance == "c1"
     assert c.w["c0"].calls == ["Generate", "Abort"]
     assert c.w["c1"].calls == ["Generate"]
+    assert c.charges() == {}
+
+
+async def test_cancel_storm_leaves_nothing_held():
+    # 300 requests, 16-32 in flight, each cancelled at a random moment (during Reserve,
+    # Prefill, the first token or the stream) or left to finish; prefill failures and full
+    # decodes mixed in. Afterwards no decode holds a reservation and no charge is left.
+    rng = random.Random(8)
+    c = Cluster(prefills=("p0", "p1"), decodes=("d0", "d1"))
+    for w in c.w.values():
+        w.jitter = rng
+    done = cancelled = 0
+
+    async def one(i: int) -> None:
+        nonlocal done, cancelled
+        c.w["p1"].fail = {"Prefill": grpc.StatusCode.UNAVAILABLE} if i % 7 == 0 else {}
+        c.w["d1"].fail = {"Reserve": grpc.StatusCode.RESOURCE_EXHAUSTED} if i % 5 == 0 else {}
+        c.registry.get("p1").suspect_since = None
+        task = asyncio.create_task(collect(c.orch, c.job(f"r{i}"), []))
+        limit = None if rng.random() < 0.3 else rng.random() * 0.02  # None: let it finish
+        await asyncio.wait({task}, timeout=limit)
+        if task.done():
+            done += task.exception() is None
+        else:
+            task.cancel()
+            cancelled += 1
+        await asyncio.gather(task, return_exceptions=True)
+
+    sem = asyncio.Semaphore(rng.randint(16, 32))
+
+    async def bounded(i: int) -> None:
+        async with sem:
+            await one(i)
+
+    await asyncio.gather(*(bounded(i) for i in range(300)))
+    await c.orch.close()
+    assert done > 30 and cancelled > 30  # both outcomes were exercised
+    assert c.reserved() == {}
     assert c.charges() == {}
 
 

@@ -30,6 +30,7 @@ import grpc
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import DeadlineError, OverloadedError, UnavailableError
 from pdserve.logging import get_logger
+from pdserve.rpc.channels import metadata_with_request_id
 from pdserve.v1 import common_pb2, worker_pb2
 
 from .migration import Migrator, StreamLost
@@ -37,7 +38,7 @@ from .placement import RequestPlacement
 from .policies import PlacementPolicy, RouteRequest
 from .predictor import OutputLengthPredictor
 from .registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Instance, Registry
-from .workers import RETRYABLE, Aborter, RemoteError, WorkerClients, remote_error, request_metadata
+from .workers import RETRYABLE, Aborter, RemoteError, WorkerClients, remote_error
 
 log = get_logger("pdserve.router.orchestrator")
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
@@ -112,6 +113,7 @@ class Orchestrator:
         predictor: OutputLengthPredictor,
         workers: WorkerClients,
         deadlines: Deadlines,
+        *,
         eos_token_ids: Sequence[int] = (),
         max_prefill_attempts: int = 3,
         lease_s: float = 0.0,
@@ -245,7 +247,7 @@ class Orchestrator:
                 use_kvstore=self.use_kvstore,
             ),
             timeout=self.deadlines.prefill_s,
-            metadata=request_metadata(job.request_id),
+            metadata=metadata_with_request_id(job.request_id),
         )
         resp = await self._prefill_while_decode_lives(call, placement.decode)
         placement.leave(prefill, abort=False)  # done: its KV is on the decode
@@ -256,6 +258,9 @@ class Orchestrator:
         heartbeating: a KV push to a dead decode would otherwise hang until the prefill's
         transfer timeout. A draining decode still counts as alive (it finishes its work)."""
         task = asyncio.ensure_future(call)
+        # Retrieve its outcome even when we are cancelled as it fails (no "Task exception
+        # was never retrieved" log).
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=DECODE_WATCH_S)
@@ -289,7 +294,7 @@ class Orchestrator:
                 sampling=job.sampling,
                 write_back=self.write_back,
             ),
-            metadata=request_metadata(job.request_id),
+            metadata=metadata_with_request_id(job.request_id),
         )
         try:
             async for chunk in self._relay(call, decode, job, placement, "decode"):
@@ -321,7 +326,7 @@ class Orchestrator:
                 resp = await self.workers.stub(decode.address).Reserve(
                     self._reserve_request(job, route, prompt),
                     timeout=self.deadlines.reserve_s,
-                    metadata=request_metadata(job.request_id),
+                    metadata=metadata_with_request_id(job.request_id),
                 )
             except grpc.RpcError as err:
                 failure = self._failure(err, decode, "decode")
@@ -368,7 +373,7 @@ class Orchestrator:
                     use_kvstore=self.use_kvstore,
                     write_back=self.write_back,
                 ),
-                metadata=request_metadata(job.request_id),
+                metadata=metadata_with_request_id(job.request_id),
             )
             try:
                 async for chunk in self._relay(call, inst, job, placement, "colocated"):

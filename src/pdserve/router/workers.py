@@ -28,10 +28,6 @@ RETRYABLE = frozenset(
 )
 
 
-def request_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-    return metadata_with_request_id(request_id)
-
-
 class RemoteError(PdserveError):
     """A worker's status, relayed with its code (the interceptor maps `code`)."""
 
@@ -91,7 +87,7 @@ class Aborter:
             await self._workers.stub(inst.address).Abort(
                 worker_pb2.AbortRequest(request_id=request_id),
                 timeout=self._timeout_s,
-                metadata=request_metadata(request_id),
+                metadata=metadata_with_request_id(request_id),
             )
         except grpc.RpcError as err:
             log.info("abort failed", instance=inst.instance_id, code=str(err.code()))
