@@ -210,3 +210,38 @@ def test_streams_leave_a_frozen_decode(supervised, reference_engine):
     restarts0 = sum(supervisor.restarts.values())
     _wave(cluster, metrics_port, requests, expected, signal.SIGSTOP, "freeze")
     assert sum(supervisor.restarts.values()) == restarts0 + 1
+
+
+def test_colocated_streams_survive_a_killed_worker(serving_model_dir, reference_engine):
+    """The same for the colocated topology: a Generate stream moves to the other worker."""
+    metrics_port = _free_port()
+    cluster = start_cluster(
+        serving_model_dir,
+        mode="colocated",
+        colocated=2,
+        worker_args=["--num-blocks", "256", "--max-num-batched-tokens", "512"],
+        router_args=[f"--metrics-port={metrics_port}"],
+    )
+    try:
+        requests = _requests(seed=3)[:12]
+        expected = _reference(reference_engine, requests)
+        hit: list[str] = []
+
+        def hit_when_running() -> bool:
+            infos = {n: worker_info(cluster, n) for n in ("colocated0", "colocated1")}
+            victim = max(infos, key=lambda n: infos[n].load.num_running)
+            if infos[victim].load.num_running < MIN_RUNNING_AT_KILL:
+                return False
+            cluster.processes[victim].signal(signal.SIGKILL)
+            hit.append(victim)
+            return True
+
+        results = asyncio.run(_run_wave(cluster.addr, requests, hit_when_running))
+        failures = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        assert not failures, f"client-visible failures: {failures[:3]}"
+        assert [r[0] for r in results] == expected
+        assert _migrations(metrics_port) > 0
+        (survivor,) = [n for n in ("colocated0", "colocated1") if n != hit[0]]
+        wait_until(lambda: pool_idle(cluster, survivor), 30, f"{survivor} idle")
+    finally:
+        cluster.stop()
