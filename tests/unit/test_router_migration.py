@@ -298,3 +298,95 @@ def test_stream_lost_is_its_own_reason():
         job, [2], error=lambda: StreamLost("decode d1 stopped heartbeating mid-stream")
     )
     assert finish == LENGTH and reasons == ["lost"]
+
+
+# ---------------------------------------------------------------- the relay's watchdog
+class SilentCall:
+    """A stream that sends `n` messages, then stays open and silent (a SIGSTOPped worker);
+    cancel() ends a pending read with CancelledError, as grpc.aio does."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.cancelled = False
+        self._pending: asyncio.Future | None = None
+
+    async def read(self):
+        if self.cancelled:
+            raise asyncio.CancelledError
+        if self.n > 0:
+            self.n -= 1
+            await asyncio.sleep(0)
+            return common_pb2.FinishReason  # any object with token_ids / finish_reason
+        self._pending = asyncio.get_running_loop().create_future()
+        return await self._pending
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+        return True
+
+
+class Msg:
+    token_ids = [5]
+    finish_reason = 0
+
+
+def _relay_setup(now):
+    from pdserve.router import orchestrator as orch_mod
+    from pdserve.router.orchestrator import Deadlines, Orchestrator
+
+    reg = Registry(heartbeat_timeout_s=3.0, clock=lambda: now[0])
+    inst = reg.register("d1", "127.0.0.1:2", ROLE_DECODE, "fp", 16)
+    orch = Orchestrator(reg, None, None, None, Deadlines(decode_idle_s=60.0))
+    return orch_mod, orch, inst
+
+
+def test_relay_watchdog_turns_a_silent_lost_stream_into_stream_lost(monkeypatch):
+    now = [100.0]
+    orch_mod, orch, inst = _relay_setup(now)
+    monkeypatch.setattr(orch_mod, "DECODE_WATCH_S", 0.01)
+    call = SilentCall(2)
+    call_read = call.read
+
+    async def read():
+        msg = await call_read()
+        return Msg() if msg is common_pb2.FinishReason else msg
+
+    call.read = read
+    job = make_job(max_tokens=10, stop=())
+
+    async def scenario():
+        got = []
+
+        async def consume():
+            async for chunk in orch._relay(call, inst, job, None, "decode"):
+                got.append(chunk)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.1)
+        assert not task.done() and len(got) == 2  # silent, but still heartbeating
+        now[0] += 10.0  # no heartbeat for 10 s: lost
+        with pytest.raises(StreamLost, match="decode instance d1"):
+            await asyncio.wait_for(task, 5)
+        assert call.cancelled
+
+    asyncio.run(scenario())
+
+
+def test_relay_cancelled_by_its_consumer_is_not_stream_lost(monkeypatch):
+    now = [100.0]
+    orch_mod, orch, inst = _relay_setup(now)
+    monkeypatch.setattr(orch_mod, "DECODE_WATCH_S", 0.01)
+    call = SilentCall(0)
+
+    async def scenario():
+        gen = orch._relay(call, inst, make_job(), None, "decode")
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert call.cancelled
+
+    asyncio.run(scenario())

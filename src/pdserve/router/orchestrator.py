@@ -391,18 +391,39 @@ class Orchestrator:
         """Relay a TokenChunk stream with a deadline on every message. A failure before
         the first message is re-raised as grpc.RpcError (retryable by the caller);
         later failures become domain errors. Cancels the call when left early; the
-        instance leaves the placement (without Abort) when it sends the finish."""
+        instance leaves the placement (without Abort) when it sends the finish.
+
+        A watchdog (`_watch_stream`, one task per stream, not per message) cancels the call
+        when the instance is lost (expired, or silent for the heartbeat timeout): a hung or
+        partitioned worker keeps its stream open and silent, so the read turns that into
+        `StreamLost` at once instead of waiting for `decode_idle_s`."""
         first, finished = True, False
+        lost: list[bool] = []  # set by the watchdog before it cancels the call
+        watchdog = asyncio.ensure_future(self._watch_stream(call, inst, lost))
         try:
             while True:
                 wait = self.deadlines.first_token_s if first else self.deadlines.decode_idle_s
                 try:
-                    msg = await self._read_while_alive(call, inst, wait, what)
+                    msg = await asyncio.wait_for(call.read(), wait)
+                except asyncio.TimeoutError:
+                    raise DeadlineError(
+                        f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
+                    ) from None
+                except asyncio.CancelledError:
+                    # the watchdog cancelled the call (unless this task is being cancelled)
+                    task = asyncio.current_task()
+                    if lost and not (task is not None and task.cancelling()):
+                        raise self._stream_lost(inst, what) from None
+                    raise
                 except grpc.RpcError as err:
+                    if lost:
+                        raise self._stream_lost(inst, what) from None
                     if first:
                         raise
                     raise self._failure(err, inst, what) from None
                 if msg is grpc.aio.EOF:
+                    if lost:
+                        raise self._stream_lost(inst, what)
                     raise UnavailableError(
                         f"{what} instance {inst.instance_id} ended the stream without finishing"
                     )
@@ -415,33 +436,22 @@ class Orchestrator:
                 if finished:
                     return
         finally:
+            watchdog.cancel()
             if not finished:
                 call.cancel()
 
-    async def _read_while_alive(self, call, inst: Instance, wait: float, what: str):
-        """The stream's next message. Raises DeadlineError after `wait` s of silence, and
-        StreamLost as soon as the instance is lost (expired, or not heartbeating for the
-        registry's timeout): a stream from a hung or partitioned worker may otherwise
-        stay open, silent, until the deadline."""
-        read = asyncio.ensure_future(call.read())
-        deadline = time.monotonic() + wait
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DeadlineError(
-                        f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
-                    )
-                done, _ = await asyncio.wait({read}, timeout=min(DECODE_WATCH_S, left))
-                if done:
-                    return read.result()
-                if self.registry.lost(inst.instance_id):
-                    raise StreamLost(
-                        f"{what} instance {inst.instance_id} stopped heartbeating mid-stream"
-                    )
-        finally:
-            if not read.done():
-                read.cancel()
+    async def _watch_stream(self, call, inst: Instance, lost: list[bool]) -> None:
+        """Every DECODE_WATCH_S: if the registry counts `inst` lost, flag it, cancel `call`."""
+        while True:
+            await asyncio.sleep(DECODE_WATCH_S)
+            if self.registry.lost(inst.instance_id):
+                lost.append(True)
+                call.cancel()
+                return
+
+    @staticmethod
+    def _stream_lost(inst: Instance, what: str) -> StreamLost:
+        return StreamLost(f"{what} instance {inst.instance_id} stopped heartbeating mid-stream")
 
     def _failure(self, err: grpc.RpcError, inst: Instance, what: str) -> RemoteError:
         """The domain error for a worker's RPC failure; UNAVAILABLE makes it suspect."""
