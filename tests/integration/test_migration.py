@@ -69,13 +69,13 @@ def _reference(engine, requests: list[dict]) -> list[list[int]]:
     return [out[f"mig-{i}"] for i in range(len(requests))]
 
 
-def _migrations(port: int) -> float:
+def _migrations(port: int, reason: str = "") -> float:
+    """pdserve_router_migrations_total, summed over reasons or for one."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
+    prefix = "pdserve_router_migrations_total" + (f'{{reason="{reason}"}}' if reason else "")
     return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("pdserve_router_migrations_total")
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
     )
 
 
@@ -208,8 +208,10 @@ def test_streams_leave_a_frozen_decode(supervised, reference_engine):
     requests = _requests(seed=2)[:12]
     expected = _reference(reference_engine, requests)
     restarts0 = sum(supervisor.restarts.values())
+    lost0 = _migrations(metrics_port, reason="lost")
     _wave(cluster, metrics_port, requests, expected, signal.SIGSTOP, "freeze")
     assert sum(supervisor.restarts.values()) == restarts0 + 1
+    assert _migrations(metrics_port, reason="lost") > lost0  # the watchdog, not a socket error
 
 
 def test_colocated_streams_survive_a_killed_worker(serving_model_dir, reference_engine):
