@@ -21,17 +21,30 @@ from pathlib import Path
 
 from pdserve.rpc.ready import parse_ready_line
 
+PARENT_PID_ENV = "PDSERVE_PARENT_PID"  # set for the children: see die_with_parent()
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL, so a
-    killed `pdserve up` never leaves orphan services behind (Linux only; else a no-op)."""
+
+def die_with_parent() -> None:
+    """In a service started by the launcher (env PDSERVE_PARENT_PID): ask the kernel for
+    SIGTERM when the launcher dies, even by SIGKILL, so a killed `pdserve up` never leaves
+    orphan services behind; exit at once if it is already gone. Called by every service at
+    start (pdserve.rpc.server.serve). Linux only; elsewhere a no-op.
+
+    Done in the child after exec rather than in a `preexec_fn`: running Python between fork
+    and exec is unsafe in a multi-threaded parent (the supervisor thread of a test process
+    with torch and gRPC threads crashed that way now and then)."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent:
+        return
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != int(parent):  # the launcher died before prctl: we are an orphan
+        os._exit(0)
 
 
 @dataclass
@@ -46,26 +59,28 @@ class ManagedProcess:
     popen: subprocess.Popen | None = None
     port: int | None = None
     info: dict = field(default_factory=dict)  # the READY line's JSON
+    started_at: float = 0.0  # time.monotonic() of the last start
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
-        cpu = self.cpu
-
-        def preexec() -> None:
-            _die_with_parent()
-            if cpu is not None and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, {cpu})
-
+        self.started_at = time.monotonic()
+        env = {**self.env, PARENT_PID_ENV: str(os.getpid())}
+        # No preexec_fn (unsafe with threads, see die_with_parent): the child sets its
+        # parent-death signal itself, and the CPU pin is applied from here right after.
         self.popen = subprocess.Popen(
             self.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=self.env,
-            preexec_fn=preexec,
+            env=env,
             start_new_session=True,  # Ctrl-C in the terminal reaches the launcher only
         )
         log.close()
+        if self.cpu is not None and hasattr(os, "sched_setaffinity"):
+            try:
+                os.sched_setaffinity(self.popen.pid, {self.cpu})
+            except OSError:  # it died already
+                pass
 
     @property
     def alive(self) -> bool:
@@ -254,22 +269,48 @@ class Cluster:
 
     def restart(self, name: str, timeout: float = 120.0) -> None:
         """Start a (killed) process again under the same name and wait until it is ready: a
-        worker until it registers; the kvstore on its old port (the router and the workers
-        keep the address they were given), empty."""
-        old = self.processes[name]
-        if old.alive:
+        worker until it registers; the kvstore and the router on their old ports (the other
+        processes keep the addresses they were given), the kvstore empty."""
+        if self.processes[name].alive:
             self.kill(name)
         deadline = time.monotonic() + timeout
+        new = self.respawn(name)
+        port = new.wait_ready(deadline)
         if name == "kvstore":
-            new = self._spawn(name, self._kvstore_argv(port=self.kvstore_port or 0))
-            self.kvstore_port = new.wait_ready(deadline)
+            self.kvstore_port = port
+        elif name == "router":
+            self.router_port = port
+        if name == "kvstore":
             return
-        role = name.rstrip("0123456789")
-        new = self._spawn(name, self._worker_argv(role, name), cpu=old.cpu)
-        new.wait_ready(deadline)
         # Other workers may be dead on purpose (fault tests): count and watch the live ones.
         live = [n for n in self.worker_names() if self.processes[n].alive]
         self.wait_registered(len(live), deadline, names=live)
+
+    def respawn(self, name: str) -> ManagedProcess:
+        """Start the dead process `name` again (same role, CPU and port where it matters);
+        returns at once: see `poll_ready`. Used by `restart` and by the Supervisor."""
+        old = self.processes[name]
+        if old.alive:
+            raise RuntimeError(
+                f"{name} is still running (pid {old.popen.pid if old.popen else '?'})"
+            )
+        if name == "kvstore":
+            return self._spawn(name, self._kvstore_argv(port=self.kvstore_port or 0))
+        if name == "router":
+            # the same ports: clients and workers keep the addresses they were given
+            argv = self._router_argv(self.router_port, self.router_internal_port or 0)
+            return self._spawn(name, argv)
+        role = name.rstrip("0123456789")
+        return self._spawn(name, self._worker_argv(role, name), cpu=old.cpu)
+
+    def poll_ready(self, name: str) -> bool:
+        """Whether process `name` printed its ready line (and learn its port); never blocks."""
+        proc = self.processes[name]
+        info = proc.ready_info()
+        if info is None:
+            return False
+        proc.port = int(info["port"])
+        return True
 
     def wait_registered(
         self, count: int, deadline: float, names: Sequence[str] | None = None
@@ -362,10 +403,12 @@ class Cluster:
             *self._tls_argv("kvstore"),
         ]  # fmt: skip
 
-    def _router_argv(self) -> list[str]:
+    def _router_argv(self, port: int | None = None, internal_port: int = 0) -> list[str]:
+        port = self.config.port if port is None else port
         argv = [
-            sys.executable, "-m", "pdserve.router", "--port", str(self.config.port),
-            "--internal-port", "0", "--model", self.model_dir, *self._tls_argv("router"),
+            sys.executable, "-m", "pdserve.router", "--port", str(port),
+            "--internal-port", str(internal_port), "--model", self.model_dir,
+            *self._tls_argv("router"),
         ]  # fmt: skip
         if self.kvstore_port is not None:
             argv += ["--kvstore-addr", f"127.0.0.1:{self.kvstore_port}"]

@@ -21,6 +21,9 @@ def cluster(serving_model_dir):
         prefill=2,
         decode=1,
         worker_args=["--num-blocks", "256", "--lease-s", "3"],
+        # The only decode dies and nothing restarts it here: a stream waits this long for
+        # another decode to continue on (migration), then fails.
+        router_args=["--migration-wait-s", "2"],
     )
     try:
         yield c

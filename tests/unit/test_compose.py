@@ -225,3 +225,11 @@ def test_dockerfile_installs_the_service_packages(services):
     assert {"engine", "ucx"} <= set(m.group(1).split(","))
     for copied in re.findall(r"^COPY (\S+)", docker, re.M):
         assert (ROOT / copied).exists(), f"Dockerfile copies missing {copied}"
+
+
+def test_long_running_services_restart_and_the_init_job_does_not(services):
+    """Supervision under Docker Compose: a service that dies is restarted (Docker backs off);
+    the one-shot model-init job is not."""
+    for name, svc in services.items():
+        expected = "no" if name == "model-init" else "unless-stopped"
+        assert svc.get("restart") == expected, f"{name}: restart is {svc.get('restart')!r}"

@@ -64,3 +64,8 @@ def test_to_params_defaults_and_clamp():
     assert (p.max_tokens, p.temperature, p.seed, p.top_k) == (5, 0.0, 7, 3)
     p = to_params(common_pb2.SamplingParams(), num_prompt_tokens=10, max_model_len=4096)
     assert p.max_tokens == 128
+
+
+def test_output_offset_is_the_routers_business():
+    with pytest.raises(InvalidRequestError, match=r"sampling\.output_offset"):
+        to_params(common_pb2.SamplingParams(output_offset=3), 4, 64)

@@ -73,11 +73,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "join the cluster). Default: mutual TLS with certificates made in the log dir",
     )
     p.add_argument("--tls-dir", help="use (and complete) the certificates in this directory")
+    p.add_argument(
+        "--restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="restart a service that dies, with back-off (default: on)",
+    )
+    p.add_argument(
+        "--restart-backoff-s",
+        type=float,
+        default=0.5,
+        help="delay before the first restart; it doubles with each consecutive crash",
+    )
+    p.add_argument(
+        "--restart-backoff-max-s", type=float, default=30.0, help="the longest restart delay"
+    )
+    p.add_argument(
+        "--restart-healthy-s",
+        type=float,
+        default=30.0,
+        help="a service up this long counts as healthy again: the back-off starts over",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.launcher import Cluster, ClusterConfig
+    from pdserve.supervisor import RestartPolicy, Supervisor
 
     for name in ("prefill", "decode", "colocated"):
         if getattr(args, name) < 1:
@@ -88,6 +110,15 @@ def run(args: argparse.Namespace) -> int:
         router_args += ["--api-key", key]
     if args.api_keys_file:
         router_args += ["--api-keys-file", args.api_keys_file]
+    try:
+        policy = RestartPolicy(
+            initial_s=args.restart_backoff_s,
+            max_s=args.restart_backoff_max_s,
+            healthy_s=args.restart_healthy_s,
+        )
+    except ValueError as exc:
+        print(f"pdserve up: restart back-off: {exc}", file=sys.stderr)
+        return 2
     config = ClusterConfig(
         model=args.model,
         mode=args.mode,
@@ -125,13 +156,19 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as exc:
         print(f"pdserve up: failed to start: {exc}", file=sys.stderr)
         return 1
+    supervisor = Supervisor(
+        cluster, policy, notify=lambda msg: print(f"pdserve: {msg}", flush=True)
+    )
     try:
         _print_banner(cluster, args)
         while not stop_signals:
             time.sleep(0.2)  # interrupted by a signal; the handler only appends to a list
+            if args.restart:
+                supervisor.tick()
+                continue
             for name, proc in cluster.processes.items():
                 if not proc.alive and name in ("router", "kvstore"):
-                    print(f"pdserve: {name} exited; stopping", file=sys.stderr)
+                    print(f"pdserve: {name} exited (--no-restart); stopping", file=sys.stderr)
                     stop_signals.append(0)
     finally:
         print("pdserve: stopping", flush=True)

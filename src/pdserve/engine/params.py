@@ -18,6 +18,9 @@ class SamplingParams:
     seed: int | None = None  # position-derived: token i uses a generator seeded by (seed, i)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Output tokens generated before this request (router migration: they are now part of the
+    # prompt); seeded sampling draws output token i with index output_offset + i.
+    output_offset: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -35,6 +38,10 @@ def validate_params(params: SamplingParams) -> None:
         raise InvalidRequestError("top_p", f"must be in (0, 1], got {p}")
     if not isinstance(params.top_k, int) or params.top_k < 0:
         raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 = off), got {params.top_k}")
+    if not isinstance(params.output_offset, int) or params.output_offset < 0:
+        raise InvalidRequestError(
+            "output_offset", f"must be an integer >= 0, got {params.output_offset!r}"
+        )
     if params.seed is not None and not isinstance(params.seed, int):
         raise InvalidRequestError("seed", f"must be an integer or unset, got {params.seed!r}")
 

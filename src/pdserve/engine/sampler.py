@@ -83,6 +83,7 @@ class Sampler:
             noise[torch.tensor(unseeded)] = rows
         for i, r in enumerate(reqs):
             if r.params.seed is not None:
-                g = torch.Generator().manual_seed(derive_seed(r.params.seed, r.output_index))
+                index = r.params.output_offset + r.output_index  # continues a migrated stream
+                g = torch.Generator().manual_seed(derive_seed(r.params.seed, index))
                 noise[i].exponential_(generator=g)
         return noise.clamp_min_(1e-20)

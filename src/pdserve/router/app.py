@@ -72,6 +72,7 @@ class RouterApp(ServiceApp):
         self.workers = WorkerClients()
         self.raw_metrics = metrics if metrics is not None else Metrics()
         self.metrics = RouterMetrics(self.raw_metrics)
+        self.registry.on_forget(self.metrics.forget_instance)  # no gauges of departed instances
         self.totals = Totals()
         self.model = ModelInfo()
         # Built in start(), once the model directory is read (EOS ids, tokenizer):
@@ -158,6 +159,9 @@ class RouterApp(ServiceApp):
             write_back=with_kvstore,
             hasher=self._prefix_hashes,
             length=length,
+            max_migrations=s.max_migrations,
+            migration_wait_s=s.migration_wait_s,
+            on_migration=lambda reason: self.metrics.migrations.labels(reason).inc(),
         )
 
     async def start(self, server) -> None:
@@ -262,9 +266,7 @@ class RouterApp(ServiceApp):
             counts = dict.fromkeys(ROLE_NAMES.values(), 0)
             for inst in self.registry.instances():
                 counts[inst.role_name] += 1
-                self.metrics.inflight.labels(inst.instance_id, inst.role_name).set(
-                    inst.inflight_requests
-                )
+                self.metrics.set_inflight(inst.instance_id, inst.role_name, inst.inflight_requests)
             for role, n in counts.items():
                 self.metrics.instances.labels(role).set(n)
             if self.length is not None:

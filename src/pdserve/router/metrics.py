@@ -45,9 +45,35 @@ class RouterMetrics:
         self.prefill_retries = m.counter(
             "router_prefill_retries", "prefill attempts beyond the first"
         )
+        self.migrations = m.counter(
+            "router_migrations",
+            "streams moved to another worker after theirs died mid-stream",
+            ["reason"],
+        )
         self.inflight = m.gauge(
             "router_instance_inflight",
             "requests the router has in flight per instance",
             ["instance", "role"],
         )
         self.instances = m.gauge("router_instances", "registered instances", ["role"])
+        self._inflight_roles: dict[str, str] = {}  # instance -> role label of its series
+
+    def set_inflight(self, instance_id: str, role: str, value: float) -> None:
+        """Set an instance's in-flight gauge; a role change replaces its old series."""
+        old = self._inflight_roles.get(instance_id)
+        if old is not None and old != role:
+            self._remove_inflight(instance_id, old)
+        self._inflight_roles[instance_id] = role
+        self.inflight.labels(instance_id, role).set(value)
+
+    def forget_instance(self, instance_id: str) -> None:
+        """The instance left the registry: drop its per-instance series."""
+        role = self._inflight_roles.pop(instance_id, None)
+        if role is not None:
+            self._remove_inflight(instance_id, role)
+
+    def _remove_inflight(self, instance_id: str, role: str) -> None:
+        try:
+            self.inflight.remove(instance_id, role)
+        except KeyError:  # never set
+            pass

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,6 +34,7 @@ from pdserve.rpc.channels import metadata_with_request_id
 from pdserve.v1 import common_pb2, worker_pb2
 
 from .length import LengthScheduling
+from .migration import Migrator, StreamLost
 from .placement import RequestPlacement
 from .policies import PlacementPolicy, RouteRequest
 from .predictor import OutputLengthPredictor
@@ -125,10 +126,16 @@ class Orchestrator:
         write_back: bool = False,
         hasher=None,
         length: LengthScheduling | None = None,
+        max_migrations: int = 3,
+        migration_wait_s: float = 10.0,
+        on_migration: Callable[[str], None] | None = None,
     ) -> None:
         self.registry, self.policy, self.predictor = registry, policy, predictor
         # Prediction, queue, demand tracking and metrics around the lifecycle (length.py).
         self.length = length if length is not None else LengthScheduling(predictor)
+        self.migrator = Migrator(
+            self._attempt, registry, max_migrations, migration_wait_s, on_migration
+        )
         self.workers, self.deadlines = workers, deadlines
         self.aborter = Aborter(workers, deadlines.abort_s)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -138,6 +145,17 @@ class Orchestrator:
 
     # -------------------------------------------------------------- public
     async def run(self, job: Job) -> AsyncIterator[Chunk]:
+        """The request's chunks. When its stream breaks after the client has seen tokens,
+        `Migrator` continues it on other instances (migration.py): one `_attempt` each."""
+        gen = self.migrator.run(job)
+        try:
+            async for chunk in gen:
+                yield chunk
+        finally:
+            await gen.aclose()  # at once, not when collected: it aborts the workers
+
+    async def _attempt(self, job: Job) -> AsyncIterator[Chunk]:
+        """One placement of `job` (a client's job, or a migration's continuation)."""
         route = RouteRequest(
             job.request_id, job.token_ids, session_id=job.session_id, hasher=self.hasher
         )
@@ -275,8 +293,7 @@ class Orchestrator:
         self, job: Job, placement: RequestPlacement, prompt: list[int], first: int
     ) -> AsyncIterator[Chunk]:
         """Relay the tokens after `first` from the decode holding the ticket. A failure
-        ends the request (the client already has tokens); a decode lost mid-stream could
-        be re-placed here from `prompt + job.output_token_ids` (`_place_and_prefill`)."""
+        ends this attempt; `Migrator` continues the request elsewhere when it may."""
         decode = placement.decode
         call = self.workers.stub(decode.address).Decode(
             worker_pb2.DecodeRequest(
@@ -292,7 +309,7 @@ class Orchestrator:
         try:
             async for chunk in self._relay(call, decode, job, placement, "decode"):
                 yield chunk
-        except grpc.RpcError as err:  # failed before its first chunk: too late to retry
+        except grpc.RpcError as err:  # failed before its first chunk: the Migrator's turn
             raise self._failure(err, decode, "decode") from None
 
     async def _reserve(
@@ -393,8 +410,15 @@ class Orchestrator:
         """Relay a TokenChunk stream with a deadline on every message. A failure before
         the first message is re-raised as grpc.RpcError (retryable by the caller);
         later failures become domain errors. Cancels the call when left early; the
-        instance leaves the placement (without Abort) when it sends the finish."""
+        instance leaves the placement (without Abort) when it sends the finish.
+
+        A watchdog (`_watch_stream`, one task per stream, not per message) cancels the call
+        when the instance is lost (expired, or silent for the heartbeat timeout): a hung or
+        partitioned worker keeps its stream open and silent, so the read turns that into
+        `StreamLost` at once instead of waiting for `decode_idle_s`."""
         first, finished = True, False
+        lost: list[bool] = []  # set by the watchdog before it cancels the call
+        watchdog = asyncio.ensure_future(self._watch_stream(call, inst, lost))
         try:
             while True:
                 wait = self.deadlines.first_token_s if first else self.deadlines.decode_idle_s
@@ -404,11 +428,21 @@ class Orchestrator:
                     raise DeadlineError(
                         f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
                     ) from None
+                except asyncio.CancelledError:
+                    # the watchdog cancelled the call (unless this task is being cancelled)
+                    task = asyncio.current_task()
+                    if lost and not (task is not None and task.cancelling()):
+                        raise self._stream_lost(inst, what) from None
+                    raise
                 except grpc.RpcError as err:
+                    if lost:
+                        raise self._stream_lost(inst, what) from None
                     if first:
                         raise
                     raise self._failure(err, inst, what) from None
                 if msg is grpc.aio.EOF:
+                    if lost:
+                        raise self._stream_lost(inst, what)
                     raise UnavailableError(
                         f"{what} instance {inst.instance_id} ended the stream without finishing"
                     )
@@ -421,8 +455,22 @@ class Orchestrator:
                 if finished:
                     return
         finally:
+            watchdog.cancel()
             if not finished:
                 call.cancel()
+
+    async def _watch_stream(self, call, inst: Instance, lost: list[bool]) -> None:
+        """Every DECODE_WATCH_S: if the registry counts `inst` lost, flag it, cancel `call`."""
+        while True:
+            await asyncio.sleep(DECODE_WATCH_S)
+            if self.registry.lost(inst.instance_id):
+                lost.append(True)
+                call.cancel()
+                return
+
+    @staticmethod
+    def _stream_lost(inst: Instance, what: str) -> StreamLost:
+        return StreamLost(f"{what} instance {inst.instance_id} stopped heartbeating mid-stream")
 
     def _failure(self, err: grpc.RpcError, inst: Instance, what: str) -> RemoteError:
         """The domain error for a worker's RPC failure; UNAVAILABLE makes it suspect."""

@@ -11,13 +11,15 @@ testable with a fake clock. Invariants:
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import FailedPreconditionError, InvalidRequestError
 from pdserve.load import LoadReport
 
-__all__ = ["LoadReport", "Registry"]  # LoadReport: the shared heartbeat load, re-exported
+__all__ = ["LoadReport", "Registry"]
+_EXPIRED_KEPT = 1024  # expired instance ids remembered (for Registry.lost)  # LoadReport: the shared heartbeat load, re-exported
 
 ROLE_PREFILL = 1
 ROLE_DECODE = 2
@@ -63,6 +65,7 @@ class Registry:
         self._instances: dict[str, Instance] = {}
         self.model_fingerprint: str | None = None
         self._listeners: list[Callable[[str], None]] = []
+        self._expired: OrderedDict[str, None] = OrderedDict()  # recent expiries, bounded
 
     # -- worker-facing -----------------------------------------------------
     def register(
@@ -145,8 +148,20 @@ class Registry:
         ]
         for iid in dead:
             del self._instances[iid]
+            self._expired[iid] = None
+            if len(self._expired) > _EXPIRED_KEPT:
+                self._expired.popitem(last=False)
             self._forgotten(iid)
         return dead
+
+    def lost(self, instance_id: str) -> bool:
+        """The instance died as far as the router can tell: it expired, or it has not
+        heartbeated for the timeout. (Suspicion alone is not enough: one failed RPC. A
+        graceful deregistration is not either: a draining worker finishes its streams.)"""
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            return instance_id in self._expired
+        return self._clock() - inst.last_heartbeat > self.heartbeat_timeout_s
 
     def candidates(self, role: int) -> list[Instance]:
         now = self._clock()

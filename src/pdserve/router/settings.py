@@ -64,6 +64,15 @@ class RouterSettings(ServiceSettings):
     max_prefill_attempts: int = Field(
         3, ge=1, description="prefill tries per request (other instances) before UNAVAILABLE"
     )
+    max_migrations: int = Field(
+        3,
+        ge=0,
+        description="times a stream may move to another worker when its worker dies mid-stream "
+        "(0 = never: the client gets UNAVAILABLE)",
+    )
+    migration_wait_s: float = Field(
+        10.0, ge=0, description="a moving stream waits this long for a free decode instance, s"
+    )
     kvstore_addr: str | None = Field(
         None, description="HOST:PORT of the kvstore, handed to workers at registration"
     )

@@ -56,6 +56,11 @@ def to_params(
 ) -> SamplingParams:
     """Proto -> engine params; unset fields take the engine defaults. An unset
     max_tokens is clamped to the room left in the context."""
+    if sp.output_offset:
+        raise InvalidRequestError(
+            "sampling.output_offset",
+            "is set by the router when it moves a stream to another worker; leave it 0",
+        )
     if sp.HasField("max_tokens"):
         max_tokens = sp.max_tokens
     else:

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xe5\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xa7\x01\n\nWorkerLoad\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x05 \x01(\x04\x12\x14\n\x0cnum_reserved\x18\x06 \x01(\r\x12\x14\n\x0cstep_ms_ewma\x18\x07 \x01(\x01\"\xa1\x01\n\nStageCosts\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x16\n\x0ekvstore_tokens\x18\x07 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*S\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x12\n\x0eROLE_COLOCATED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xfc\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\routput_offset\x18\t \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xa7\x01\n\nWorkerLoad\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x05 \x01(\x04\x12\x14\n\x0cnum_reserved\x18\x06 \x01(\r\x12\x14\n\x0cstep_ms_ewma\x18\x07 \x01(\x01\"\xa1\x01\n\nStageCosts\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x16\n\x0ekvstore_tokens\x18\x07 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*S\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x12\n\x0eROLE_COLOCATED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=605
-  _globals['_FINISHREASON']._serialized_end=725
-  _globals['_ROLE']._serialized_start=727
-  _globals['_ROLE']._serialized_end=810
+  _globals['_FINISHREASON']._serialized_start=628
+  _globals['_FINISHREASON']._serialized_end=748
+  _globals['_ROLE']._serialized_start=750
+  _globals['_ROLE']._serialized_end=833
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=269
-  _globals['_WORKERLOAD']._serialized_start=272
-  _globals['_WORKERLOAD']._serialized_end=439
-  _globals['_STAGECOSTS']._serialized_start=442
-  _globals['_STAGECOSTS']._serialized_end=603
+  _globals['_SAMPLINGPARAMS']._serialized_end=292
+  _globals['_WORKERLOAD']._serialized_start=295
+  _globals['_WORKERLOAD']._serialized_end=462
+  _globals['_STAGECOSTS']._serialized_start=465
+  _globals['_STAGECOSTS']._serialized_end=626
 # @@protoc_insertion_point(module_scope)

@@ -32,6 +32,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         seed=p.seed if p.HasField("seed") else None,
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        output_offset=p.output_offset,
     )
 
 
