@@ -16,6 +16,8 @@ def _cluster(http: bool = True):
         processes={"router": proc},
         model_dir="/m",
         addr="127.0.0.1:50051",
+        internal_addr="127.0.0.1:50061",
+        tls_dir="/tmp/pdserve-certs",
         http_url="http://127.0.0.1:8000/v1" if http else None,
     )
 
@@ -27,6 +29,7 @@ def test_builtin_model_open_api():
     assert "OpenAI-compatible HTTP API on http://127.0.0.1:8000/v1" in text
     assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in text
     assert "--api-key" not in text
+    assert "internal plane mutual TLS, certificates in /tmp/pdserve-certs" in text
 
 
 def test_keys_and_own_model():

@@ -147,7 +147,9 @@ def test_two_planes_only_the_public_port_is_published(compose, services):
     assert nets["internal"].get("internal") is True
     router_args = _module_and_args(services["router"])[1]
     public, internal = int(_flag(router_args, "--port")), int(_flag(router_args, "--internal-port"))
-    assert _published(services["router"]["ports"]) == [public]
+    http = int(_flag(router_args, "--http-port"))  # the OpenAI-compatible HTTP API
+    assert sorted(_published(services["router"]["ports"])) == sorted([public, http])
+    assert internal not in _published(services["router"]["ports"])
     assert internal != public and internal in [int(p) for p in services["router"]["expose"]]
     for name in _server_services(services):
         svc = services[name]
@@ -229,7 +231,7 @@ def test_dockerfile_installs_the_service_packages(services):
 
 def test_long_running_services_restart_and_the_init_job_does_not(services):
     """Supervision under Docker Compose: a service that dies is restarted (Docker backs off);
-    the one-shot model-init job is not."""
+    the one-shot init jobs (model-init, certs-init) are not."""
     for name, svc in services.items():
-        expected = "no" if name == "model-init" else "unless-stopped"
+        expected = "no" if name.endswith("-init") else "unless-stopped"
         assert svc.get("restart") == expected, f"{name}: restart is {svc.get('restart')!r}"
