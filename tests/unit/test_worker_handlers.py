@@ -36,11 +36,7 @@ class Pair:
             self.p_engine, self.transport, KVReuse(self.p_engine, self.transport, 1.0), 5.0
         )
         self.decode = DecodeHandler(
-            self.d_engine,
-            self.transport,
-            KVReuse(self.d_engine, self.transport, 1.0),
-            "d0",
-            lease_s,
+            self.d_engine, self.transport, KVReuse(self.d_engine, self.transport, 1.0), "d0", lease_s
         )
 
     async def reserve(self, rid: str, params=GREEDY, lease_s: float | None = None):
