@@ -215,3 +215,17 @@ def test_flip_pressure_reads_predicted_decode_demand():
     assert p.decode == pytest.approx(1800 / 1600)  # not the 10 % of blocks used right now
     decision = policy.decide(pools, now=0.0)
     assert decision.action == "flip" and decision.to_role == ROLE_DECODE
+
+
+def test_flip_snapshot_carries_the_predicted_demand():
+    from pdserve.router.flip import snapshot
+    from pdserve.router.registry import Registry
+
+    reg = Registry()
+    reg.register("d0", "d0:1", ROLE_DECODE, "fp", 16, LoadReport(total_blocks=10, free_blocks=10))
+    demand = DecodeDemand()
+    demand.add("r", "d0", prompt_tokens=100, predicted_tokens=60)
+    (load,) = snapshot(reg, demand)
+    assert load.predicted_kv_tokens == 160 and load.block_size == 16
+    (plain,) = snapshot(reg)
+    assert plain.predicted_kv_tokens == 0
