@@ -47,11 +47,15 @@ def test_wrong_predictions_both_ways_keep_tokens_exact(serving_model_dir, refere
         worker_args=["--num-blocks", "24", "--max-num-batched-tokens", "512"],
         router_args=[
             "--predictor-oracle",
-            "--decode-placement", "predicted",
-            "--reserve-max-tokens", "48",
-            "--queue-max-running-per-decode", "2",
-            "--queue-order", "sjf",
-        ],  # fmt: skip
+            "--decode-placement",
+            "predicted",
+            "--reserve-max-tokens",
+            "48",
+            "--queue-max-running-per-decode",
+            "2",
+            "--queue-order",
+            "sjf",
+        ],
     )
     try:
         results, status = asyncio.run(_run(cluster.addr, requests, claims))

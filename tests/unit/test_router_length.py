@@ -75,3 +75,19 @@ async def test_demand_and_queue_slot_follow_the_request():
     assert ls.demand.footprint("d0") == 0 and q.running == 1
     ls.done(t2, 7, finished=True)
     assert q.running == 0 and ls.learned == 2
+
+
+def test_oracle_metadata_parsing():
+    from pdserve.router.servicer import oracle_tokens
+
+    class Ctx:
+        def __init__(self, md):
+            self.md = md
+
+        def invocation_metadata(self):
+            return self.md
+
+    assert oracle_tokens(Ctx((("x-request-id", "r"), ("pdserve-oracle-tokens", "42")))) == 42
+    assert oracle_tokens(Ctx((("pdserve-oracle-tokens", "lots"),))) == 0
+    assert oracle_tokens(Ctx(())) == 0
+    assert oracle_tokens(object()) == 0

@@ -129,7 +129,12 @@ async def test_aging_bounds_the_wait_of_a_long_request():
     for aging, max_wait, bound in ((100.0, 1e9, 11), (0.0, 5.0, 6)):
         clock = FakeClock()
         q = OverloadQueue(
-            lambda: 1, order="sjf", aging_tokens_per_s=aging, max_wait_s=max_wait, clock=clock
+            lambda: 1,
+            order="sjf",
+            aging_tokens_per_s=aging,
+            max_wait_s=max_wait,
+            max_bypass=0.0,
+            clock=clock,
         )
         await q.acquire(0)
         admitted: list[str] = []
@@ -154,6 +159,32 @@ async def test_aging_bounds_the_wait_of_a_long_request():
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_bypass_bound_relative_to_the_fcfs_turn():
+    """Without aging, a long request behind a steady stream of short ones is let in once
+    max_bypass x its FCFS turn admissions happened since it arrived."""
+    q = OverloadQueue(lambda: 1, order="sjf", aging_tokens_per_s=0.0, max_bypass=2.0)
+    await q.acquire(0)
+    admitted: list[str] = []
+
+    async def one(name: str, n: int) -> None:
+        await q.acquire(n)
+        admitted.append(name)
+
+    tasks = [asyncio.create_task(one("s-first", 10))]
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(one("long", 1000)))  # FCFS turn 2
+    await asyncio.sleep(0)
+    for i in range(10):
+        tasks.append(asyncio.create_task(one(f"s{i}", 10)))
+        await asyncio.sleep(0)
+        q.release()
+        await asyncio.sleep(0)
+    assert admitted.index("long") == 3  # the 4th admission since it arrived = 2 x its turn
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def test_a_cancelled_waiter_leaves_the_queue():
@@ -184,3 +215,17 @@ def test_flip_pressure_reads_predicted_decode_demand():
     assert p.decode == pytest.approx(1800 / 1600)  # not the 10 % of blocks used right now
     decision = policy.decide(pools, now=0.0)
     assert decision.action == "flip" and decision.to_role == ROLE_DECODE
+
+
+def test_flip_snapshot_carries_the_predicted_demand():
+    from pdserve.router.flip import snapshot
+    from pdserve.router.registry import Registry
+
+    reg = Registry()
+    reg.register("d0", "d0:1", ROLE_DECODE, "fp", 16, LoadReport(total_blocks=10, free_blocks=10))
+    demand = DecodeDemand()
+    demand.add("r", "d0", prompt_tokens=100, predicted_tokens=60)
+    (load,) = snapshot(reg, demand)
+    assert load.predicted_kv_tokens == 160 and load.block_size == 16
+    (plain,) = snapshot(reg)
+    assert plain.predicted_kv_tokens == 0

@@ -125,6 +125,7 @@ class RouterApp(ServiceApp):
                 order=s.queue_order,
                 aging_tokens_per_s=s.queue_aging_tokens_per_s,
                 max_wait_s=s.queue_max_wait_s,
+                max_bypass=s.queue_max_bypass,
             )
         return LengthScheduling(
             predictor,

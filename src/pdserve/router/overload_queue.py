@@ -2,10 +2,12 @@
 wait here and are let in as running ones finish.
 
 Order: `sjf` lets in the waiter with the smallest predicted length first, aged
-by its wait (score = predicted tokens - aging_tokens_per_s x waited seconds),
-and anyone who has waited `max_wait_s` goes before all others (oldest first),
-so no request waits unboundedly; `fcfs` lets them in by arrival. Pure asyncio,
-no I/O; the clock is injected for tests."""
+by its wait (score = predicted tokens - aging_tokens_per_s x waited seconds);
+a waiter is overdue, and goes before all others (oldest first), once it waited
+`max_wait_s`, or once `max_bypass` x its FCFS turn admissions happened since it
+arrived (its FCFS turn = the waiters ahead of it then, plus one): under a
+steady service rate, no request is let in later than max_bypass x its FCFS wait.
+`fcfs` lets them in by arrival. Pure asyncio, no I/O; the clock is injected."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ class _Waiter:
     predicted: float
     since: float
     future: asyncio.Future = field(repr=False)
+    fcfs_turn: int = 1  # admissions FCFS would need before it (waiters ahead + 1)
+    admitted_before: int = 0  # admitted_total when it arrived
 
 
 class OverloadQueue:
@@ -34,6 +38,7 @@ class OverloadQueue:
         order: Literal["fcfs", "sjf"] = "sjf",
         aging_tokens_per_s: float = 64.0,
         max_wait_s: float = 30.0,
+        max_bypass: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if order not in ORDERS:
@@ -42,6 +47,7 @@ class OverloadQueue:
         self.order = order
         self.aging_tokens_per_s = aging_tokens_per_s
         self.max_wait_s = max_wait_s
+        self.max_bypass = max_bypass
         self._clock = clock
         self._seq = itertools.count()
         self._waiters: list[_Waiter] = []
@@ -58,7 +64,11 @@ class OverloadQueue:
 
     def score(self, w: _Waiter, now: float) -> tuple[float, ...]:
         waited = now - w.since
-        if waited >= self.max_wait_s:
+        bypassed = self.admitted_total - w.admitted_before
+        if waited >= self.max_wait_s or (
+            # the next admission would be its (bypassed + 1)-th since it arrived
+            self.max_bypass > 0 and bypassed + 1 >= self.max_bypass * w.fcfs_turn
+        ):
             return (0.0, w.since, w.seq)  # overdue: before everyone else, oldest first
         if self.order == "fcfs":
             return (1.0, w.seq)
@@ -91,7 +101,16 @@ class OverloadQueue:
             self.admitted_total += 1
             return 0.0
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(_Waiter(next(self._seq), float(predicted_tokens), t0, fut))
+        self._waiters.append(
+            _Waiter(
+                next(self._seq),
+                float(predicted_tokens),
+                t0,
+                fut,
+                fcfs_turn=len(self._waiters) + 1,
+                admitted_before=self.admitted_total,
+            )
+        )
         try:
             await fut
         except asyncio.CancelledError:

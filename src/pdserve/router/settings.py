@@ -134,6 +134,12 @@ class RouterSettings(ServiceSettings):
     queue_max_wait_s: float = Field(
         60.0, gt=0, description="a waiter this old goes before everyone else, seconds"
     )
+    queue_max_bypass: float = Field(
+        2.0,
+        ge=0,
+        description="sjf: a waiter goes first once this many x its FCFS turn admissions "
+        "passed since it arrived (0 = no bound)",
+    )
     # -- flip controller (flip.py): move workers between the prefill and decode pools
     flip_enabled: bool = Field(
         False, description="let the router flip workers between prefill and decode"
