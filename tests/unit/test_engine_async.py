@@ -32,6 +32,7 @@ async def test_concurrent_streams_match_sync(aengine, make_engine):
     results = await asyncio.gather(*(collect(aengine, str(i), p) for i, p in enumerate(prompts)))
     assert [r[0] for r in results] == ref
     assert all(r[1].finished and r[1].finish_reason == "length" for r in results)
+    assert aengine.step_ms_ewma > 0  # reported in the worker's LoadReport
 
 
 async def test_abort_mid_stream(aengine):

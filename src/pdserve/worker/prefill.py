@@ -121,23 +121,13 @@ class PrefillHandler:
         started = time.perf_counter()
         stages = StageCosts()
         pusher = LayerPusher(self._transport, ticket, self._timeout_s)
-        loop = asyncio.get_running_loop()
-        first_token: int | None = None
         use_kvstore = use_kvstore and self._kv_reuse.enabled
         try:
             if use_kvstore:
                 stages.kvstore_tokens = await self._kv_reuse.fetch_prefix(
                     request_id, token_ids, hold_finished=True
                 )
-            outputs = self._engine.generate(
-                request_id, token_ids, params, prefill_only=True, kv_sink=pusher.sink(loop)
-            )
-            async for out in outputs:
-                if out.new_token_ids:
-                    first_token = out.new_token_ids[0]
-                    stages.cached_tokens = out.num_cached_tokens
-                if out.finish_reason == "abort":
-                    raise asyncio.CancelledError(f"request {request_id} aborted")
+            first_token = await self._compute(request_id, token_ids, params, pusher, stages)
             computed = time.perf_counter()
             expected = self._spec.num_layers
             if ticket.early_admission and first_token is not None:
@@ -158,6 +148,29 @@ class PrefillHandler:
         if use_kvstore:
             self._kv_reuse.publish_later(request_id, token_ids)
         return first_token, stages
+
+    async def _compute(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        pusher: LayerPusher,
+        stages: StageCosts,
+    ) -> int | None:
+        """Run the prompt (prefill only); each layer's KV goes to `pusher` as it is computed.
+        Returns token 0."""
+        sink = pusher.sink(asyncio.get_running_loop())
+        first_token = None
+        outputs = self._engine.generate(
+            request_id, token_ids, params, prefill_only=True, kv_sink=sink
+        )
+        async for out in outputs:
+            if out.new_token_ids:
+                first_token = out.new_token_ids[0]
+                stages.cached_tokens = out.num_cached_tokens
+            if out.finish_reason == "abort":
+                raise asyncio.CancelledError(f"request {request_id} aborted")
+        return first_token
 
     def _check_ticket(self, token_ids: Sequence[int], ticket: Ticket) -> None:
         if ticket.kv_fingerprint != self._kv_fingerprint:
