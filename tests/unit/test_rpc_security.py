@@ -169,6 +169,24 @@ def test_instance_id_belongs_to_its_registrant(monkeypatch):
     owners.check("i1", known=True)
 
 
+def test_instances_per_identity_cap(monkeypatch):
+    from pdserve.errors import OverloadedError
+    from pdserve.router import registry_checks
+
+    owners = registry_checks.Owners(max_per_identity=1)
+    peer = {"who": Identity("worker", "a")}
+    monkeypatch.setattr(registry_checks, "current_peer", lambda: peer["who"])
+    owners.check_quota("i1", live=set())
+    owners.claim("i1")
+    owners.check_quota("i1", live={"i1"})  # re-registering its own instance: fine
+    with pytest.raises(OverloadedError, match="max_instances_per_identity"):
+        owners.check_quota("i2", live={"i1"})
+    owners.check_quota("i2", live=set())  # i1 expired: room again
+    peer["who"] = Identity("worker", "b")
+    owners.check_quota("i3", live={"i1"})  # another identity has its own quota
+    assert registry_checks.Owners().max_per_identity == 0  # default: no cap
+
+
 # --------------------------------------------------------------------------- input limits
 
 

@@ -104,7 +104,10 @@ class RouterApp(ServiceApp):
         )  # fmt: skip
         router_pb2_grpc.add_RouterServicer_to_server(self.router_servicer, server)
         router_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(self.registry, s.heartbeat_interval_s, kv), server
+            RegistryServicer(
+                self.registry, s.heartbeat_interval_s, kv, s.max_instances_per_identity
+            ),
+            server,
         )
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         if s.flip_enabled:
