@@ -169,6 +169,24 @@ def test_instance_id_belongs_to_its_registrant(monkeypatch):
     owners.check("i1", known=True)
 
 
+def test_instances_per_identity_cap(monkeypatch):
+    from pdserve.errors import OverloadedError
+    from pdserve.router import registry_checks
+
+    owners = registry_checks.Owners(max_per_identity=1)
+    peer = {"who": Identity("worker", "a")}
+    monkeypatch.setattr(registry_checks, "current_peer", lambda: peer["who"])
+    owners.check_quota("i1", live=set())
+    owners.claim("i1")
+    owners.check_quota("i1", live={"i1"})  # re-registering its own instance: fine
+    with pytest.raises(OverloadedError, match="max_instances_per_identity"):
+        owners.check_quota("i2", live={"i1"})
+    owners.check_quota("i2", live=set())  # i1 expired: room again
+    peer["who"] = Identity("worker", "b")
+    owners.check_quota("i3", live={"i1"})  # another identity has its own quota
+    assert registry_checks.Owners().max_per_identity == 0  # default: no cap
+
+
 # --------------------------------------------------------------------------- input limits
 
 
@@ -298,3 +316,34 @@ def test_ticket_nonce_roundtrip():
     assert not nonce_matches(token_buffer(), nonce)  # a short message leaves zeros
     assert not nonce_matches(token_message(42, b""), nonce)
     assert not nonce_matches(msg, b"")  # a ticket without a nonce admits nothing
+
+
+def test_up_insecure_says_so_loudly(monkeypatch, capsys):
+    """`pdserve up --insecure` warns before anything starts (the cluster itself is faked:
+    it fails to start, which `up` reports)."""
+    import pdserve.launcher
+    from pdserve.cli.main import build_parser
+
+    seen = {}
+
+    class FakeCluster:
+        def __init__(self, config):
+            seen["tls"] = config.tls
+            self.log_dir = "/nowhere"
+
+        def start(self):
+            raise RuntimeError("fake")
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(pdserve.launcher, "Cluster", FakeCluster)
+    monkeypatch.setattr("pdserve.cli.up.signal.signal", lambda *a: None)  # keep pytest's
+    args = build_parser().parse_args(["up", "--insecure"])
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert "INSECURE" in err and "local debugging only" in err and "!" * 20 in err
+    assert seen["tls"] is False
+    args = build_parser().parse_args(["up"])
+    assert args.func(args) == 1
+    assert seen["tls"] is True and "INSECURE" not in capsys.readouterr().err

@@ -40,6 +40,7 @@ from .workers import WorkerClients
 log = get_logger("pdserve.router")
 # Listed by server reflection (with the health service and reflection itself).
 PUBLIC_SERVICES = ("pdserve.v1.Router",)
+REFLECTION_SERVICE = "grpc.reflection.v1alpha.ServerReflection"  # public: what grpcurl lists
 
 
 class RouterApp(ServiceApp):
@@ -48,7 +49,7 @@ class RouterApp(ServiceApp):
     tls_name = "router"
     # Public plane: the client API (and whatever a front door adds, e.g. reflection);
     # the Registry is served on the internal listener only (settings.internal_port).
-    public_services: tuple[str, ...] = ("pdserve.v1.Router",)
+    public_services: tuple[str, ...] = (*PUBLIC_SERVICES, REFLECTION_SERVICE)
 
     def public_server_options(self):
         limit = self.settings.max_request_bytes
@@ -190,7 +191,10 @@ class RouterApp(ServiceApp):
         self.router_servicer = RouterServicer(self.front)
         router_pb2_grpc.add_RouterServicer_to_server(self.router_servicer, server)
         router_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(self.registry, s.heartbeat_interval_s, kv), server
+            RegistryServicer(
+                self.registry, s.heartbeat_interval_s, kv, s.max_instances_per_identity
+            ),
+            server,
         )
         enable_reflection(server, PUBLIC_SERVICES)
         if s.http_port is not None:

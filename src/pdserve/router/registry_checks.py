@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from pdserve.errors import InvalidRequestError, PermissionDeniedError
+from pdserve.errors import InvalidRequestError, OverloadedError, PermissionDeniedError
 from pdserve.rpc.authz import current_peer
 from pdserve.rpc.ids import check_id
 from pdserve.v1 import common_pb2, router_pb2
@@ -71,10 +71,14 @@ def check_heartbeat(req: router_pb2.HeartbeatRequest) -> None:
 
 
 class Owners:
-    """instance id -> the identity that registered it (None in --insecure mode)."""
+    """instance id -> the identity that registered it (None in --insecure mode).
+    `max_per_identity` > 0 caps the live instances one identity may hold (a worker
+    certificate cannot flood the registry with fake instances; 0 = no cap, e.g. when every
+    worker shares one certificate)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_per_identity: int = 0) -> None:
         self._owner: dict[str, str | None] = {}
+        self.max_per_identity = max_per_identity
 
     @staticmethod
     def caller() -> str | None:
@@ -90,6 +94,23 @@ class Owners:
         if instance_id in self._owner and owner != caller:
             raise PermissionDeniedError(
                 f"instance_id {instance_id!r} is registered by another identity"
+            )
+
+    def check_quota(self, instance_id: str, live: set[str]) -> None:
+        """RESOURCE_EXHAUSTED when the caller already holds max_per_identity other live
+        instances (`live`: the ids the registry knows now)."""
+        caller = self.caller()
+        if not self.max_per_identity or caller is None:
+            return
+        held = sum(
+            1
+            for iid, who in self._owner.items()
+            if who == caller and iid in live and iid != instance_id
+        )
+        if held >= self.max_per_identity:
+            raise OverloadedError(
+                f"identity {caller} already holds {held} instances "
+                f"(max_instances_per_identity={self.max_per_identity})"
             )
 
     def claim(self, instance_id: str) -> None:

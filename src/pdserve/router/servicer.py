@@ -57,12 +57,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 class RegistryServicer(router_pb2_grpc.RegistryServicer):
     def __init__(
-        self, registry: Registry, heartbeat_interval_s: float, kvstore_addr: str = ""
+        self,
+        registry: Registry,
+        heartbeat_interval_s: float,
+        kvstore_addr: str = "",
+        max_instances_per_identity: int = 0,
     ) -> None:
         self.registry = registry
         self.heartbeat_interval_s = heartbeat_interval_s
         self.kvstore_addr = kvstore_addr
-        self.owners = Owners()
+        self.owners = Owners(max_instances_per_identity)
 
     def _check_owner(self, instance_id: str) -> None:
         self.owners.check(instance_id, self.registry.get(instance_id) is not None)
@@ -72,6 +76,9 @@ class RegistryServicer(router_pb2_grpc.RegistryServicer):
     ) -> router_pb2.RegisterResponse:
         check_register(request)
         self._check_owner(request.instance_id)
+        self.owners.check_quota(
+            request.instance_id, {i.instance_id for i in self.registry.instances()}
+        )
         inst = self.registry.register(
             request.instance_id,
             request.address,

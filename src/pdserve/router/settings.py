@@ -19,6 +19,11 @@ class RouterSettings(ServiceSettings):
         50061, ge=0, le=65535,
         description="internal gRPC port: the worker registry, mutual TLS (0 = any free port)",
     )  # fmt: skip
+    max_instances_per_identity: int = Field(
+        0, ge=0,
+        description="most live instances one worker certificate may register (0 = no cap; "
+        "use 1 when every worker has its own certificate)",
+    )  # fmt: skip
     # -- bounded input (public plane): refused with INVALID_ARGUMENT before any real work
     max_request_bytes: int = Field(
         16 << 20, ge=1024, description="largest request message on the public port, bytes"
