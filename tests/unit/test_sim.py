@@ -112,10 +112,10 @@ def test_swapping_the_policy_changes_the_placement():
     reqs = [_req(i, 16, 2, at=0.1 * i) for i in range(4)]
     rr = SimCluster(_colocated(2), policy=RoundRobin())
     rr.run(reqs)
-    assert [i.routed_total for i in rr.registry.instances()] == [2, 2]
+    assert rr.placements == {"colocated-0": 2, "colocated-1": 2}
     last = SimCluster(_colocated(2), policy=AlwaysLast())
     last.run(reqs)
-    assert [i.routed_total for i in last.registry.instances()] == [0, 4]
+    assert last.placements == {"colocated-0": 0, "colocated-1": 4}
 
 
 def test_prefix_aware_policy_and_engine_prefix_cache():

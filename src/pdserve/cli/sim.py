@@ -182,7 +182,8 @@ def validate_main(args: argparse.Namespace) -> int:
     }
     path = write_json(args.out, out)
     if args.json:
-        slim = {k: out[k] for k in ("errors", "max_rel_error")} | {"out": str(path)}
+        keys = ("errors", "max_rel_error", "errors_uncalibrated", "max_rel_error_uncalibrated")
+        slim = {k: out[k] for k in keys} | {"out": str(path)}
         json.dump(slim, sys.stdout, indent=1)
         print()
     else:

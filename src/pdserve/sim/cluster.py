@@ -119,6 +119,7 @@ class SimCluster:
         self.stop_slo: tuple[float, float] | None = None  # (ttft_s, tpot_s)
         self.stop_after_misses: int | None = None
         self.records: list[RequestRecord] = []
+        self.placements: dict[str, int] = {iid: 0 for iid in self.instances}  # picks per instance
 
     # ------------------------------------------------------------------ driver
     def stop_early(self, ttft_s: float, tpot_s: float, max_misses: int) -> None:
@@ -202,8 +203,11 @@ class SimCluster:
     ) -> SimInstance:
         cands = [c for c in self.registry.candidates(role) if c.instance_id not in exclude]
         if role == ROLE_DECODE:
-            return self.instances[self.policy.pick_decode(route, cands).instance_id]
+            picked = self.policy.pick_decode(route, cands).instance_id
+            self.placements[picked] += 1
+            return self.instances[picked]
         chosen = self.policy.pick_prefill(route, cands)
+        self.placements[chosen.instance_id] += 1
         dec = self.registry.get(decode.instance_id) if decode is not None else None
         self.policy.on_routed(route, chosen, dec)
         return self.instances[chosen.instance_id]
@@ -241,17 +245,20 @@ class SimCluster:
         prompt = st.req.prompt_ids
         inst.tokens_in_flight += len(prompt)
         delay = 0.0
-        if self.store is not None:
+        hashes: list[bytes] = []
+        wanted: list[bytes] = []
+        if self.store is not None:  # the worker's fetch_prefix: what the store has beyond us
             hashes = inst.hashes(prompt)
-            n_local = len(inst.pool.find_prefix(hashes, record=False))
+            n_local = inst.cached_prefix_blocks(hashes)
             n_store = self.store.lookup(inst.config.namespace, [_key(h) for h in hashes])
             if n_store > n_local:
                 wanted = hashes[n_local:n_store]
-                nbytes = len(wanted) * self._store_block_bytes
-                delay = inst.costs.kvstore_fetch.time_s(nbytes)
-                st.kvstore_tokens = inst.import_cached(wanted) * inst.config.block_size
+                delay = inst.costs.kvstore_fetch.time_s(len(wanted) * self._store_block_bytes)
 
         def admit() -> None:
+            if wanted:  # ImportAndHold when the fetch landed
+                st.kvstore_tokens = inst.import_cached(wanted) * inst.config.block_size
+                inst.kv.hold_prefix(rid, hashes)
             inst.add(rid, prompt, st.req.max_tokens, prefill_only)
             self._kick(inst)
 
@@ -387,7 +394,7 @@ class SimCluster:
     def _draining_check(self) -> None:
         for inst in self.instances.values():
             to = inst.flip_to
-            if not to or inst.has_work() or inst.reserved:
+            if not to or inst.has_work() or inst.kv.num_reservations:
                 continue
             reg = self.registry.get(inst.instance_id)
             if reg is not None and reg.inflight_requests:

@@ -4,9 +4,10 @@ time with step costs from a `CostModel` instead of a model forward.
 What this adapter re-states from `LLMEngine` (small, torch-bound there): the finish rule
 (prefill-only requests finish after their first token; others at max_tokens or the context
 limit, with ignore_eos as every benchmark request has), the decode side's block reservation
-(`reserve_blocks(prompt + 1)`) and the admission of a prefilled request (`add_prefilled_request`:
-the reserved blocks become the sequence's, token 0 already sampled elsewhere). The scheduling
-itself (batching, chunking, prefix hits, preemption by recompute) is the engine's own code.
+(`KVCacheManager.reserve(prompt + 1)`) and the admission of a prefilled request
+(`claim_reservation`: the reserved blocks become the sequence's, token 0 already sampled
+elsewhere). The scheduling (batching, chunking, prefix hits, preemption by recompute) and
+every block reference (`KVCacheManager` over `BlockPool`) are the engine's own code.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from dataclasses import dataclass, field
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerPlan
 from pdserve.engine.sequence import Sequence as Seq
-from pdserve.kv.block_pool import BlockPool
-from pdserve.kv.hashing import block_hashes
+from pdserve.errors import OverloadedError
+from pdserve.kv.cache_manager import KVCacheManager
 from pdserve.load import LoadReport
 from pdserve.sim.costs import CostModel
 
@@ -49,12 +50,11 @@ class SimInstance:
         self.role = role
         self.costs = costs
         self.config = config
-        self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.pool, config.max_num_batched_tokens, config.max_num_seqs, config.namespace
+        self.kv = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.namespace
         )
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.busy = False  # a step is in flight
-        self.reserved: dict[str, list[int]] = {}
         self.tokens_in_flight = 0  # prompt tokens of requests in flight (worker's own count)
         self.busy_s = 0.0
         self.flip_to = 0  # role this instance drains towards (the flip controller's pick)
@@ -70,42 +70,42 @@ class SimInstance:
         return seq
 
     def hashes(self, prompt: Sequence[int]) -> list[bytes]:
-        return block_hashes(prompt, self.config.block_size, self.config.namespace)
+        return self.kv.compute_block_hashes(prompt)
+
+    def cached_prefix_blocks(self, hashes: Sequence[bytes]) -> int:
+        return len(self.kv.cached_prefix(hashes))
 
     def reserve(self, request_id: str, num_tokens: int) -> bool:
-        """`LLMEngine.reserve_blocks`: False (the worker's RESOURCE_EXHAUSTED) when short."""
-        n = -(-num_tokens // self.config.block_size)
-        if n > self.pool.num_free_blocks:
+        """`KVCacheManager.reserve` as the decode worker calls it: False (the worker's
+        RESOURCE_EXHAUSTED) when the blocks are not free."""
+        try:
+            self.kv.reserve(request_id, num_tokens)
+        except OverloadedError:
             return False
-        self.reserved[request_id] = self.pool.allocate(n)
         return True
 
+    def has_reservation(self, request_id: str) -> bool:
+        return bool(self.kv.reserved_blocks(request_id))
+
     def unreserve(self, request_id: str) -> None:
-        self.pool.free(self.reserved.pop(request_id, []))
+        self.kv.release(request_id)
 
     def add_prefilled(
         self, request_id: str, prompt: Sequence[int], first_token: int, max_tokens: int
     ) -> Seq:
+        """`LLMEngine.add_prefilled_request`: the reservation becomes the sequence's blocks."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         seq = Seq(request_id, list(prompt), params, next(self._arrival))
         seq.output_token_ids.append(first_token)
-        seq.block_table = self.reserved.pop(request_id)
+        seq.block_table = self.kv.claim_reservation(request_id)
         seq.num_computed_tokens = len(prompt)
         self.scheduler.add_running(seq)
         return seq
 
     def import_cached(self, hashes: Sequence[bytes]) -> int:
-        """`LLMEngine.import_cached_blocks` without the bytes: blocks fetched from the kvstore
-        enter the prefix cache free (ref 0) and cached."""
-        todo = [h for h in hashes if self.pool.lookup(h) is None]
-        todo = todo[: self.pool.num_free_blocks]
-        if not todo or not self.pool.enable_prefix_caching:
-            return 0
-        blocks = self.pool.allocate(len(todo))
-        for b, h in zip(blocks, todo, strict=True):
-            self.pool.cache_block(b, h)
-        self.pool.free(blocks)
-        return len(todo)
+        """A kvstore fetch as the worker lands it: `import_blocks` (no bytes to write here)
+        into the prefix cache; the caller then holds the prefix until the request runs."""
+        return self.kv.import_blocks(hashes, lambda _blocks, _idx: None)
 
     # ---- steps ------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -150,8 +150,8 @@ class SimInstance:
         return LoadReport(
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
-            free_blocks=self.pool.num_free_blocks,
+            free_blocks=self.kv.num_free_blocks,
             total_blocks=self.config.num_blocks,
             tokens_in_flight=self.tokens_in_flight,
-            num_reserved=len(self.reserved),
+            num_reserved=self.kv.num_reservations,
         )

@@ -77,7 +77,7 @@ def real_results(
     if args.real:
         saved = json.loads(Path(args.real).read_text())
         return {n: saved["arms"][n] for n in arms}
-    from pdserve.bench.cluster import Cluster
+    from pdserve.bench.cluster import UpProcess
     from pdserve.bench.serve import run_benchmark
 
     out = Path(args.out)
@@ -85,7 +85,7 @@ def real_results(
     for name, flags in arms.items():
         before = _probe(args)
         print(f"== real arm {name}: pdserve up {shlex.join(flags + extra)}", flush=True)
-        cluster = Cluster(flags + extra, port=0, ready_timeout_s=args.ready_timeout,
+        cluster = UpProcess(flags + extra, port=0, ready_timeout_s=args.ready_timeout,
                           log_path=out.parent / f"{out.stem}_{name}_up.log")  # fmt: skip
         with cluster as addr:
             res = run_benchmark(addr, args)
