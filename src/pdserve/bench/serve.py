@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -234,20 +235,37 @@ def parse_rates(spec: str) -> list[float]:
 def run_benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run, or a sweep; returns the JSON-ready result (runs keep their records)."""
     slo = SLO.parse(args.goodput)
-    runs: list[dict[str, Any]] = []
     if args.warmup > 0:
         warm = [
             replace(r, arrival_s=0.0, max_tokens=min(r.max_tokens, 4))
             for r in base_requests(args, n_hint=args.warmup, salt=WARMUP_SALT)[: args.warmup]
         ]
         asyncio.run(_warmup(addr, warm, args.temperature))
+    return sweep_result(
+        args,
+        slo,
+        lambda rate, salt: run_once(addr, args, rate, slo, salt=salt),
+        {"addr": addr},
+    )
+
+
+def sweep_result(
+    args: argparse.Namespace,
+    slo: SLO,
+    once: Callable[[float, int], dict[str, Any]],
+    config_extra: dict[str, Any],
+) -> dict[str, Any]:
+    """Run `once(rate, salt)` at --rate, or over --sweep-rates (a list or the DistServe-style
+    search), and shape the result: the headline run is the highest rate meeting the target in
+    a sweep, else the only run. Shared by the real benchmark and the simulator."""
+    runs: list[dict[str, Any]] = []
     if args.sweep_rates:
         ts = slo.only("ttft", "tpot")
         if ts.ttft_ms is None or ts.tpot_ms is None:
-            raise SystemExit("--sweep-rates needs both SLOs: --goodput ttft:MS tpot:MS")
+            raise ValueError("--sweep-rates needs both SLOs: --goodput ttft:MS tpot:MS")
 
         def measure(rate: float) -> float:
-            runs.append(run_once(addr, args, rate, slo, salt=len(runs)))
+            runs.append(once(rate, len(runs)))
             return runs[-1]["attainment_ttft_tpot"]
 
         if args.sweep_rates == "auto":
@@ -256,14 +274,13 @@ def run_benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
             points = [SweepPoint(r, measure(r)) for r in parse_rates(args.sweep_rates)]
         ds = distserve_goodput(points, args.target)
     else:
-        runs.append(run_once(addr, args, args.rate, slo))
+        runs.append(once(args.rate, 0))
         ds = None
-    # headline run: the highest rate meeting the target in a sweep, else the only run
     main_run = runs[0]
     if ds and ds["max_rate"] is not None:
         main_run = next(r for r in runs if r["rate"] == ds["max_rate"])
     return {
-        "config": {k: v for k, v in vars(args).items() if k != "func"} | {"addr": addr},
+        "config": {k: v for k, v in vars(args).items() if k != "func"} | config_extra,
         "rate": main_run["rate"],
         "offered": main_run["offered"],
         "summary": main_run["summary"],

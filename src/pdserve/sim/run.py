@@ -19,14 +19,11 @@ from typing import Any
 from pdserve.bench import arrivals
 from pdserve.bench.goodput import (
     SLO,
-    SweepPoint,
     attainment,
-    distserve_goodput,
-    search_goodput_rate,
     vllm_goodput,
 )
 from pdserve.bench.metrics import summarize
-from pdserve.bench.serve import offered_rate, parse_rates, workload_at
+from pdserve.bench.serve import offered_rate, sweep_result, workload_at
 from pdserve.router.flip_policy import FlipThresholds
 from pdserve.sim.cluster import ClusterSpec, PoolSpec, SimCluster
 from pdserve.sim.costs import CostModel
@@ -204,39 +201,9 @@ def simulate_once(
 def simulate_benchmark(spec: ClusterSpec, args: argparse.Namespace) -> dict[str, Any]:
     """`bench.serve.run_benchmark` in simulated time (same sweep logic and result shape)."""
     slo = SLO.parse(args.goodput)
-    runs: list[dict[str, Any]] = []
-    if args.sweep_rates:
-        ts = slo.only("ttft", "tpot")
-        if ts.ttft_ms is None or ts.tpot_ms is None:
-            raise ValueError("--sweep-rates needs both SLOs: --goodput ttft:MS tpot:MS")
-
-        def measure(rate: float) -> float:
-            runs.append(simulate_once(spec, args, rate, slo, salt=len(runs)))
-            return runs[-1]["attainment_ttft_tpot"]
-
-        if args.sweep_rates == "auto":
-            points = search_goodput_rate(measure, args.sweep_start, args.target)
-        else:
-            points = [SweepPoint(r, measure(r)) for r in parse_rates(args.sweep_rates)]
-        ds = distserve_goodput(points, args.target)
-    else:
-        runs.append(simulate_once(spec, args, args.rate, slo))
-        ds = None
-    main_run = runs[0]
-    if ds and ds["max_rate"] is not None:
-        main_run = next(r for r in runs if r["rate"] == ds["max_rate"])
-    return {
-        "config": {k: v for k, v in vars(args).items() if k != "func"}
-        | {"simulated": True, "cluster": spec.describe()},
-        "rate": main_run["rate"],
-        "offered": main_run["offered"],
-        "summary": main_run["summary"],
-        "goodput": {
-            "slo": slo.to_json(),
-            "vllm_req_s": main_run["vllm_goodput_req_s"],
-            "attainment_ttft_tpot": main_run["attainment_ttft_tpot"],
-            "distserve": ds,
-        },
-        "sweep": [{k: v for k, v in r.items() if k != "_records"} for r in runs],
-        "_runs": runs,
-    }
+    return sweep_result(
+        args,
+        slo,
+        lambda rate, salt: simulate_once(spec, args, rate, slo, salt=salt),
+        {"simulated": True, "cluster": spec.describe()},
+    )
