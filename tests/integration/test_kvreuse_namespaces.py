@@ -51,10 +51,11 @@ def test_two_models_one_store_share_nothing(tmp_path_factory, tmp_path):
         assert probe.lookup(ns_b, hashes_b) == 0
         assert probe.lookup(ns_b, hashes_a) == 0, "the namespace is part of the key"
 
-        # Cluster B (model B) on the same store process.
+        # Cluster B (model B) on the same store process: one trust domain, so B's services
+        # get their certificates from A's CA (a store accepts only peers its CA signed).
         cluster_b = start_cluster(
             dir_b, prefill=1, decode=1, kvstore=False, log_dir=str(tmp_path / "b"),
-            router_args=["--kvstore-addr", store_addr],
+            router_args=["--kvstore-addr", store_addr], tls_dir=str(cluster_a.tls_dir),
         )  # fmt: skip
         try:
             with Client(cluster_b.addr, max_retries=0) as client:

@@ -32,14 +32,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _requests(seed: int) -> list[dict]:
+def _requests(seed: int, max_tokens: int = MAX_TOKENS) -> list[dict]:
     """Distinct prompts; even streams greedy, odd ones seeded sampling."""
     rng = random.Random(seed)
     out = []
     for i in range(N_STREAMS):
         req = {
             "token_ids": [rng.randint(2, VOCAB - 1) for _ in range(rng.randint(8, 48))],
-            "max_tokens": MAX_TOKENS,
+            "max_tokens": max_tokens,
             "ignore_eos": True,
             "temperature": 0.0,
         }
@@ -205,7 +205,9 @@ def test_streams_leave_a_frozen_decode(supervised, reference_engine):
     """SIGSTOP: the socket stays open and silent. The decode stops heartbeating; the router
     counts it lost after the heartbeat timeout and moves its streams (StreamLost)."""
     cluster, supervisor, metrics_port, _said = supervised
-    requests = _requests(seed=2)[:12]
+    # Longer streams than the other waves (prompt <= 48 + 200 < the 256-token context): 12
+    # streams must still be running when the poll finds a decode with several of them.
+    requests = _requests(seed=2, max_tokens=200)[:12]
     expected = _reference(reference_engine, requests)
     restarts0 = sum(supervisor.restarts.values())
     lost0 = _migrations(metrics_port, reason="lost")

@@ -106,6 +106,7 @@ class LengthScheduling:
         self.use_max_tokens = use_max_tokens
         self.metrics = metrics
         self._pairs: deque[tuple[float, float]] = deque(maxlen=window)
+        self._gauged: set[str] = set()  # decode ids with a predicted-KV series
         self.learned = 0
 
     # -- before placement
@@ -192,7 +193,16 @@ class LengthScheduling:
         return tau
 
     def refresh_gauges(self, decode_ids: list[str]) -> None:
+        """Per-decode predicted KV gauges; an instance that left (or stopped decoding) loses
+        its series, so no gauge outlives the instance it describes."""
         if self.metrics is not None:
+            gauge = self.metrics.predicted_kv
+            for gone in self._gauged - set(decode_ids):
+                try:
+                    gauge.remove(gone)
+                except KeyError:
+                    pass
+            self._gauged = set(decode_ids)
             for iid in decode_ids:
-                self.metrics.predicted_kv.labels(iid).set(self.demand.footprint(iid))
+                gauge.labels(iid).set(self.demand.footprint(iid))
             self.running_tau()
