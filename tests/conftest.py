@@ -159,4 +159,4 @@ def make_engine(loaded_llama):
     for engine in engines:
         assert not engine.has_unfinished_requests()
         engine.check_integrity()
-        assert engine.pool.num_free_blocks == engine.num_blocks
+        assert engine.kv.num_free_blocks == engine.num_blocks

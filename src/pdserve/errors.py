@@ -38,12 +38,6 @@ class DeadlineError(PdserveError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-class AbortedError(PdserveError):
-    """The request was cancelled or aborted."""
-
-    code = grpc.StatusCode.CANCELLED
-
-
 class NotFoundError(PdserveError):
     """Unknown request, ticket or session."""
 

@@ -115,4 +115,9 @@ def wait_until(pred: Callable[[], bool], timeout: float = 30.0, what: str = "con
 def pool_idle(cluster, name: str) -> bool:
     info = worker_info(cluster, name)
     c = info.counters
-    return c["pool_free_blocks"] == c["pool_total_blocks"] and info.load.num_reserved == 0
+    return (
+        c["pool_free_blocks"] == c["pool_total_blocks"]
+        and info.load.num_reserved == 0
+        and c["pool_reservations"] == 0
+        and c["pool_held_blocks"] == 0
+    )

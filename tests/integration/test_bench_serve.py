@@ -28,12 +28,12 @@ def tiny_model(tmp_path_factory):
 
 def test_bench_serve_against_a_real_cluster(tiny_model, tmp_path):
     from pdserve.bench import serve
-    from pdserve.bench.cluster import Cluster
+    from pdserve.bench.cluster import UpProcess
 
     out = tmp_path / "run.json"
     p = argparse.ArgumentParser()
     serve.add_parser(p.add_subparsers())
-    cluster = Cluster(
+    cluster = UpProcess(
         ["--model", str(tiny_model), "--mode", "colocated", "--colocated", "1"],
         port=0,
         ready_timeout_s=240,

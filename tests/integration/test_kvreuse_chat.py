@@ -50,7 +50,7 @@ def test_six_turn_chat_store_vs_no_store_vs_engine(model_dir):
 
     cluster = start_cluster(model_dir, prefill=2, decode=1, kvstore=True, policy="round_robin")
     try:
-        with_store = run_chat(cluster, engine.namespace)
+        with_store = run_chat(cluster, engine.kv_fingerprint)
         stats = StoreProbe(cluster.kvstore_port).stats()
     finally:
         cluster.stop()

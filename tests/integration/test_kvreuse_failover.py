@@ -37,7 +37,7 @@ def test_store_restarts_and_outage(model_dir, tmp_path):
     from pdserve.client import Client
 
     engine = make_engine(model_dir)
-    ns = engine.namespace
+    ns = engine.kv_fingerprint
     conv = Conversation(seed=7)
     cluster = start_cluster(
         model_dir, prefill=1, decode=1, kvstore=True, log_dir=str(tmp_path / "logs")

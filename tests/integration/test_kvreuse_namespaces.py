@@ -29,7 +29,7 @@ def test_two_models_one_store_share_nothing(tmp_path_factory, tmp_path):
     dir_a, dir_b = make_model(root, seed=1), make_model(root, seed=2)
     engine_a, engine_b = make_engine(dir_a), make_engine(dir_b)
     assert engine_a.spec == engine_b.spec, "same shapes: same KV layout and block bytes"
-    ns_a, ns_b = engine_a.namespace, engine_b.namespace
+    ns_a, ns_b = engine_a.kv_fingerprint, engine_b.kv_fingerprint
     assert ns_a != ns_b
 
     conv_a, conv_b = Conversation(seed=5), Conversation(seed=5)  # the same questions

@@ -127,6 +127,8 @@ class Behaviour:
     prefill_error: grpc.StatusCode | None = None  # Prefill fails with this status
     decode_error: grpc.StatusCode | None = None  # Decode fails with this status at once
     decode_gate: asyncio.Event | None = None  # Decode waits for it before streaming
+    reserve_gate: asyncio.Event | None = None  # Reserve waits for it before answering
+    prefill_gate: asyncio.Event | None = None  # Prefill waits for it before answering
     decode_forever: bool = False  # Decode streams until cancelled/aborted
     script: list[int] | None = None  # tokens to emit after the first (else counting)
     chunk_delay_s: float = 0.0
@@ -250,6 +252,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.log.calls.append((self.instance_id, "Reserve", self._rid(request, context)))
         self.aborted.discard(request.request_id)  # a retry re-reserves under the same id
         self.tickets += 1
+        if self.b.reserve_gate is not None:
+            await self.b.reserve_gate.wait()
         return worker_pb2.ReserveResponse(
             ticket=worker_pb2.Ticket(
                 ticket_id=self.tickets,
@@ -262,6 +266,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Prefill(self, request, context):
         self.log.calls.append((self.instance_id, "Prefill", self._rid(request, context)))
         self.prompts.append(list(request.token_ids))
+        if self.b.prefill_gate is not None:
+            await self.b.prefill_gate.wait()
         if self.b.prefill_error is not None:
             await context.abort(self.b.prefill_error, f"{self.instance_id} is broken")
         first = (

@@ -200,6 +200,36 @@ async def test_client_cancel_aborts_decode(router, cluster):
     assert (p.instance_id, "Prefill") in cluster.log.of("r-cancel")
 
 
+@pytest.mark.parametrize("stage", ["reserve", "prefill"])
+async def test_client_cancel_before_first_token_aborts_every_holder(router, cluster, stage):
+    # Cancelled while Reserve is in flight the decode may hold a reservation the router
+    # never saw a ticket for; while Prefill runs both instances hold the request.
+    gate = asyncio.Event()
+    p = await cluster.add(
+        "p", PREFILL, Behaviour(prefill_gate=gate if stage == "prefill" else None)
+    )
+    d = await cluster.add("d", DECODE, Behaviour(reserve_gate=gate if stage == "reserve" else None))
+    rid = f"r-cancel-{stage}"
+    waiting_in = (d if stage == "reserve" else p).instance_id, stage.capitalize(), rid
+    async with AsyncClient(router.addr) as c:
+        task = asyncio.create_task(c.generate(token_ids=[3, 1], max_tokens=5, request_id=rid))
+        assert await cluster.log.wait_for(waiting_in)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await cluster.log.wait_for((d.instance_id, "Abort", rid))
+        if stage == "prefill":
+            assert await cluster.log.wait_for((p.instance_id, "Abort", rid))
+        for _ in range(100):  # the router counts it finished once its handler unwound
+            if (await c.status()).requests_running == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await c.status()).requests_running == 0
+    gate.set()
+    assert (d.instance_id, "Decode") not in cluster.log.of(rid)
+    assert cluster.log.of(rid).count((d.instance_id, "Abort")) == 1
+
+
 async def test_bad_input_names_field_and_router_keeps_serving(router, cluster):
     await cluster.add("p", PREFILL)
     await cluster.add("d", DECODE)
@@ -282,12 +312,14 @@ async def test_eos_as_first_token_finishes_without_decode(router, cluster, model
 async def test_colocated_generate(router, cluster):
     w = await cluster.add("c", COLOCATED)
     async with AsyncClient(router.addr) as c:
+        before = (await c.status()).requests_total
         res = await c.generate(token_ids=[4, 4], max_tokens=4, request_id="r-colo")
         st = await c.status()
     first = fake_first_token([4, 4])
     assert res.token_ids == [first, first + 1, first + 2, first + 3]
     assert cluster.log.of("r-colo") == [(w.instance_id, "Generate")]
-    assert st.requests_total >= 1 and any(i.role == "colocated" for i in st.instances)
+    assert st.requests_total == before + 1
+    assert {i.instance_id: i.role for i in st.instances}[w.instance_id] == "colocated"
 
 
 async def test_sdk_typed_error_for_unreachable_router():

@@ -1,4 +1,5 @@
-"""A worker's Prometheus endpoint exposes the same counters as its Info RPC."""
+"""A worker's Prometheus endpoint exposes the same counters as its Info RPC (checked one by
+one, once the worker is idle), and counts the KV it received."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import pytest
 
 from pdserve.client import Client
 from pdserve.launcher import Cluster, ClusterConfig
+from pdserve.worker.metrics import GAUGES
+
+from .conftest import pool_idle, wait_until, worker_info
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +52,14 @@ def test_decode_worker_metrics_count_kv_bytes(serving_model_dir, tmp_path):
             token_ids=list(range(1, 41)), max_tokens=4, temperature=0.0, ignore_eos=True
         )
         assert len(result.token_ids) == 4
+        wait_until(lambda: pool_idle(cluster, "decode0"), 15, "decode idle")
+        info = worker_info(cluster, "decode0")
         after = _scrape(port)
+    assert len(info.counters) >= 10
+    for name, value in info.counters.items():
+        metric = f"pdserve_worker_{name}" + ("" if name in GAUGES else "_total")
+        assert after[metric] == value, name
+    assert after["pdserve_worker_load_num_reserved"] == info.load.num_reserved == 0
     received = "pdserve_worker_ucx_bytes_received_total"
     assert after[received] - before.get(received, 0.0) > 0
     assert after["pdserve_worker_decode_admitted_total"] >= 1

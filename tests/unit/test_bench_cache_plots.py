@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.bench import compare, multiturn
 from pdserve.bench.cachesim import ChainLRU, parse_capacity, simulate
-from pdserve.bench.cluster import Cluster, ClusterError
+from pdserve.bench.cluster import ClusterError, UpProcess
 from pdserve.bench.plots import plot_attainment, plot_capacity_curve, plot_latency_cdfs
 from pdserve.bench.report import format_ratio_table, ratio_table
 from pdserve.bench.traces import TraceRecord
@@ -161,7 +161,7 @@ def test_cluster_waits_for_ready_and_stops(tmp_path):
     script = tmp_path / "fake_up.py"
     script.write_text(FAKE_UP)
     log = tmp_path / "up.log"
-    cluster = Cluster(
+    cluster = UpProcess(
         ["--mode", "x"],
         port=50123,
         launcher=[sys.executable, str(script)],
@@ -174,6 +174,6 @@ def test_cluster_waits_for_ready_and_stops(tmp_path):
     assert cluster.proc.returncode == 0
     assert "bye" in log.read_text() and "--mode x" in log.read_text()
 
-    bad = Cluster(["--crash"], launcher=[sys.executable, str(script)], ready_timeout_s=30)
+    bad = UpProcess(["--crash"], launcher=[sys.executable, str(script)], ready_timeout_s=30)
     with pytest.raises(ClusterError, match="boom"):
         bad.start()

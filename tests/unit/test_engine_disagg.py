@@ -26,10 +26,10 @@ def disagg_generate(prefill, decode, rid, p, params):
     assert sorted(layers) == list(range(prefill.spec.num_layers))
     assert layers[0].shape == (n_blocks, 2, 16, prefill.spec.num_kv_heads, prefill.spec.head_dim)
 
-    blocks = decode.reserve_blocks(len(p) + params.max_tokens)
+    decode.reserve(rid, len(p) + params.max_tokens)
     for layer, kv in layers.items():
-        decode.write_kv(blocks, layer, kv)
-    done = decode.add_prefilled_request(rid, p, first, params, blocks)
+        decode.write_kv(rid, layer, kv)
+    done = decode.add_prefilled_request(rid, p, first, params)
     tokens = [first]
     if done is not None:
         return tokens
@@ -59,13 +59,17 @@ def test_seed_position_derivation_across_engines(make_engine):
 def test_prefilled_request_that_ends_at_token0_and_free_blocks(make_engine):
     engine = make_engine()
     p = prompt(10)
-    blocks = engine.reserve_blocks(40)
-    assert len(blocks) == 3 and engine.pool.num_free_blocks == engine.num_blocks - 3
-    out = engine.add_prefilled_request("x", p, 5, SamplingParams(max_tokens=1), blocks)
+    blocks = engine.reserve("x", 40)
+    assert len(blocks) == 3 and engine.kv.num_free_blocks == engine.num_blocks - 3
+    out = engine.add_prefilled_request("x", p, 5, SamplingParams(max_tokens=1))
     assert out is not None and out.finished and out.finish_reason == "length"
-    blocks = engine.reserve_blocks(20)
-    engine.free_blocks(blocks)
-    engine.free_blocks(blocks)  # idempotent
+    assert engine.kv.num_free_blocks == engine.num_blocks and engine.kv.num_reservations == 0
+    engine.reserve("y", 20)
+    assert engine.kv.num_free_blocks == engine.num_blocks - 2
+    assert engine.release("y") == 2
+    assert engine.release("y") == 0  # idempotent
+    assert engine.kv.num_free_blocks == engine.num_blocks
+    engine.check_integrity()
 
 
 def test_read_blocks_and_import_cached_blocks(make_engine):

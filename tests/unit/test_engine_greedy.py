@@ -33,7 +33,7 @@ def check_family(model_dir):
         ref, ref_logits = hf_greedy(model_dir, p, NEW_TOKENS)
         assert_greedy_matches(out, ref, ref_logits)
     engine.check_integrity()
-    assert engine.pool.num_free_blocks == engine.num_blocks
+    assert engine.kv.num_free_blocks == engine.num_blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -16,7 +16,7 @@ def test_shared_three_block_prefix_is_reused(make_engine):
 
     engine = make_engine()
     engine.generate([a], GREEDY)
-    hits_before = engine.pool.stats.hit_blocks
+    hits_before = engine.kv.stats.hit_blocks
     engine.add_request("b", b, GREEDY)
     out, cached = [], None
     while engine.has_unfinished_requests():
@@ -24,7 +24,7 @@ def test_shared_three_block_prefix_is_reused(make_engine):
             out += o.new_token_ids
             cached = o.num_cached_tokens
     assert cached == 48
-    assert engine.pool.stats.hit_blocks - hits_before == 3
+    assert engine.kv.stats.hit_blocks - hits_before == 3
     assert engine.stats()["prefix_hit_tokens"] >= 48
     assert out == ref_b
 
@@ -45,7 +45,7 @@ def test_no_prefix_caching_counts_nothing(make_engine):
     p = list(range(2, 40))
     engine = make_engine(enable_prefix_caching=False)
     engine.generate([p, p], GREEDY)
-    assert engine.pool.stats.hit_blocks == 0
+    assert engine.kv.stats.hit_blocks == 0
 
 
 def test_held_prefix_is_pinned_until_scheduled_or_aborted(make_engine):
@@ -60,19 +60,19 @@ def test_held_prefix_is_pinned_until_scheduled_or_aborted(make_engine):
     engine.generate([prompt], params)
     hashes = engine.compute_block_hashes(prompt)
     blocks = engine.cached_prefix(hashes)
-    assert len(blocks) == 3 and engine.pool.num_free_blocks == 16
+    assert len(blocks) == 3 and engine.kv.num_free_blocks == 16
     assert engine.hold_prefix("later", hashes) == 3
-    assert [engine.pool.ref_counts[b] for b in blocks] == [1, 1, 1]
-    assert engine.pool.num_free_blocks == 13  # held blocks cannot be evicted
+    assert [engine.kv.ref_count(b) for b in blocks] == [1, 1, 1]
+    assert engine.kv.num_free_blocks == 13  # held blocks cannot be evicted
     engine.check_integrity()
     engine.add_request("later", [*prompt, 7, 8], params)
     engine.step()  # scheduled: the sequence's own refs replace the hold
-    assert [engine.pool.ref_counts[b] for b in blocks] == [1, 1, 1]
+    assert [engine.kv.ref_count(b) for b in blocks] == [1, 1, 1]
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.hold_prefix("never-added", hashes) == 3
     engine.abort_request("never-added")  # abort frees a hold even for an unknown request
-    assert engine.pool.num_free_blocks == 16
+    assert engine.kv.num_free_blocks == 16
 
 
 def test_hold_on_finish_keeps_finished_blocks_until_released(make_engine):
@@ -92,13 +92,13 @@ def test_hold_on_finish_keeps_finished_blocks_until_released(make_engine):
     hashes = engine.compute_block_hashes(prompt + answer)
     held = engine.cached_prefix(hashes)
     assert len(held) == 3
-    assert all(engine.pool.ref_counts[b] == 1 for b in held)
-    assert engine.pool.num_free_blocks == 13
-    engine.release_held("wb")
-    assert engine.pool.num_free_blocks == 16
+    assert all(engine.kv.ref_count(b) == 1 for b in held)
+    assert engine.kv.num_free_blocks == 13
+    engine.release("wb")
+    assert engine.kv.num_free_blocks == 16
     # an aborted request keeps nothing
     engine.hold_on_finish("gone")
     engine.add_request("gone", prompt, params)
     engine.step()
     engine.abort_request("gone")
-    assert engine.pool.num_free_blocks == 16
+    assert engine.kv.num_free_blocks == 16

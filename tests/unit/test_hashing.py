@@ -36,11 +36,11 @@ def test_namespace_and_spec_fingerprint_separate_models():
     toks = list(range(16))
     assert block_hashes(toks, 16, "a") != block_hashes(toks, 16, "b")
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
-    fp = spec.fingerprint("model-x")
-    assert fp == KVSpec(2, 2, 32, 16, "float32").fingerprint("model-x")
-    assert fp != spec.fingerprint("model-y")
-    assert fp != KVSpec(2, 2, 32, 8, "float32").fingerprint("model-x")
-    assert fp != KVSpec(2, 2, 32, 16, "bfloat16").fingerprint("model-x")
+    fp = spec.kv_fingerprint("model-x")
+    assert fp == KVSpec(2, 2, 32, 16, "float32").kv_fingerprint("model-x")
+    assert fp != spec.kv_fingerprint("model-y")
+    assert fp != KVSpec(2, 2, 32, 8, "float32").kv_fingerprint("model-x")
+    assert fp != KVSpec(2, 2, 32, 16, "bfloat16").kv_fingerprint("model-x")
 
 
 def test_spec_sizes():

@@ -67,7 +67,7 @@ def test_forget_listener_and_deregister(reg, clock):
     clock.t += 10
     reg.expire()
     assert gone == ["p1", "p2"]
-    assert reg.fingerprint is None  # empty registry accepts any model again
+    assert reg.model_fingerprint is None  # empty registry accepts any model again
 
 
 def test_fingerprint_mismatch_rejected(reg):
@@ -75,7 +75,7 @@ def test_fingerprint_mismatch_rejected(reg):
     with pytest.raises(FailedPreconditionError, match="fingerprint"):
         add(reg, "d1", ROLE_DECODE, fp="fp-b")
     add(reg, "p1", fp="fp-b")  # the only instance may re-register with a new model
-    assert reg.fingerprint == "fp-b"
+    assert reg.model_fingerprint == "fp-b"
 
 
 def test_bad_registration(reg):
@@ -111,6 +111,6 @@ def test_charge_counters_survive_reregistration(reg):
     reg.charge("p1", requests=2, tokens=100)
     add(reg, "p1")
     inst = reg.get("p1")
-    assert (inst.inflight_requests, inst.inflight_tokens, inst.routed_total) == (2, 100, 2)
+    assert (inst.inflight_requests, inst.inflight_tokens) == (2, 100)
     reg.charge("p1", requests=-5, tokens=-500)
     assert (inst.inflight_requests, inst.inflight_tokens) == (0, 0)

@@ -4,14 +4,14 @@ check plans and accounting without tensors."""
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
-from pdserve.kv.block_pool import BlockPool
+from pdserve.kv.cache_manager import KVCacheManager
 
 BS = 4
 
 
 def make(num_blocks=64, budget=16, max_seqs=8, caching=True):
-    pool = BlockPool(num_blocks, BS, enable_prefix_caching=caching)
-    return pool, Scheduler(pool, budget, max_seqs, namespace="test")
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching, kv_fingerprint="test")
+    return kv, Scheduler(kv, budget, max_seqs)
 
 
 def seq(rid, n, max_tokens=4, start=0):
@@ -47,7 +47,7 @@ def test_chunked_prefill_respects_budget_and_decodes_first():
     assert b.num_computed_tokens == 7 and len(b.block_table) == 2
     plan = sched.schedule()
     assert plan.num_scheduled_tokens == {"a": 1, "b": 7}
-    pool.check_integrity()
+    pool.check_integrity(sched.iter_all())
 
 
 def test_max_num_seqs_limits_running():
@@ -68,10 +68,10 @@ def test_all_finish_and_blocks_return():
         if not sched.has_unfinished():
             break
         run_step(sched, finished)
-        pool.check_integrity()
+        pool.check_integrity(sched.iter_all())
     assert sorted(finished) == [str(i) for i in range(5)]
     assert pool.num_free_blocks == 64
-    pool.check_integrity()
+    pool.check_integrity(sched.iter_all())
 
 
 def test_preemption_newest_goes_back_and_keeps_outputs():
@@ -86,7 +86,7 @@ def test_preemption_newest_goes_back_and_keeps_outputs():
             break
         plan = run_step(sched, finished)
         preempted += plan.preempted
-        pool.check_integrity()
+        pool.check_integrity(sched.iter_all())
     assert preempted and preempted[0] == "b"
     assert sorted(finished) == ["a", "b"]
     assert b.num_preemptions >= 1 and b.output_token_ids == [7] * 8
@@ -117,7 +117,7 @@ def test_prefix_cache_hit_counts_full_blocks_and_keeps_last_token():
     sched.update(plan, {"c": 1})
     sched.finish(c, "length")
     assert pool.num_free_blocks == 64
-    pool.check_integrity()
+    pool.check_integrity(sched.iter_all())
 
 
 def test_abort_waiting_and_running_frees_blocks():
@@ -131,4 +131,4 @@ def test_abort_waiting_and_running_frees_blocks():
     sched.finish(b, "abort")
     assert not sched.has_unfinished()
     assert pool.num_free_blocks == 64
-    pool.check_integrity()
+    pool.check_integrity(sched.iter_all())

@@ -6,7 +6,6 @@ registered; SIGTERM makes it drain and stop its services. The output is copied t
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -16,15 +15,15 @@ import threading
 from pathlib import Path
 from typing import IO
 
-READY_PREFIX = "PDSERVE_READY"
+from pdserve.rpc.ready import READY_PREFIX, parse_ready_line
 
 
 class ClusterError(RuntimeError):
     pass
 
 
-class Cluster:
-    """`with Cluster(["--mode", "colocated"], port=50051) as addr: ...`"""
+class UpProcess:
+    """`with UpProcess(["--mode", "colocated"], port=50051) as addr: ...`"""
 
     def __init__(
         self,
@@ -54,11 +53,10 @@ class Cluster:
                 log.write(line)
                 log.flush()
             self._tail = [*self._tail[-30:], line.rstrip()]
-            if line.startswith(READY_PREFIX) and not self._ready.is_set():
-                try:
-                    self._ready_port = int(json.loads(line[len(READY_PREFIX) :]).get("port"))
-                except (ValueError, TypeError, AttributeError):
-                    self._ready_port = self.port
+            info = parse_ready_line(line)
+            if info is not None and not self._ready.is_set():
+                port = info.get("port")
+                self._ready_port = port if isinstance(port, int) else self.port
                 self._ready.set()
         if log:
             log.close()

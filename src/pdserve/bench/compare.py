@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.cluster import Cluster
+from pdserve.bench.cluster import UpProcess
 from pdserve.bench.plots import plot_attainment, plot_latency_cdfs
 from pdserve.bench.report import (
     format_ratio_table,
@@ -91,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, Any]] = {}
     for name, flags in arms.items():
         print(f"== arm {name}: pdserve up {shlex.join(flags + extra)}", flush=True)
-        cluster = Cluster(
+        cluster = UpProcess(
             flags + extra,
             port=args.port,
             ready_timeout_s=args.ready_timeout,

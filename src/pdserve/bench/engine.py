@@ -135,14 +135,15 @@ def bench_hf(
 
 def parse_dtypes(text: str) -> list[str]:
     """ "auto,float32" -> resolved names, in order, without repeats."""
-    from pdserve.model.loader import DTYPES, auto_dtype
+    from pdserve.model.dtypes import DTYPE_NAMES
+    from pdserve.model.loader import auto_dtype
 
     out: list[str] = []
     for name in (t.strip() for t in text.split(",") if t.strip()):
         if name == "auto":
             name = str(auto_dtype("cpu")).removeprefix("torch.")
-        if name not in DTYPES:
-            raise SystemExit(f"--dtype: unknown dtype {name!r} (auto | {' | '.join(DTYPES)})")
+        if name not in DTYPE_NAMES:
+            raise SystemExit(f"--dtype: unknown dtype {name!r} (auto | {' | '.join(DTYPE_NAMES)})")
         if name not in out:
             out.append(name)
     if not out:

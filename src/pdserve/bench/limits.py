@@ -29,14 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.config import ModelConfig
+from pdserve.model.dtypes import torch_dtype
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BANDWIDTH_BYTES = 256 << 20  # >= 4x the L3 of common server CPUs (32-64 MiB per CCD/socket)
 GEMM_SHAPES = ((1024, 1024, 2048), (512, 2048, 2048))  # (M, K, N), weights stay in cache
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    return DTYPES[dtype] if isinstance(dtype, str) else dtype
+    return torch_dtype(dtype) if isinstance(dtype, str) else dtype
 
 
 def _itemsize(dtype: str | torch.dtype) -> int:

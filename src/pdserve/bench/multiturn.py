@@ -20,7 +20,7 @@ from typing import Any
 
 from pdserve.bench import arrivals
 from pdserve.bench.cachesim import parse_capacity, simulate
-from pdserve.bench.cluster import Cluster
+from pdserve.bench.cluster import UpProcess
 from pdserve.bench.loadgen import open_client, run_load
 from pdserve.bench.metrics import summarize
 from pdserve.bench.plots import plot_capacity_curve, plot_latency_cdfs
@@ -179,7 +179,7 @@ def compare_kvstore(args: argparse.Namespace) -> dict[str, Any]:
     arms: dict[str, dict[str, Any]] = {}
     for name, flag in (("kvstore", "--kvstore"), ("no-kvstore", "--no-kvstore")):
         print(f"== arm {name}", flush=True)
-        with Cluster(
+        with UpProcess(
             [flag, *extra], port=args.port, log_path=out.parent / f"{out.stem}_{name}_up.log"
         ) as addr:
             arms[name] = sessions_once(addr, args)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import time
@@ -99,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_banner(cluster) -> None:
+    from pdserve.rpc.ready import format_ready_line
+
     workers = ", ".join(
         f"{n} (pid {p.popen.pid}, port {p.port})" for n, p in cluster.processes.items()
     )
@@ -110,4 +111,4 @@ def _print_banner(cluster) -> None:
     print(f"        pdserve status --addr {cluster.addr}")
     print("pdserve: Ctrl-C stops everything")
     info = {"service": "cluster", "port": cluster.router_port, "log_dir": str(cluster.log_dir)}
-    print("PDSERVE_READY " + json.dumps(info), flush=True)
+    print(format_ready_line(info), flush=True)

@@ -1,26 +1,59 @@
-"""AsyncEngine: the LLMEngine on its own thread, with an asyncio front.
+"""AsyncEngine: the LLMEngine on its own thread, with an asyncio front of named commands.
 
 The engine thread loops: run queued commands, then one `step()` if any request is unfinished;
-with nothing to do it sleeps on a condition (never spins). Every engine call from asyncio
-goes through the command queue, so the engine is only ever touched by its thread. Results
-cross back to the event loop with `loop.call_soon_threadsafe`.
+with nothing to do it sleeps on a condition (never spins). Every operation is a command from
+`engine.commands`, queued by a named method here and executed by `_execute`, the one dispatch
+place; the engine is only ever touched by its thread. Results cross back to the event loop
+with `loop.call_soon_threadsafe`.
+
+Cancellation is safe by construction: a command is queued synchronously when its method is
+called, so it runs even if the caller is cancelled while waiting; what it allocates is
+registered under its request id on the engine thread, and a cancelled `reserve` queues a
+`Release` of that id (idempotent) before re-raising. A stream whose consumer leaves early
+queues an `Abort` without awaiting anything.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import threading
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
-from pdserve.engine.engine import LLMEngine
+from pdserve.engine.commands import (
+    Abort,
+    AddRequest,
+    AdmitPrefilled,
+    CachedPrefixLength,
+    Command,
+    EngineInspection,
+    HoldOnFinish,
+    ImportAndHold,
+    Inspect,
+    ReadForPublish,
+    Release,
+    Reserve,
+)
+from pdserve.engine.engine import KVSink, LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.params import SamplingParams
-from pdserve.errors import UnavailableError
+from pdserve.errors import InvalidRequestError, UnavailableError
+from pdserve.kv.spec import KVSpec
 
-T = TypeVar("T")
 _Stream = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
+_EWMA_ALPHA = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Queued:
+    cmd: Command
+    loop: asyncio.AbstractEventLoop | None
+    fut: asyncio.Future | None  # None: fire and forget
+    stream: _Stream | None = None  # AddRequest / AdmitPrefilled: where outputs go
 
 
 def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
@@ -34,66 +67,122 @@ def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> Non
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self._llm = engine
+        # immutable facts about the engine, safe to read from any thread
+        self.spec: KVSpec = engine.spec
+        self.kv_fingerprint: str = engine.kv_fingerprint
+        self.model_fingerprint: str = engine.loaded.fingerprint
+        self.num_blocks: int = engine.num_blocks
+        self.step_ms_ewma = 0.0  # written by the engine thread after each step
+        self.accounting = EngineInspection(0, 0, self.num_blocks, self.num_blocks, 0, 0, 0, 0)
         self._cond = threading.Condition()
-        self._commands: deque[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]]
-        self._commands = deque()
+        self._commands: deque[_Queued] = deque()
         self._streams: dict[str, _Stream] = {}  # engine-thread only
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
-    # ---- asyncio side -----------------------------------------------------------------
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run `fn()` on the engine thread between steps; return (or raise) its result."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-        with self._cond:
-            if self._stopped:
-                raise UnavailableError("engine is shut down")
-            self._commands.append((fn, loop, fut))
-            self._cond.notify()
-        return await fut
+    # ---- named commands (asyncio side) ------------------------------------------------
+    async def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Reserve blocks for `num_tokens` tokens of `request_id`. If the caller is cancelled
+        while waiting, the reservation is released (it may already have been made)."""
+        try:
+            return await self._submit(Reserve(request_id, num_tokens))
+        except asyncio.CancelledError:
+            self._post(Release(request_id))
+            raise
+
+    async def release(self, request_id: str) -> int:
+        """Free `request_id`'s reservation and holds. Idempotent; blocks released."""
+        return await self._submit(Release(request_id))
+
+    def release_nowait(self, request_id: str) -> None:
+        """`release` without waiting (usable in finally blocks and callbacks)."""
+        self._post(Release(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop `request_id` and free all it owns. Idempotent; True if it was live."""
+        return await self._submit(Abort(request_id))
+
+    def abort_nowait(self, request_id: str) -> None:
+        self._post(Abort(request_id))
+
+    async def hold_on_finish(self, request_id: str) -> None:
+        await self._submit(HoldOnFinish(request_id))
+
+    async def cached_prefix_length(self, hashes: Sequence[bytes]) -> int:
+        return await self._submit(CachedPrefixLength(list(hashes)))
+
+    async def import_and_hold(
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        fetched: Sequence[bytes],
+        data: Any,
+        hold_on_finish: bool = False,
+    ) -> None:
+        """Import `data` (blocks of the chain `fetched`) and hold the cached prefix of `hashes`
+        for `request_id` until it is scheduled (or released / aborted)."""
+        cmd = ImportAndHold(request_id, list(hashes), list(fetched), data, hold_on_finish)
+        await self._submit(cmd)
+
+    async def read_for_publish(self, hashes: Sequence[bytes], skip: int) -> Any:
+        return await self._submit(ReadForPublish(list(hashes), skip))
+
+    async def inspect(self) -> EngineInspection:
+        return await self._submit(Inspect())
+
+    def compute_block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Pure function of the tokens and the kv_fingerprint: runs on the caller's thread."""
+        return self._llm.kv.compute_block_hashes(token_ids)
+
+    def load(self) -> dict[str, int]:
+        """Lock-free reads of engine counters (approximate while a step runs). `accounting`
+        is the block accounting the engine thread published after its last commands/step."""
+        llm = self._llm
+        st = llm.kv.stats
+        return {
+            "num_running": llm.num_running,
+            "num_waiting": llm.num_waiting,
+            "num_free_blocks": llm.kv.num_free_blocks,
+            "prefix_hit_tokens": st.hit_tokens,
+            "prefix_hit_blocks": st.hit_blocks,
+            "num_preemptions": llm.scheduler.num_preemptions,
+        }
 
     def generate(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
-        **kwargs: Any,
+        *,
+        prefill_only: bool = False,
+        kv_sink: KVSink | None = None,
+        hold_on_finish: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; kwargs go to `LLMEngine.add_request` (prefill_only,
-        kv_sink). Leaving the loop early aborts the request."""
+        """Stream a request's outputs. Leaving the loop early aborts the request."""
+        cmd = AddRequest(
+            request_id, list(prompt_token_ids), params or SamplingParams(),
+            prefill_only, kv_sink, hold_on_finish,
+        )  # fmt: skip
+        return self._stream(request_id, cmd)
 
-        def add() -> None:
-            self.engine.add_request(request_id, prompt_token_ids, params, **kwargs)
-
-        return self._stream(request_id, add)
-
-    def generate_prefilled(
+    async def admit_prefilled(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
         first_token: int,
         params: SamplingParams,
-        block_ids: Sequence[int],
-        before_add: Callable[[], None] | None = None,
+        kv: Any,
+        hold_on_finish: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Decode side: stream tokens 1.. of a request whose KV is in reserved blocks (see
-        LLMEngine.add_prefilled_request). `before_add` runs in the same engine command, right
-        before the request joins the batch (e.g. to write the received KV into the blocks)."""
-
-        def add() -> RequestOutput | None:
-            if before_add is not None:
-                before_add()
-            return self.engine.add_prefilled_request(
-                request_id, prompt_token_ids, first_token, params, block_ids
-            )
-
-        return self._stream(request_id, add)
-
-    async def abort(self, request_id: str) -> bool:
-        return await self.call(lambda: self._abort(request_id))
+        """Decode side: write `kv` ([L, n, ...]) into the request's reserved blocks and admit
+        it, in one command; returns (once admitted) the stream of its tokens 1..; raises if
+        the admission failed (its reservation is then already freed)."""
+        cmd = AdmitPrefilled(
+            request_id, list(prompt_token_ids), first_token, params, kv, hold_on_finish
+        )
+        return await self._open(request_id, cmd)
 
     async def shutdown(self) -> None:
         with self._cond:
@@ -101,27 +190,39 @@ class AsyncEngine:
             self._cond.notify()
         await asyncio.to_thread(self._thread.join)
 
-    async def _stream(
-        self, request_id: str, add: Callable[[], RequestOutput | None]
-    ) -> AsyncIterator[RequestOutput]:
+    # ---- queueing ---------------------------------------------------------------------
+    def _submit(self, cmd: Command, stream: _Stream | None = None) -> asyncio.Future:
+        """Queue `cmd` now (synchronously) and return the future of its result."""
         loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._enqueue(_Queued(cmd, loop, fut, stream))
+        return fut
+
+    def _post(self, cmd: Command) -> None:
+        """Queue `cmd` without waiting for it (silently dropped after shutdown)."""
+        try:
+            self._enqueue(_Queued(cmd, None, None))
+        except UnavailableError:
+            pass
+
+    def _enqueue(self, item: _Queued) -> None:
+        with self._cond:
+            if self._stopped:
+                raise UnavailableError("engine is shut down")
+            self._commands.append(item)
+            self._cond.notify()
+
+    async def _open(self, request_id: str, cmd: Command) -> AsyncIterator[RequestOutput]:
+        """Run a stream-starting command; return its outputs once it ran."""
         queue: asyncio.Queue = asyncio.Queue()
+        try:
+            await self._submit(cmd, stream=(asyncio.get_running_loop(), queue))
+        except BaseException:  # failed, or the caller was cancelled: abort (idempotent)
+            self._post(Abort(request_id))
+            raise
+        return self._outputs(request_id, queue)
 
-        def register_and_add() -> None:
-            if request_id in self._streams:
-                from pdserve.errors import InvalidRequestError
-
-                raise InvalidRequestError("request_id", f"{request_id!r} is already streaming")
-            self._streams[request_id] = (loop, queue)
-            try:
-                first = add()
-            except BaseException:
-                del self._streams[request_id]
-                raise
-            if first is not None:
-                self._emit(first)
-
-        await self.call(register_and_add)
+    async def _outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -134,10 +235,88 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if not finished and not self._stopped:
-                await self.abort(request_id)
+            if not finished:  # cancelled or closed early: abort (idempotent, no await)
+                self._post(Abort(request_id))
+
+    async def _stream(self, request_id: str, cmd: Command) -> AsyncIterator[RequestOutput]:
+        outputs = await self._open(request_id, cmd)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield out
 
     # ---- engine thread ----------------------------------------------------------------
+    def _execute(self, cmd: Command, stream: _Stream | None) -> Any:
+        """The one place where commands touch the engine (engine thread only)."""
+        llm = self._llm
+        match cmd:
+            case Reserve(request_id, num_tokens):
+                return llm.reserve(request_id, num_tokens)
+            case Release(request_id):
+                return llm.release(request_id)
+            case Abort(request_id):
+                live = llm.abort_request(request_id)
+                if request_id in self._streams:
+                    self._emit(RequestOutput(request_id, [], True, "abort"))
+                return live
+            case HoldOnFinish(request_id):
+                llm.hold_on_finish(request_id)
+                return None
+            case CachedPrefixLength(hashes):
+                return len(llm.cached_prefix(hashes))
+            case ImportAndHold(request_id, hashes, fetched, data, hold_on_finish):
+                if fetched:
+                    llm.import_cached_blocks(fetched, data)
+                llm.hold_prefix(request_id, hashes)
+                if hold_on_finish:
+                    llm.hold_on_finish(request_id)
+                return None
+            case ReadForPublish(hashes, skip):
+                return llm.read_cached(hashes, skip)
+            case Inspect():
+                llm.check_integrity()
+                return self._accounting()
+            case AddRequest() | AdmitPrefilled():
+                assert stream is not None
+                self._start_stream(cmd, stream)
+                return None
+        raise TypeError(f"unknown engine command {cmd!r}")
+
+    def _accounting(self) -> EngineInspection:
+        llm, kv = self._llm, self._llm.kv
+        return EngineInspection(
+            llm.num_running, llm.num_waiting, llm.num_blocks, kv.num_free_blocks,
+            kv.num_reservations, kv.num_reserved_blocks, kv.num_held_blocks, len(self._streams),
+        )  # fmt: skip
+
+    def _start_stream(self, cmd: AddRequest | AdmitPrefilled, stream: _Stream) -> None:
+        llm = self._llm
+        rid = cmd.request_id
+        if rid in self._streams:
+            raise InvalidRequestError("request_id", f"{rid!r} is already streaming")
+        self._streams[rid] = stream
+        try:
+            if isinstance(cmd, AddRequest):
+                if cmd.hold_on_finish:
+                    llm.hold_on_finish(rid)
+                llm.add_request(
+                    rid, cmd.prompt_token_ids, cmd.params,
+                    prefill_only=cmd.prefill_only, kv_sink=cmd.kv_sink,
+                )  # fmt: skip
+                return
+            for layer in range(self.spec.num_layers):
+                llm.write_kv(rid, layer, cmd.kv[layer])
+            if cmd.hold_on_finish:
+                llm.hold_on_finish(rid)
+            first = llm.add_prefilled_request(
+                rid, cmd.prompt_token_ids, cmd.first_token, cmd.params
+            )
+        except BaseException:
+            del self._streams[rid]
+            llm.release(rid)  # a failed admission leaves no reservation or hold behind
+            raise
+        if first is not None:
+            self._emit(first)
+
     def _emit(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is None:
@@ -147,50 +326,54 @@ class AsyncEngine:
         loop, queue = stream
         loop.call_soon_threadsafe(queue.put_nowait, out)
 
-    def _abort(self, request_id: str) -> bool:
-        live = self.engine.abort_request(request_id)
-        if request_id in self._streams:
-            self._emit(RequestOutput(request_id, [], True, "abort"))
-        return live
-
     def _fail_all(self, exc: BaseException) -> None:
         for rid, (loop, queue) in list(self._streams.items()):
-            self.engine.abort_request(rid)
+            self._llm.abort_request(rid)
             loop.call_soon_threadsafe(queue.put_nowait, exc)
         self._streams.clear()
 
+    def _run_commands(self, items: list[_Queued]) -> None:
+        for item in items:
+            try:
+                result, exc = self._execute(item.cmd, item.stream), None
+            except BaseException as e:
+                result, exc = None, e
+            if item.fut is not None and item.loop is not None:
+                item.loop.call_soon_threadsafe(_resolve, item.fut, result, exc)
+
     def _run(self) -> None:
+        llm = self._llm
         while True:
             with self._cond:
                 while (
-                    not self._commands
-                    and not self._stopped
-                    and not self.engine.has_unfinished_requests()
+                    not self._commands and not self._stopped and not llm.has_unfinished_requests()
                 ):
                     self._cond.wait()
                 if self._stopped:
                     break
-                commands = list(self._commands)
+                items = list(self._commands)
                 self._commands.clear()
-            for fn, loop, fut in commands:
+            self._run_commands(items)
+            self.accounting = self._accounting()
+            if llm.has_unfinished_requests():
+                started = time.perf_counter()
                 try:
-                    result, exc = fn(), None
-                except BaseException as e:
-                    result, exc = None, e
-                loop.call_soon_threadsafe(_resolve, fut, result, exc)
-            if self.engine.has_unfinished_requests():
-                try:
-                    outputs = self.engine.step()
+                    outputs = llm.step()
                 except Exception as e:  # a failed step fails every live stream, not the thread
                     self._fail_all(e)
                     continue
+                step_ms = (time.perf_counter() - started) * 1e3
+                ewma = self.step_ms_ewma
+                self.step_ms_ewma = step_ms if ewma == 0 else ewma + _EWMA_ALPHA * (step_ms - ewma)
                 for out in outputs:
                     self._emit(out)
+                self.accounting = self._accounting()
         # shutting down: fail pending commands and streams
         err = UnavailableError("engine is shut down")
         with self._cond:
             pending = list(self._commands)
             self._commands.clear()
-        for _fn, loop, fut in pending:
-            loop.call_soon_threadsafe(_resolve, fut, None, err)
+        for item in pending:
+            if item.fut is not None and item.loop is not None:
+                item.loop.call_soon_threadsafe(_resolve, item.fut, None, err)
         self._fail_all(err)

@@ -17,14 +17,14 @@ import torch
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.params import SamplingParams, validate_request
-from pdserve.engine.runner import ModelRunner, allocate_kv_caches
+from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.errors import InvalidRequestError, NotFoundError
-from pdserve.kv.block_pool import BlockPool
-from pdserve.kv.hashing import block_hashes
+from pdserve.kv.cache_manager import KVCacheManager
 from pdserve.kv.spec import KVSpec
+from pdserve.model.loader import allocate_kv_caches
 
 KVSink = Callable[[int, torch.Tensor], None]  # (layer, kv [n_blocks, 2, bs, kvh, hd])
 
@@ -42,9 +42,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = None  # generator for unseeded random sampling
-
-
-_FINISHED = "#finished"  # key suffix of a finished request's held blocks
 
 
 class LLMEngine:
@@ -69,25 +66,20 @@ class LLMEngine:
             block_size=config.block_size,
             dtype=str(loaded.dtype).removeprefix("torch."),
         )
-        self.namespace = self.spec.fingerprint(loaded.fingerprint)
+        self.kv_fingerprint = self.spec.kv_fingerprint(loaded.fingerprint)
         self.num_blocks = self._num_blocks(config)
-        self.pool = BlockPool(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.pool, config.max_num_batched_tokens, config.max_num_seqs, self.namespace
+        self.kv = KVCacheManager(
+            self.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_fingerprint
         )
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         gen = None if config.seed is None else torch.Generator().manual_seed(config.seed)
-        self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, config.device)
+        self.kv_caches = allocate_kv_caches(
+            mc, self.num_blocks, config.block_size, self.spec.dtype, config.device
+        )
         self.runner = ModelRunner(
             loaded.model, self.kv_caches, config.block_size, config.device, Sampler(gen)
         )
         self._seqs: dict[str, Seq] = {}
-        self._reserved: set[int] = set()  # blocks held by reserve_blocks, not yet a request's
-        # request_id -> cached prefix blocks held (one ref each) until that request is
-        # scheduled: KV fetched from the kvstore must not be evicted while the request waits
-        self._held: dict[str, list[int]] = {}
-        # requests whose computed full blocks stay held after they finish, until
-        # release_held(): the worker's kvstore write-back reads them off the critical path
-        self._hold_on_finish: set[str] = set()
         self._arrival = itertools.count()
 
     def _num_blocks(self, config: EngineConfig) -> int:
@@ -126,7 +118,7 @@ class LLMEngine:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already running")
             self.validate(prompt_token_ids, params)
         except InvalidRequestError:
-            self.release_held(request_id)
+            self.kv.release(request_id)
             raise
         seq = Seq(
             request_id,
@@ -140,11 +132,12 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
-        """Idempotent. Returns True if the request was live."""
-        self.release_held(request_id)
+        """Stop `request_id` and drop everything it owns (reservation, holds). Idempotent.
+        Returns True if it was live (a sequence, or blocks held for it)."""
+        live = self.kv.release(request_id) > 0
         seq = self._seqs.pop(request_id, None)
         if seq is None:
-            return False
+            return live
         self.scheduler.finish(seq, "abort")
         return True
 
@@ -164,9 +157,6 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        if self._held:  # scheduled requests now hold their prefix themselves
-            for entry in plan.scheduled:
-                self._drop_hold(entry.seq.request_id)
         sinks = [e.seq for e in plan.scheduled if e.sample and e.seq.prefill_only and e.seq.kv_sink]
         callback = self._sink_callback(sinks) if sinks else None
         sampled = self.runner.execute(plan, layer_callback=callback)
@@ -175,7 +165,7 @@ class LLMEngine:
             seq = entry.seq
             reason = self._finish_reason(seq)
             if reason is not None:
-                self._finish(seq, reason)
+                self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
             outputs.append(self._output(seq, [seq.output_token_ids[-1]], reason))
         return outputs
@@ -228,29 +218,23 @@ class LLMEngine:
         return [result[rid] for rid in ids]
 
     # ---- disaggregation hooks (engine thread, between steps) ---------------------------
-    def reserve_blocks(self, num_tokens: int) -> list[int]:
-        """Hold blocks for `num_tokens` tokens of a request whose KV arrives from elsewhere."""
-        n = self.spec.num_blocks_for(num_tokens)
-        if n > self.pool.num_free_blocks:
-            from pdserve.errors import OverloadedError
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Reserve blocks for `num_tokens` tokens of `request_id`, whose KV arrives from
+        elsewhere. Freed by `add_prefilled_request` (they become the sequence's), `release`
+        or `abort_request`."""
+        return self.kv.reserve(request_id, num_tokens)
 
-            raise OverloadedError(f"need {n} KV blocks, {self.pool.num_free_blocks} free")
-        blocks = self.pool.allocate(n)
-        self._reserved.update(blocks)
-        return blocks
+    def write_kv(self, request_id: str, layer: int, kv: torch.Tensor) -> None:
+        """kv: [n, 2, bs, kvh, hd]: fills the first n reserved blocks of `request_id`."""
+        ids = self.kv.reserved_blocks(request_id)
+        if len(ids) < kv.shape[0]:
+            raise NotFoundError(f"{request_id!r} has no reservation for {kv.shape[0]} blocks")
+        self.runner.write_layer(layer, ids[: kv.shape[0]], kv)
 
-    def write_kv(self, block_ids: Sequence[int], layer: int, kv: torch.Tensor) -> None:
-        """kv: [n, 2, bs, kvh, hd] with n <= len(block_ids): fills block_ids[:n] of `layer`."""
-        ids = list(block_ids)[: kv.shape[0]]
-        if not set(ids) <= self._reserved:
-            raise InvalidRequestError("block_ids", "write_kv only into reserved blocks")
-        self.runner.write_layer(layer, ids, kv)
-
-    def free_blocks(self, block_ids: Sequence[int]) -> None:
-        """Release reserved blocks (cancel, lease expiry). Ids not reserved are ignored."""
-        ids = [b for b in block_ids if b in self._reserved]
-        self._reserved.difference_update(ids)
-        self.pool.free(ids)
+    def release(self, request_id: str) -> int:
+        """Free the reservation and holds of `request_id` (not a running sequence).
+        Idempotent. Returns the blocks released."""
+        return self.kv.release(request_id)
 
     def add_prefilled_request(
         self,
@@ -258,9 +242,8 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         first_token: int,
         params: SamplingParams,
-        block_ids: Sequence[int],
     ) -> RequestOutput | None:
-        """Admit a request whose prompt KV is in reserved `block_ids` and whose token 0 was
+        """Admit a request whose prompt KV is in its reserved blocks and whose token 0 was
         sampled elsewhere. The blocks now belong to the request. Returns a finished output
         if token 0 already ends it (else None: tokens 1.. come from step())."""
         if request_id in self._seqs:
@@ -268,117 +251,83 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         if not 0 <= first_token < self.vocab_size:
             raise InvalidRequestError("first_token", f"must be in [0, {self.vocab_size})")
-        ids = list(block_ids)
-        if not set(ids) <= self._reserved:
-            raise NotFoundError("block_ids are not (or no longer) reserved on this engine")
-        if len(ids) * self.spec.block_size < len(prompt_token_ids) + 1:
+        reserved = self.kv.reserved_blocks(request_id)
+        if not reserved:
+            raise NotFoundError(f"{request_id!r} has no (or no longer a) reservation here")
+        if len(reserved) * self.spec.block_size < len(prompt_token_ids) + 1:
             raise InvalidRequestError("block_ids", "too few blocks for the prompt + 1 token")
-        self._reserved.difference_update(ids)
         seq = Seq(request_id, list(prompt_token_ids), params, arrival=next(self._arrival))
         seq.output_token_ids.append(first_token)
-        seq.block_table = ids
+        seq.block_table = self.kv.claim_reservation(request_id)
         seq.num_computed_tokens = len(prompt_token_ids)
         self._seqs[request_id] = seq
         self.scheduler.add_running(seq)
         reason = self._finish_reason(seq)
         if reason is None:
             return None
-        self._finish(seq, reason)
+        self.scheduler.finish(seq, reason)
         del self._seqs[request_id]
         return self._output(seq, [], reason)
 
     def compute_block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Chained hashes of the full blocks of `token_ids` in this engine's namespace."""
-        return block_hashes(token_ids, self.spec.block_size, self.namespace)
+        """Chained hashes of the full blocks of `token_ids` under this engine's kv_fingerprint."""
+        return self.kv.compute_block_hashes(token_ids)
 
     def cached_prefix(self, hashes: Sequence[bytes]) -> list[int]:
         """Block ids of the longest locally cached prefix of `hashes` (no refs taken)."""
-        return self.pool.find_prefix(hashes, record=False)
+        return self.kv.cached_prefix(hashes)
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """[n, L, 2, bs, kvh, hd] CPU copy of the given blocks (all layers)."""
         return self.runner.read_blocks(list(block_ids))
 
+    def read_cached(self, hashes: Sequence[bytes], skip: int) -> torch.Tensor | None:
+        """The locally cached blocks of the chain `hashes` past its first `skip` ones, read
+        in one go (nothing can evict them in between); None when there are none."""
+        local = self.kv.cached_prefix(hashes)
+        return self.read_blocks(local[skip:]) if len(local) > skip else None
+
     def import_cached_blocks(self, hashes: Sequence[bytes], data: torch.Tensor) -> int:
         """Insert blocks fetched from the kvstore into the prefix cache. data:
-        [n, L, 2, bs, kvh, hd] for `hashes` (a chain in this namespace). Blocks already
+        [n, L, 2, bs, kvh, hd] for `hashes` (a chain under this kv_fingerprint). Blocks already
         cached are skipped. Returns the number inserted; they stay free (ref 0) and cached."""
         if data.shape[0] != len(hashes) or data.shape[1] != self.spec.num_layers:
             raise InvalidRequestError("data", f"expected [{len(hashes)}, L, ...] got {data.shape}")
-        todo = [i for i, h in enumerate(hashes) if self.pool.lookup(h) is None]
-        todo = todo[: self.pool.num_free_blocks]
-        if not todo or not self.pool.enable_prefix_caching:
-            return 0
-        blocks = self.pool.allocate(len(todo))
-        for layer in range(self.spec.num_layers):
-            self.runner.write_layer(layer, blocks, data[todo, layer])
-        for b, i in zip(blocks, todo, strict=True):
-            self.pool.cache_block(b, hashes[i])
-        self.pool.free(blocks)
-        return len(todo)
+
+        def write(blocks: list[int], indices: list[int]) -> None:
+            for layer in range(self.spec.num_layers):
+                self.runner.write_layer(layer, blocks, data[indices, layer])
+
+        return self.kv.import_blocks(hashes, write)
+
+    def hold_prefix(self, request_id: str, hashes: Sequence[bytes]) -> int:
+        """Hold the longest locally cached prefix of `hashes` until `request_id` is scheduled
+        (or released / aborted). Returns the blocks held."""
+        return self.kv.hold_prefix(request_id, hashes)
+
+    def hold_on_finish(self, request_id: str) -> None:
+        """When `request_id` finishes normally, keep its computed full blocks (cached, one ref
+        each) until `release(request_id)`."""
+        self.kv.hold_on_finish(request_id)
 
     def stats(self) -> dict[str, float]:
         """Load and cache counters (for heartbeats / metrics)."""
-        st = self.pool.stats
+        st = self.kv.stats
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_blocks": self.num_blocks,
-            "num_free_blocks": self.pool.num_free_blocks,
-            "num_reserved_blocks": len(self._reserved),
-            "num_cached_blocks": self.pool.num_cached_blocks,
+            "num_free_blocks": self.kv.num_free_blocks,
+            "num_reservations": self.kv.num_reservations,
+            "num_reserved_blocks": self.kv.num_reserved_blocks,
+            "num_held_blocks": self.kv.num_held_blocks,
+            "num_cached_blocks": self.kv.num_cached_blocks,
             "prefix_hit_blocks": st.hit_blocks,
             "prefix_hit_tokens": st.hit_tokens,
             "prefix_queried_blocks": st.queries_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
         }
 
-    def hold_prefix(self, request_id: str, hashes: Sequence[bytes]) -> int:
-        """Take one ref on each block of the longest locally cached prefix of `hashes` until
-        `request_id` is scheduled (or aborted), so eviction cannot break the prefix while the
-        request waits. Returns the blocks held."""
-        blocks = self.pool.find_prefix(hashes, record=False)
-        self.pool.touch(blocks)
-        self._held.setdefault(request_id, []).extend(blocks)
-        return len(blocks)
-
-    def hold_on_finish(self, request_id: str) -> None:
-        """When `request_id` finishes normally, keep its computed full blocks (cached, one ref
-        each) until `release_held(request_id)`."""
-        self._hold_on_finish.add(request_id)
-
-    def release_held(self, request_id: str) -> None:
-        """Drop every hold of `request_id`: its waiting prefix and its finished blocks."""
-        self._hold_on_finish.discard(request_id)
-        self._drop_hold(request_id)
-        self._drop_hold(request_id + _FINISHED)
-
-    def _drop_hold(self, key: str) -> None:
-        blocks = self._held.pop(key, None)
-        if blocks:
-            self.pool.free(blocks)
-
-    def _finish(self, seq: Seq, reason: str) -> None:
-        if seq.request_id in self._hold_on_finish:
-            self._hold_on_finish.discard(seq.request_id)
-            if reason != "abort":
-                n = min(seq.num_computed_tokens // self.spec.block_size, len(seq.block_table))
-                blocks = seq.block_table[:n]
-                self.pool.touch(blocks)  # the sequence's own refs go in finish()
-                self._held[seq.request_id + _FINISHED] = blocks
-        self.scheduler.finish(seq, reason)
-
     # ---- checks -----------------------------------------------------------------------
     def check_integrity(self) -> None:
-        self.pool.check_integrity()
-        owned: dict[int, int] = {}
-        for seq in self.scheduler.iter_all():
-            for b in seq.block_table:
-                owned[b] = owned.get(b, 0) + 1
-        for b in self._reserved:
-            owned[b] = owned.get(b, 0) + 1
-        for blocks in self._held.values():
-            for b in blocks:
-                owned[b] = owned.get(b, 0) + 1
-        for b, rc in enumerate(self.pool.ref_counts):
-            assert rc == owned.get(b, 0), f"block {b}: ref {rc} but {owned.get(b, 0)} owners"
+        self.kv.check_integrity(self.scheduler.iter_all())

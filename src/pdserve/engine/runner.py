@@ -14,22 +14,7 @@ import torch
 
 from pdserve.engine.sampler import Sampler, SampleRequest
 from pdserve.engine.scheduler import SchedulerPlan
-from pdserve.kv.spec import KVSpec
 from pdserve.model.attention.metadata import AttentionMetadata
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
-
-
-def allocate_kv_caches(spec: KVSpec, num_blocks: int, device: str) -> list[torch.Tensor]:
-    """Per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]."""
-    return [
-        torch.zeros((num_blocks, *spec.block_shape), dtype=torch_dtype(spec.dtype), device=device)
-        for _ in range(spec.num_layers)
-    ]
 
 
 class ModelRunner:

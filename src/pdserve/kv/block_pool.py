@@ -132,13 +132,6 @@ class BlockPool:
         self._block_to_hash[block_id] = block_hash
         return True
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached hash of a free block. Returns how many were dropped."""
-        dropped = [b for b in self._block_to_hash if self.ref_counts[b] == 0]
-        for b in dropped:
-            self._drop_hash(b)
-        return len(dropped)
-
     def _drop_hash(self, block_id: int) -> None:
         h = self._block_to_hash.pop(block_id, None)
         if h is not None:

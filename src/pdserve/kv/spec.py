@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-KV_LAYOUT = "NHD:[blocks,2,block_size,kv_heads,head_dim]"
+from pdserve.model.dtypes import ITEMSIZE as _ITEMSIZE
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_LAYOUT = "NHD:[blocks,2,block_size,kv_heads,head_dim]"
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,9 @@ class KVSpec:
         """Blocks needed to hold `num_tokens` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
 
-    def fingerprint(self, model_fingerprint: str) -> str:
-        """Namespace for block hashes and the kvstore: two processes share KV blocks only if
+    def kv_fingerprint(self, model_fingerprint: str) -> str:
+        """The kv_fingerprint: block hashes are chained from it and the kvstore keys blocks by
+        it (its wire field `namespace`). Two processes share KV blocks only if
         their weights identity, dtype, block size and KV layout all match."""
         text = "|".join(
             [

@@ -22,11 +22,24 @@ class Slot(NamedTuple):
 
 
 @dataclass
+class _Extent:
+    """Slots of one extent: indices below `fresh` were handed out at least once; the freed
+    ones wait in `free`. Memory is O(slots in use), never O(slots per extent): a tiny slot
+    size (a 1-byte "block") must not cost a list of millions of indices."""
+
+    fresh: int = 0
+    free: list[int] = field(default_factory=list)
+    used: int = 0
+
+
+@dataclass
 class _SizeClass:
     slot_bytes: int
     slots_per_extent: int
-    free: dict[int, list[int]] = field(default_factory=dict)  # extent -> free slot indices
-    used: dict[int, int] = field(default_factory=dict)  # extent -> slots in use
+    extents: dict[int, _Extent] = field(default_factory=dict)
+
+    def has_free(self, ext: _Extent) -> bool:
+        return bool(ext.free) or ext.fresh < self.slots_per_extent
 
 
 class Arena:
@@ -53,22 +66,28 @@ class Arena:
             cls = self._classes[slot_bytes] = _SizeClass(
                 slot_bytes, self.extent_bytes // slot_bytes
             )
-        extent = next((e for e, free in cls.free.items() if free), None)
+        extent = next((e for e, x in cls.extents.items() if cls.has_free(x)), None)
         if extent is None:
             if not self._free_extents:
                 return None
             extent = self._free_extents.pop()
-            cls.free[extent] = list(range(cls.slots_per_extent - 1, -1, -1))
-            cls.used[extent] = 0
-        index = cls.free[extent].pop()
-        cls.used[extent] += 1
+            cls.extents[extent] = _Extent()
+        ext = cls.extents[extent]
+        if ext.free:
+            index = ext.free.pop()
+        else:
+            index, ext.fresh = ext.fresh, ext.fresh + 1
+        ext.used += 1
         self.used_bytes += slot_bytes
         return Slot(extent, index, slot_bytes)
 
     def free(self, slot: Slot) -> None:
-        cls = self._classes[slot.nbytes]
-        cls.free[slot.extent].append(slot.index)
-        cls.used[slot.extent] -= 1
+        ext = self._classes[slot.nbytes].extents[slot.extent]
+        ext.free.append(slot.index)
+        ext.used -= 1
+        if ext.used == 0:  # empty: forget its indices (they are all free again)
+            ext.free.clear()
+            ext.fresh = 0
         self.used_bytes -= slot.nbytes
 
     def view(self, slot: Slot) -> np.ndarray:
@@ -77,29 +96,18 @@ class Arena:
         return self.buffer[start : start + slot.nbytes]
 
     # ----------------------------------------------------------------- extents
-    def has_room(self, slot_bytes: int) -> bool:
-        cls = self._classes.get(slot_bytes)
-        return bool(self._free_extents) or (cls is not None and any(cls.free[e] for e in cls.free))
-
     def reclaim(self, keep: int) -> bool:
         """Return one empty extent of a size class other than `keep` to the free pool."""
         for size, cls in self._classes.items():
             if size == keep:
                 continue
-            for extent, used in cls.used.items():
-                if used == 0:
-                    del cls.used[extent], cls.free[extent]
+            for extent, ext in cls.extents.items():
+                if ext.used == 0:
+                    del cls.extents[extent]
                     self._free_extents.append(extent)
                     return True
         return False
 
     def extent_counts(self) -> dict[int, int]:
         """slot size -> extents it holds."""
-        return {size: len(cls.used) for size, cls in self._classes.items()}
-
-    @property
-    def free_extents(self) -> int:
-        return len(self._free_extents)
-
-    def slot_sizes(self) -> list[int]:
-        return list(self._classes)
+        return {size: len(cls.extents) for size, cls in self._classes.items()}

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.errors import NotFoundError, OverloadedError, UnavailableError
+from pdserve.errors import InvalidRequestError, NotFoundError, OverloadedError, UnavailableError
 from pdserve.kv.transfer import RecvHandle, TransferFailedError, UcxTransport
 from pdserve.kvstore.metrics import KVStoreMetrics
 from pdserve.kvstore.settings import KVStoreSettings
+from pdserve.kvstore.stats import StoreStats
 from pdserve.kvstore.store import BlockStore, PutReservation
 from pdserve.logging import get_logger
 
@@ -121,6 +122,17 @@ class KVStoreService:
     def begin_put(
         self, namespace: str, hashes: Sequence[bytes], first_block: int, block_bytes: int
     ) -> PutTicket:
+        """Reserve room for a put. Bounded: a put declares a block of at least
+        `min_block_bytes`, at most `max_open_puts` are open at once, each is dropped after
+        `put_timeout_s` if not committed, and their staging is capped by `staging_bytes`."""
+        if 0 < block_bytes < self.settings.min_block_bytes:
+            raise InvalidRequestError(
+                "bytes_per_block", f"must be at least {self.settings.min_block_bytes}"
+            )
+        if len(self._open) >= self.settings.max_open_puts:
+            self.store.stats.put_rejected += 1
+            self.metrics.puts.labels("rejected").inc()
+            return PutTicket(0, 0, 0, first_block)
         res = self.store.begin_put(namespace, hashes, first_block, block_bytes)
         if res is None:
             return PutTicket(0, 0, 0, len(hashes))
@@ -194,6 +206,12 @@ class KVStoreService:
     # ----------------------------------------------------------------- admin
     def pin(self, namespace: str, hashes: Sequence[bytes], delta: int) -> int:
         return self.store.pin(namespace, hashes, delta)
+
+    def stats(self) -> StoreStats:
+        s = self.store.snapshot()
+        s.open_puts = len(self._open)
+        s.staging_bytes = self._staging_in_use
+        return s
 
     def clear(self, namespace: str) -> int:
         n = self.store.clear(namespace)

@@ -60,4 +60,4 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.ClearResponse(num_blocks=self.service.clear(request.namespace))
 
     async def Stats(self, request, context: aio.ServicerContext):
-        return kvstore_pb2.StatsResponse(**self.service.store.snapshot().as_dict())
+        return kvstore_pb2.StatsResponse(**self.service.stats().as_dict())

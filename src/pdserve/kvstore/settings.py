@@ -31,6 +31,12 @@ class KVStoreSettings(ServiceSettings):
         256 << 20, gt=0, validation_alias=_env("staging_bytes"),
         description="most bytes in flight in put/fetch staging buffers (beyond capacity)",
     )  # fmt: skip
+    min_block_bytes: int = Field(
+        256, ge=1, description="smallest block a put may declare (a real KV block is KBs)"
+    )
+    max_open_puts: int = Field(
+        1024, ge=1, description="most puts begun and not yet committed; more are rejected"
+    )
     put_timeout_s: float = Field(
         30.0, gt=0, description="drop a put not committed within this time, seconds"
     )

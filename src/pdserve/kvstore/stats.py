@@ -18,6 +18,8 @@ class StoreStats:
     pinned_blocks: int = 0
     put_rejected: int = 0
     corrupt_puts: int = 0
+    open_puts: int = 0  # begun, not yet committed / aborted / expired (service-level)
+    staging_bytes: int = 0  # bytes in put/fetch staging buffers now (service-level)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

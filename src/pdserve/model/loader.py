@@ -19,9 +19,9 @@ import torch
 from pdserve.errors import ModelLoadError
 from pdserve.model.attention import AttentionBackend
 from pdserve.model.config import ModelConfig
+from pdserve.model.dtypes import DTYPE_NAMES, torch_dtype
 from pdserve.model.llama import LlamaModel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FULL_HASH_LIMIT = 256 << 20  # files up to this size are hashed in full
 SAMPLE_CHUNK = 1 << 20
 SAMPLE_COUNT = 16
@@ -63,15 +63,17 @@ def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
 def resolve_dtype(
     dtype: str | torch.dtype | None, config: ModelConfig, device: str | torch.device = "cpu"
 ) -> torch.dtype:
-    """None = the checkpoint's torch_dtype; "auto" = auto_dtype(device); else a DTYPES name."""
+    """None = the checkpoint's torch_dtype; "auto" = auto_dtype(device); else a DTYPE_NAMES name."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return auto_dtype(device)
     name = dtype or config.torch_dtype
-    if name not in DTYPES:
-        raise ModelLoadError(f"unsupported dtype {name!r}; use auto or one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    if name not in DTYPE_NAMES:
+        raise ModelLoadError(
+            f"unsupported dtype {name!r}; use auto or one of {sorted(DTYPE_NAMES)}"
+        )
+    return torch_dtype(name)
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -260,6 +262,6 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """Per layer a zeroed [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor."""
     if isinstance(dtype, str):
-        dtype = DTYPES[dtype]
+        dtype = torch_dtype(dtype)
     shape = (num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]

@@ -45,20 +45,21 @@ class RouterApp(ServiceApp):
         self.metrics = RouterMetrics(self.raw_metrics)
         self.totals = Totals()
         self.model = ModelInfo()
+        # Built in start(), once the model directory is read (EOS ids, tokenizer):
         self.orchestrator: Orchestrator | None = None
         self.router_servicer: RouterServicer | None = None
         self._tasks: list[asyncio.Task] = []
         self.flip: FlipController | None = None  # set when settings.flip_enabled
 
-    def _hasher(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
-        # Router-local prefix identity: any namespace shared by all instances works.
-        return block_hashes(token_ids, block_size, self.registry.fingerprint or "")
+    def _prefix_hashes(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+        """Router-local prefix identity for prefix-aware placement: any KV namespace shared
+        by all instances works, so the cluster's model fingerprint seeds the chain."""
+        return block_hashes(token_ids, block_size, self.registry.model_fingerprint or "")
 
-    async def start(self, server) -> None:
+    def _orchestrator(self, model: ModelInfo) -> Orchestrator:
         s = self.settings
-        self.model = await asyncio.to_thread(ModelInfo.from_dir, s.model)
-        kv = s.kvstore_addr or ""
-        self.orchestrator = Orchestrator(
+        with_kvstore = bool(s.kvstore_addr) and s.use_kvstore
+        return Orchestrator(
             self.registry,
             self.policy,
             EwmaPredictor(alpha=s.predictor_alpha, initial=s.predictor_initial),
@@ -71,13 +72,19 @@ class RouterApp(ServiceApp):
                 decode_idle_s=s.decode_idle_deadline_s,
                 abort_s=s.abort_deadline_s,
             ),
-            eos_token_ids=self.model.eos_token_ids,
+            eos_token_ids=model.eos_token_ids,
             max_prefill_attempts=s.max_prefill_attempts,
             lease_s=s.lease_s,
-            use_kvstore=bool(kv) and s.use_kvstore,
-            write_back=bool(kv) and s.use_kvstore,
-            hasher=self._hasher,
+            use_kvstore=with_kvstore,
+            write_back=with_kvstore,
+            hasher=self._prefix_hashes,
         )
+
+    async def start(self, server) -> None:
+        s = self.settings
+        kv = s.kvstore_addr or ""
+        self.model = await asyncio.to_thread(ModelInfo.from_dir, s.model)
+        self.orchestrator = self._orchestrator(self.model)
         self.router_servicer = RouterServicer(
             self.orchestrator, self.registry, self.model, self.metrics, self.totals, kv
         )
@@ -120,8 +127,7 @@ class RouterApp(ServiceApp):
     async def drain(self) -> None:
         """Refuse new requests, wait for the running ones."""
         if self.router_servicer is not None:
-            self.router_servicer.draining = True
-            await self.router_servicer.idle.wait()
+            await self.router_servicer.drain()
 
     async def close(self) -> None:
         for task in self._tasks:

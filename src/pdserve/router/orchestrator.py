@@ -1,12 +1,21 @@
-"""The request lifecycle across workers (DESIGN.md "Request lifecycle").
+"""The request lifecycle across workers (docs/ARCHITECTURE.md, "Request lifecycle").
 
-`Orchestrator.run(job)` is an async generator of `Chunk`s (token ids; the last
-one carries the finish reason). Disaggregated: pick decode -> Reserve -> pick
-prefill -> Prefill -> yield the first token at once -> Decode streams the rest.
-Colocated: one Generate stream. Prefill failures before the first token are
-retried elsewhere (the decode ticket is aborted and re-reserved). When the
-consumer stops early (stop string, client cancel) the generator's `finally`
-aborts the request on every instance still holding it; aborts are idempotent.
+`Orchestrator.run(job)` is an async generator of `Chunk`s (token ids; the last one
+carries the finish reason). Disaggregated, in three named steps:
+
+    _place_and_prefill   reserve KV on a decode (`_reserve`, which queues while every
+                         decode is full), pick a prefill, run Prefill (the KV is pushed
+                         to the ticket's decode) -> the first token; a failed prefill
+                         releases its decode and retries elsewhere.
+    (yield the first token at once)
+    _decode              relay the decode's stream of the remaining tokens.
+
+Colocated: one Generate stream (`_colocated`), retried elsewhere before its first chunk.
+
+Every instance a request touches is entered in its `RequestPlacement` (placement.py),
+the one owner of its tickets and registry charges; `run` closes it exactly once
+however the request ends (finished, failed, stop string, client cancel at any await),
+which aborts every instance still holding the request.
 """
 
 from __future__ import annotations
@@ -21,15 +30,18 @@ import grpc
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import DeadlineError, OverloadedError, UnavailableError
 from pdserve.logging import get_logger
+from pdserve.rpc.channels import metadata_with_request_id
 from pdserve.v1 import common_pb2, worker_pb2
 
+from .placement import RequestPlacement
 from .policies import PlacementPolicy, RouteRequest
 from .predictor import OutputLengthPredictor
 from .registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Instance, Registry
-from .workers import RETRYABLE, WorkerClients, remote_error, request_metadata
+from .workers import RETRYABLE, Aborter, RemoteError, WorkerClients, remote_error
 
 log = get_logger("pdserve.router.orchestrator")
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
+ROLE_KINDS = {ROLE_PREFILL: "prefill", ROLE_DECODE: "decode", ROLE_COLOCATED: "colocated"}
 
 
 DECODE_WATCH_S = 0.25  # how often a running Prefill checks that its decode still lives
@@ -61,6 +73,7 @@ class Job:
     prefill_instance: str = ""
     decode_instance: str = ""
     prefill_attempts: int = 0
+    output_token_ids: list[int] = field(default_factory=list)  # every token yielded so far
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,23 @@ def add_stages(total: common_pb2.StageCosts, part: common_pb2.StageCosts) -> Non
         setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))
 
 
+class KvQueue:
+    """While every decode is full, a request waits here (backing off) for up to
+    `timeout_s`: overload becomes waiting, as in a single engine, not an error."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._deadline = time.monotonic() + timeout_s
+        self._backoff = 0.01
+
+    async def wait(self, overloaded: OverloadedError) -> None:
+        """Sleep before the next round of Reserve attempts; raise `overloaded` when the
+        next sleep would pass the deadline."""
+        if time.monotonic() + self._backoff > self._deadline:
+            raise overloaded
+        await asyncio.sleep(self._backoff)  # blocks free as running requests finish
+        self._backoff = min(self._backoff * 2, 0.2)
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -82,6 +112,7 @@ class Orchestrator:
         predictor: OutputLengthPredictor,
         workers: WorkerClients,
         deadlines: Deadlines,
+        *,
         eos_token_ids: Sequence[int] = (),
         max_prefill_attempts: int = 3,
         lease_s: float = 0.0,
@@ -91,141 +122,125 @@ class Orchestrator:
     ) -> None:
         self.registry, self.policy, self.predictor = registry, policy, predictor
         self.workers, self.deadlines = workers, deadlines
+        self.aborter = Aborter(workers, deadlines.abort_s)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_prefill_attempts = max(1, max_prefill_attempts)
         self.lease_s, self.use_kvstore, self.write_back = lease_s, use_kvstore, write_back
         self.hasher = hasher
-        self._background: set[asyncio.Task] = set()
 
     # -------------------------------------------------------------- public
     async def run(self, job: Job) -> AsyncIterator[Chunk]:
-        prefills = self.registry.candidates(ROLE_PREFILL)
-        decodes = self.registry.candidates(ROLE_DECODE)
         route = RouteRequest(
             job.request_id, job.token_ids, session_id=job.session_id, hasher=self.hasher
         )
         route.predicted_tokens = self.predictor.predict(len(job.token_ids), job.params.max_tokens)
-        if prefills and decodes:
-            gen = self._disagg(job, route)
+        if self.registry.candidates(ROLE_PREFILL) and self.registry.candidates(ROLE_DECODE):
+            lifecycle = self._disagg
         elif self.registry.candidates(ROLE_COLOCATED):
-            gen = self._colocated(job, route)
-        elif not decodes:
+            lifecycle = self._colocated
+        elif not self.registry.candidates(ROLE_DECODE):
             raise UnavailableError("no decode (or colocated) instance is available")
         else:
             raise UnavailableError("no prefill instance is available")
-        completion = 0
+        placement = RequestPlacement(job.request_id, self.registry, self.aborter)
+        gen = lifecycle(job, route, placement)
         try:
             async for chunk in gen:
-                completion += len(chunk.token_ids)
+                job.output_token_ids.extend(chunk.token_ids)
                 yield chunk
         finally:
-            await gen.aclose()
-            self.predictor.observe(len(job.token_ids), completion)
+            try:
+                await gen.aclose()
+            finally:
+                placement.close()  # the one place a request's footprint is released
+                self.predictor.observe(len(job.token_ids), len(job.output_token_ids))
 
     async def close(self) -> None:
         """Wait for pending background aborts."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.aborter.wait()
 
     # -------------------------------------------------------- disaggregated
-    async def _disagg(self, job: Job, route: RouteRequest) -> AsyncIterator[Chunk]:
-        ticket, decode, first, tried = None, None, None, set()
-        n = len(job.token_ids)
-        try:
-            while first is None:
-                decode, ticket = await self._reserve(job, route)
-                prefill = self._pick(ROLE_PREFILL, route, exclude=tried, decode=decode)
-                tried.add(prefill.instance_id)
-                job.prefill_attempts += 1
-                job.prefill_instance = prefill.instance_id
-                self.registry.charge(prefill.instance_id, requests=1, tokens=n)
-                try:
-                    call = self.workers.stub(prefill.address).Prefill(
-                        worker_pb2.PrefillRequest(
-                            request_id=job.request_id,
-                            token_ids=job.token_ids,
-                            sampling=job.sampling,
-                            ticket=ticket,
-                            use_kvstore=self.use_kvstore,
-                        ),
-                        timeout=self.deadlines.prefill_s,
-                        metadata=request_metadata(job.request_id),
-                    )
-                    resp = await self._prefill_while_decode_lives(call, decode)
-                except _DecodeLost:  # the prefill is fine: retry it with another decode
-                    log.warning("decode lost during prefill", instance=decode.instance_id)
-                    self._abort_later(prefill, job.request_id)
-                    self.registry.charge(decode.instance_id, requests=-1)
-                    ticket, decode = None, None
-                    tried.discard(prefill.instance_id)
-                    if job.prefill_attempts >= self.max_prefill_attempts:
-                        raise UnavailableError(
-                            "the decode instance was lost during prefill "
-                            f"({job.prefill_attempts} attempt(s))"
-                        ) from None
-                    continue
-                except grpc.RpcError as err:
-                    failure = remote_error(err, f"prefill instance {prefill.instance_id}")
-                    log.warning(
-                        "prefill failed",
-                        instance=prefill.instance_id,
-                        code=str(failure.code),
-                        attempt=job.prefill_attempts,
-                    )
-                    if failure.code == grpc.StatusCode.UNAVAILABLE:
-                        self.registry.mark_suspect(prefill.instance_id)
-                    self._abort_later(prefill, job.request_id)
-                    await self._abort(decode, job.request_id)  # free the ticket before re-reserving
-                    self.registry.charge(decode.instance_id, requests=-1)
-                    ticket, decode = None, None
-                    self._give_up_or_retry(failure, job, ROLE_PREFILL, tried)
-                    continue
-                finally:
-                    self.registry.charge(prefill.instance_id, requests=-1, tokens=-n)
-                first = resp.first_token_id
-                add_stages(job.stages, resp.stages)
-            first_finish = self._finish_after_first(job.params, first)
-            yield Chunk([first], first_finish)
-            if first_finish:
-                await self._abort(decode, job.request_id)  # nothing left to decode: free the blocks
-                ticket = None
-                return
-            call = self.workers.stub(decode.address).Decode(
-                worker_pb2.DecodeRequest(
-                    request_id=job.request_id,
-                    ticket_id=ticket.ticket_id,
-                    prompt_token_ids=job.token_ids,
-                    first_token_id=first,
-                    sampling=job.sampling,
-                    write_back=self.write_back,
-                ),
-                metadata=request_metadata(job.request_id),
-            )
+    async def _disagg(
+        self, job: Job, route: RouteRequest, placement: RequestPlacement
+    ) -> AsyncIterator[Chunk]:
+        first = await self._place_and_prefill(job, route, placement, job.token_ids)
+        first_finish = self._finish_after_first(job.params, first)
+        yield Chunk([first], first_finish)
+        if first_finish:  # nothing left to decode: free the reserved blocks now
+            await placement.leave_now(placement.decode)
+            return
+        async for chunk in self._decode(job, placement, job.token_ids, first):
+            yield chunk
+
+    async def _place_and_prefill(
+        self, job: Job, route: RouteRequest, placement: RequestPlacement, prompt: list[int]
+    ) -> int:
+        """Reserve on a decode, prefill `prompt` on a prefill that pushes the KV to it,
+        return the first token. On return `placement.decode`/`.ticket` hold the decode
+        that will continue the request. A prefill failure releases the decode (it may be
+        picked again) and retries on another prefill, up to max_prefill_attempts."""
+        tried: set[str] = set()
+        while True:
+            decode = await self._reserve(job, route, placement, prompt)
+            prefill = self._pick(ROLE_PREFILL, route, exclude=tried, decode=decode)
+            tried.add(prefill.instance_id)
             try:
-                async for chunk in self._relay(call, decode, job, "decode"):
-                    if chunk.finish_reason:
-                        ticket = None  # before yielding: the consumer may close us there
-                    yield chunk
-            except grpc.RpcError as err:  # failed before its first chunk: too late to retry
-                failure = remote_error(err, f"decode instance {decode.instance_id}")
-                if failure.code == grpc.StatusCode.UNAVAILABLE:
-                    self.registry.mark_suspect(decode.instance_id)
-                raise failure from None
-        finally:
-            if ticket is not None and decode is not None:  # stopped early or failed
-                self._abort_later(decode, job.request_id)
-                if first is None and job.prefill_instance:
-                    inst = self.registry.get(job.prefill_instance)
-                    if inst is not None:
-                        self._abort_later(inst, job.request_id)
-            if decode is not None:
-                self.registry.charge(decode.instance_id, requests=-1)
+                resp = await self._prefill(job, placement, prefill, prompt)
+            except _DecodeLost:  # the prefill is fine: retry it with another decode
+                log.warning("decode lost during prefill", instance=decode.instance_id)
+                tried.discard(prefill.instance_id)
+                placement.leave(prefill)
+                placement.leave(decode)  # it is gone: do not wait for its Abort
+                if job.prefill_attempts >= self.max_prefill_attempts:
+                    raise UnavailableError(
+                        "the decode instance was lost during prefill "
+                        f"({job.prefill_attempts} attempt(s))"
+                    ) from None
+                continue
+            except grpc.RpcError as err:
+                failure = self._failure(err, prefill, "prefill")
+                log.warning(
+                    "prefill failed",
+                    instance=prefill.instance_id,
+                    code=str(failure.code),
+                    attempt=job.prefill_attempts,
+                )
+                placement.leave(prefill)
+                await placement.leave_now(decode)  # free the ticket before re-reserving
+                self._give_up_or_retry(failure, job, ROLE_PREFILL, tried)
+                continue
+            add_stages(job.stages, resp.stages)
+            return resp.first_token_id
+
+    async def _prefill(
+        self, job: Job, placement: RequestPlacement, prefill: Instance, prompt: list[int]
+    ) -> worker_pb2.PrefillResponse:
+        job.prefill_attempts += 1
+        job.prefill_instance = prefill.instance_id
+        placement.charge(prefill, requests=1, tokens=len(prompt))
+        call = self.workers.stub(prefill.address).Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=job.request_id,
+                token_ids=prompt,
+                sampling=job.sampling,
+                ticket=placement.ticket,
+                use_kvstore=self.use_kvstore,
+            ),
+            timeout=self.deadlines.prefill_s,
+            metadata=metadata_with_request_id(job.request_id),
+        )
+        resp = await self._prefill_while_decode_lives(call, placement.decode)
+        placement.leave(prefill, abort=False)  # done: its KV is on the decode
+        return resp
 
     async def _prefill_while_decode_lives(self, call, decode: Instance):
         """Await a Prefill call; cancel it when its decode instance turns suspect or stops
         heartbeating: a KV push to a dead decode would otherwise hang until the prefill's
         transfer timeout. A draining decode still counts as alive (it finishes its work)."""
         task = asyncio.ensure_future(call)
+        # Retrieve its outcome even when we are cancelled as it fails (no "Task exception
+        # was never retrieved" log).
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=DECODE_WATCH_S)
@@ -244,67 +259,93 @@ class Orchestrator:
                 call.cancel()
                 task.cancel()
 
-    async def _reserve(self, job: Job, route: RouteRequest) -> tuple[Instance, worker_pb2.Ticket]:
-        """Reserve on a decode instance; another one when it is dead or full. When every
-        decode instance is full, the request queues (backing off) for up to `kv_queue_s`:
-        overload becomes waiting, as in a single engine, not an error."""
+    async def _decode(
+        self, job: Job, placement: RequestPlacement, prompt: list[int], first: int
+    ) -> AsyncIterator[Chunk]:
+        """Relay the tokens after `first` from the decode holding the ticket. A failure
+        ends the request (the client already has tokens); a decode lost mid-stream could
+        be re-placed here from `prompt + job.output_token_ids` (`_place_and_prefill`)."""
+        decode = placement.decode
+        call = self.workers.stub(decode.address).Decode(
+            worker_pb2.DecodeRequest(
+                request_id=job.request_id,
+                ticket_id=placement.ticket.ticket_id,
+                prompt_token_ids=prompt,
+                first_token_id=first,
+                sampling=job.sampling,
+                write_back=self.write_back,
+            ),
+            metadata=metadata_with_request_id(job.request_id),
+        )
+        try:
+            async for chunk in self._relay(call, decode, job, placement, "decode"):
+                yield chunk
+        except grpc.RpcError as err:  # failed before its first chunk: too late to retry
+            raise self._failure(err, decode, "decode") from None
+
+    async def _reserve(
+        self, job: Job, route: RouteRequest, placement: RequestPlacement, prompt: list[int]
+    ) -> Instance:
+        """Reserve on a decode instance; another one when it is dead or full; queue
+        (`KvQueue`) while every decode instance is full. Returns the decode, whose ticket
+        is then `placement.ticket`."""
         tried: set[str] = set()
-        last: Exception | None = None
-        queue_deadline = time.monotonic() + self.deadlines.kv_queue_s
-        backoff = 0.01
+        overloaded: OverloadedError | None = None
+        queue = KvQueue(self.deadlines.kv_queue_s)
         while True:
             try:
                 decode = self._pick(ROLE_DECODE, route, exclude=tried)
             except UnavailableError:
-                if not isinstance(last, OverloadedError):
+                if overloaded is None:
                     raise
-                if time.monotonic() + backoff > queue_deadline:
-                    raise last from None
-                await asyncio.sleep(backoff)  # blocks free as running requests finish
-                backoff = min(backoff * 2, 0.2)
-                tried, last = set(), None
+                await queue.wait(overloaded)
+                tried, overloaded = set(), None
                 continue
             tried.add(decode.instance_id)
+            placement.expect(decode)  # it may hold a reservation before we see the ticket
             try:
                 resp = await self.workers.stub(decode.address).Reserve(
-                    worker_pb2.ReserveRequest(
-                        request_id=job.request_id,
-                        num_prompt_tokens=len(job.token_ids),
-                        num_predicted_tokens=route.predicted_tokens,
-                        lease_s=self.lease_s,
-                        # early admission: decoding starts the moment the KV lands
-                        prompt_token_ids=job.token_ids,
-                        sampling=job.sampling,
-                    ),
+                    self._reserve_request(job, route, prompt),
                     timeout=self.deadlines.reserve_s,
-                    metadata=request_metadata(job.request_id),
+                    metadata=metadata_with_request_id(job.request_id),
                 )
             except grpc.RpcError as err:
-                failure = remote_error(err, f"decode instance {decode.instance_id}")
-                if failure.code == grpc.StatusCode.UNAVAILABLE:
-                    self.registry.mark_suspect(decode.instance_id)
+                failure = self._failure(err, decode, "decode")
                 if failure.code not in RETRYABLE:
                     raise failure from None
-                self._abort_later(decode, job.request_id)
-                last = (
-                    OverloadedError(str(failure))
-                    if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                    else failure
-                )
+                placement.leave(decode)
+                if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    overloaded = OverloadedError(str(failure))
                 continue
             job.decode_instance = decode.instance_id
-            self.registry.charge(decode.instance_id, requests=1)
-            return decode, resp.ticket
+            placement.reserved(decode, resp.ticket)
+            return decode
+
+    def _reserve_request(
+        self, job: Job, route: RouteRequest, prompt: list[int]
+    ) -> worker_pb2.ReserveRequest:
+        """How much KV to ask for: the prompt plus the predicted output."""
+        return worker_pb2.ReserveRequest(
+            request_id=job.request_id,
+            num_prompt_tokens=len(prompt),
+            num_predicted_tokens=route.predicted_tokens,
+            lease_s=self.lease_s,
+            # early admission: decoding starts the moment the KV lands
+            prompt_token_ids=prompt,
+            sampling=job.sampling,
+        )
 
     # ------------------------------------------------------------ colocated
-    async def _colocated(self, job: Job, route: RouteRequest) -> AsyncIterator[Chunk]:
+    async def _colocated(
+        self, job: Job, route: RouteRequest, placement: RequestPlacement
+    ) -> AsyncIterator[Chunk]:
         tried: set[str] = set()
         while True:
             inst = self._pick(ROLE_COLOCATED, route, exclude=tried)
             tried.add(inst.instance_id)
             job.prefill_attempts += 1
             job.prefill_instance = job.decode_instance = inst.instance_id
-            self.registry.charge(inst.instance_id, requests=1, tokens=len(job.token_ids))
+            placement.charge(inst, requests=1, tokens=len(job.token_ids))
             call = self.workers.stub(inst.address).Generate(
                 worker_pb2.WorkerGenerateRequest(
                     request_id=job.request_id,
@@ -313,29 +354,25 @@ class Orchestrator:
                     use_kvstore=self.use_kvstore,
                     write_back=self.write_back,
                 ),
-                metadata=request_metadata(job.request_id),
+                metadata=metadata_with_request_id(job.request_id),
             )
-            started = False
             try:
-                async for chunk in self._relay(call, inst, job, "colocated"):
-                    started = True
+                async for chunk in self._relay(call, inst, job, placement, "colocated"):
                     yield chunk
                 return
             except grpc.RpcError as err:  # only raised before the first chunk (see _relay)
-                failure = remote_error(err, f"colocated instance {inst.instance_id}")
-                if failure.code == grpc.StatusCode.UNAVAILABLE:
-                    self.registry.mark_suspect(inst.instance_id)
-                if started:
-                    raise failure from None
+                failure = self._failure(err, inst, "colocated")
+                placement.leave(inst)
                 self._give_up_or_retry(failure, job, ROLE_COLOCATED, tried)
-            finally:
-                self.registry.charge(inst.instance_id, requests=-1, tokens=-len(job.token_ids))
 
     # -------------------------------------------------------------- helpers
-    async def _relay(self, call, inst: Instance, job: Job, what: str) -> AsyncIterator[Chunk]:
+    async def _relay(
+        self, call, inst: Instance, job: Job, placement: RequestPlacement, what: str
+    ) -> AsyncIterator[Chunk]:
         """Relay a TokenChunk stream with a deadline on every message. A failure before
         the first message is re-raised as grpc.RpcError (retryable by the caller);
-        later failures become domain errors. Cancels the call when left early."""
+        later failures become domain errors. Cancels the call when left early; the
+        instance leaves the placement (without Abort) when it sends the finish."""
         first, finished = True, False
         try:
             while True:
@@ -349,10 +386,7 @@ class Orchestrator:
                 except grpc.RpcError as err:
                     if first:
                         raise
-                    failure = remote_error(err, f"{what} instance {inst.instance_id}")
-                    if failure.code == grpc.StatusCode.UNAVAILABLE:
-                        self.registry.mark_suspect(inst.instance_id)
-                    raise failure from None
+                    raise self._failure(err, inst, what) from None
                 if msg is grpc.aio.EOF:
                     raise UnavailableError(
                         f"{what} instance {inst.instance_id} ended the stream without finishing"
@@ -361,22 +395,28 @@ class Orchestrator:
                 if msg.finish_reason:
                     add_stages(job.stages, msg.stages)
                     finished = True
+                    placement.leave(inst, abort=False)  # before yielding: we may be closed
                 yield Chunk(list(msg.token_ids), msg.finish_reason)
                 if finished:
                     return
         finally:
             if not finished:
                 call.cancel()
-                self._abort_later(inst, job.request_id)
+
+    def _failure(self, err: grpc.RpcError, inst: Instance, what: str) -> RemoteError:
+        """The domain error for a worker's RPC failure; UNAVAILABLE makes it suspect."""
+        failure = remote_error(err, f"{what} instance {inst.instance_id}")
+        if failure.code == grpc.StatusCode.UNAVAILABLE:
+            self.registry.mark_suspect(inst.instance_id)
+        return failure
 
     def _pick(
         self, role: int, route: RouteRequest, exclude: set[str], decode: Instance | None = None
     ) -> Instance:
         cands = [c for c in self.registry.candidates(role) if c.instance_id not in exclude]
         if not cands:
-            kind = {ROLE_PREFILL: "prefill", ROLE_DECODE: "decode"}.get(role, "colocated")
             more = f" (tried {len(exclude)})" if exclude else ""
-            raise UnavailableError(f"no {kind} instance is available{more}")
+            raise UnavailableError(f"no {ROLE_KINDS[role]} instance is available{more}")
         if role == ROLE_DECODE:
             return self.policy.pick_decode(route, cands)
         inst = self.policy.pick_prefill(route, cands)
@@ -401,19 +441,3 @@ class Orchestrator:
         if params.max_tokens <= 1:
             return LENGTH
         return common_pb2.FINISH_REASON_UNSPECIFIED
-
-    async def _abort(self, inst: Instance, request_id: str) -> None:
-        try:
-            await self.workers.stub(inst.address).Abort(
-                worker_pb2.AbortRequest(request_id=request_id),
-                timeout=self.deadlines.abort_s,
-                metadata=request_metadata(request_id),
-            )
-        except grpc.RpcError as err:
-            log.info("abort failed", instance=inst.instance_id, code=str(err.code()))
-
-    def _abort_later(self, inst: Instance, request_id: str) -> None:
-        """Abort without waiting (safe to call while being cancelled)."""
-        task = asyncio.get_running_loop().create_task(self._abort(inst, request_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)

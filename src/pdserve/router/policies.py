@@ -28,10 +28,6 @@ class RouteRequest:
     _hashes: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
     hasher: Callable[[Sequence[int], int], list[bytes]] | None = field(default=None, repr=False)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.token_ids)
-
     def hashes_for(self, block_size: int) -> list[bytes]:
         if self.hasher is None or block_size <= 0:
             return []

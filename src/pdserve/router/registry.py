@@ -2,7 +2,7 @@
 
 Pure bookkeeping (no gRPC, no asyncio). The clock is injected so expiry is
 testable with a fake clock. Invariants:
-- every live instance shares `fingerprint` (set by the first registration,
+- every live instance shares `model_fingerprint` (set by the first registration,
   cleared when the registry becomes empty);
 - an instance is a routing candidate iff state == "serving", it is not
   suspect, and its last heartbeat is younger than `heartbeat_timeout_s`.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.errors import FailedPreconditionError, InvalidRequestError
 from pdserve.load import LoadReport
@@ -44,8 +44,6 @@ class Instance:
     # Router-side counters: exact and current, unlike the heartbeat's load.
     inflight_requests: int = 0
     inflight_tokens: int = 0
-    routed_total: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def role_name(self) -> str:
@@ -63,7 +61,7 @@ class Registry:
         self.suspect_s = suspect_s  # a suspect instance stays skipped at least this long
         self._clock = clock
         self._instances: dict[str, Instance] = {}
-        self.fingerprint: str | None = None
+        self.model_fingerprint: str | None = None
         self._listeners: list[Callable[[str], None]] = []
 
     # -- worker-facing -----------------------------------------------------
@@ -83,13 +81,13 @@ class Registry:
         if role not in (ROLE_PREFILL, ROLE_DECODE, ROLE_COLOCATED):
             raise InvalidRequestError("role", "must be prefill, decode or colocated")
         others = [i for i in self._instances.values() if i.instance_id != instance_id]
-        if others and self.fingerprint and model_fingerprint != self.fingerprint:
+        if others and self.model_fingerprint and model_fingerprint != self.model_fingerprint:
             raise FailedPreconditionError(
                 f"model fingerprint {model_fingerprint!r} differs from the cluster's "
-                f"{self.fingerprint!r}: every instance must serve the same model"
+                f"{self.model_fingerprint!r}: every instance must serve the same model"
             )
         if not others:
-            self.fingerprint = model_fingerprint
+            self.model_fingerprint = model_fingerprint
         inst = Instance(
             instance_id=instance_id,
             address=address,
@@ -105,7 +103,6 @@ class Registry:
                 old.inflight_requests,
                 old.inflight_tokens,
             )
-            inst.routed_total = old.routed_total
         self._instances[instance_id] = inst
         return inst
 
@@ -172,8 +169,6 @@ class Registry:
         if inst is not None:
             inst.inflight_requests = max(0, inst.inflight_requests + requests)
             inst.inflight_tokens = max(0, inst.inflight_tokens + tokens)
-            if requests > 0:
-                inst.routed_total += requests
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
@@ -190,6 +185,6 @@ class Registry:
 
     def _forgotten(self, instance_id: str) -> None:
         if not self._instances:
-            self.fingerprint = None
+            self.model_fingerprint = None
         for fn in self._listeners:
             fn(instance_id)

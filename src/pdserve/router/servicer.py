@@ -35,9 +35,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> None:
         self.orch, self.registry, self.model = orchestrator, registry, model
         self.metrics, self.totals, self.kvstore_addr = metrics, totals, kvstore_addr
-        self.draining = False
-        self.idle = asyncio.Event()
-        self.idle.set()
+        self._draining = False
+        self._idle = asyncio.Event()  # set while no Generate is running
+        self._idle.set()
+
+    async def drain(self) -> None:
+        """Refuse new requests; return once the running ones are done."""
+        self._draining = True
+        await self._idle.wait()
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context
@@ -45,13 +50,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         t0 = time.perf_counter()
         rid = request.request_id or uuid.uuid4().hex
         bind_request_id(rid)
-        if self.draining:
+        if self._draining:
             raise UnavailableError("router is draining")
         job, stops = await self._prepare(request, rid)
         text = TextStream(self.model.detokenizer(), stops)
         self.totals.requests += 1
         self.totals.running += 1
-        self.idle.clear()
+        self._idle.clear()
         n_out, t_first, finish = 0, 0.0, 0
         gen = self.orch.run(job)
         try:
@@ -90,7 +95,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await gen.aclose()  # stop string / cancel: the orchestrator aborts the workers
             self.totals.running -= 1
             if not self.totals.running:
-                self.idle.set()
+                self._idle.set()
         self._observe(job, finish, n_out, t0, t_first)
 
     async def Status(self, request: router_pb2.StatusRequest, context) -> router_pb2.StatusResponse:

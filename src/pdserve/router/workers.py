@@ -1,15 +1,22 @@
 """gRPC access to workers: one channel + Worker stub per address, the
-request-id metadata, and the mapping of a worker's RPC error to a domain error."""
+request-id metadata, the mapping of a worker's RPC error to a domain error, and
+the sending of Aborts."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import grpc
 
 from pdserve.errors import PdserveError
+from pdserve.logging import get_logger
 from pdserve.rpc.channels import make_channel, metadata_with_request_id
-from pdserve.v1 import worker_pb2_grpc
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+from .registry import Instance
+
+log = get_logger("pdserve.router.workers")
 
 # Worker failures after which another instance may succeed.
 RETRYABLE = frozenset(
@@ -19,10 +26,6 @@ RETRYABLE = frozenset(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
-
-
-def request_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-    return metadata_with_request_id(request_id)
 
 
 class RemoteError(PdserveError):
@@ -68,3 +71,32 @@ class WorkerClients:
     async def close(self) -> None:
         for address in list(self._channels):
             await self.drop(address)
+
+
+class Aborter:
+    """Sends Abort(request_id) to workers; `later` does it in a background task (safe to
+    call while being cancelled), `wait` lets shutdown finish the pending ones."""
+
+    def __init__(self, workers: WorkerClients, timeout_s: float) -> None:
+        self._workers = workers
+        self._timeout_s = timeout_s
+        self._background: set[asyncio.Task] = set()
+
+    async def now(self, inst: Instance, request_id: str) -> None:
+        try:
+            await self._workers.stub(inst.address).Abort(
+                worker_pb2.AbortRequest(request_id=request_id),
+                timeout=self._timeout_s,
+                metadata=metadata_with_request_id(request_id),
+            )
+        except grpc.RpcError as err:
+            log.info("abort failed", instance=inst.instance_id, code=str(err.code()))
+
+    def later(self, inst: Instance, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.now(inst, request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def wait(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -117,7 +117,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "num_blocks", "hits", "misses", "evictions", "bytes_in", "bytes_out", "pinned_blocks", "put_rejected", "corrupt_puts")
+    __slots__ = ("capacity_bytes", "used_bytes", "num_blocks", "hits", "misses", "evictions", "bytes_in", "bytes_out", "pinned_blocks", "put_rejected", "corrupt_puts", "open_puts", "staging_bytes")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,8 @@ class StatsResponse(_message.Message):
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PUT_REJECTED_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_PUTS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_PUTS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     num_blocks: int
@@ -140,4 +142,6 @@ class StatsResponse(_message.Message):
     pinned_blocks: int
     put_rejected: int
     corrupt_puts: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., put_rejected: _Optional[int] = ..., corrupt_puts: _Optional[int] = ...) -> None: ...
+    open_puts: int
+    staging_bytes: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., put_rejected: _Optional[int] = ..., corrupt_puts: _Optional[int] = ..., open_puts: _Optional[int] = ..., staging_bytes: _Optional[int] = ...) -> None: ...

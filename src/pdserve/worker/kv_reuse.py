@@ -11,7 +11,6 @@ Block bytes on the wire: one logical block = all layers, `[L, 2, block_size, kvh
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Sequence
 
@@ -21,29 +20,45 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv.store_client import KVStoreClient
 from pdserve.kv.transfer import UcxTransport
 from pdserve.logging import get_logger
+from pdserve.model.dtypes import torch_dtype
 
 _log = get_logger(__name__)
 
 
 class KVReuse:
-    def __init__(
-        self, addr: str, engine: AsyncEngine, transport: UcxTransport, timeout_s: float
-    ) -> None:
+    """Built with the worker; `connect(addr)` once a kvstore address is known (from the
+    settings or the router's Register reply). Until then `enabled` is False and every call
+    is a no-op that releases what the engine holds."""
+
+    def __init__(self, engine: AsyncEngine, transport: UcxTransport, timeout_s: float) -> None:
         self._engine = engine
-        llm = engine.engine
-        self._spec = llm.spec
-        self._namespace = llm.namespace
-        self.client = KVStoreClient(
-            addr, transport, rpc_timeout_s=timeout_s, transfer_timeout_s=2 * timeout_s
-        )
+        self._transport = transport
+        self._timeout_s = timeout_s
+        self._spec = engine.spec
+        self._kv_fingerprint = engine.kv_fingerprint  # the store's namespace for our blocks
+        self.client: KVStoreClient | None = None
         self._background: set[asyncio.Task] = set()
         self._counters: dict[str, float] = dict.fromkeys(
             ("lookups", "hit_blocks", "fetched_blocks", "fetch_ms_sum", "published_blocks",
              "lookup_ms_sum", "publish_failures"), 0.0
         )  # fmt: skip
 
+    @property
+    def enabled(self) -> bool:
+        return self.client is not None
+
+    def connect(self, addr: str) -> bool:
+        """Use the kvstore at `addr` (idempotent; the first address wins). True if new."""
+        if self.client is not None:
+            return False
+        t = self._timeout_s
+        self.client = KVStoreClient(
+            addr, self._transport, rpc_timeout_s=t, transfer_timeout_s=2 * t
+        )
+        return True
+
     def counters(self) -> dict[str, float]:
-        return {f"kvstore_{k}": v for k, v in self._counters.items()}
+        return {f"kvstore_{k}": v for k, v in self._counters.items()} if self.enabled else {}
 
     # ------------------------------------------------------------------ fetch
     async def fetch_prefix(
@@ -54,46 +69,47 @@ class KVReuse:
         also keep the request's blocks when it finishes, for `publish_later`. The caller
         must then add or abort `request_id` on the engine (abort releases every hold).
         Returns the tokens fetched from the store."""
-        llm = self._engine.engine
-        hashes = llm.compute_block_hashes(token_ids)
+        assert self.client is not None
+        hashes = self._engine.compute_block_hashes(token_ids)
         wanted: list[bytes] = []
         if hashes:
-            n_local = len(await self._engine.call(lambda: llm.cached_prefix(hashes)))
+            n_local = await self._engine.cached_prefix_length(hashes)
             if n_local < len(hashes):
                 wanted = hashes[n_local : n_local + await self._lookup_beyond(hashes, n_local)]
         buf = torch.empty(
             (len(wanted), self._spec.num_layers, *self._spec.block_shape),
-            dtype=getattr(torch, self._spec.dtype),
+            dtype=torch_dtype(self._spec.dtype),
         )
         n_ok = 0
         if wanted:
             fetch_started = time.perf_counter()
-            n_ok = await self.client.fetch(self._namespace, wanted, buf)
+            n_ok = await self.client.fetch(self._kv_fingerprint, wanted, buf)
             self._counters["fetch_ms_sum"] += (time.perf_counter() - fetch_started) * 1e3
-        verified = wanted[:n_ok]
-
-        def import_and_hold() -> None:
-            # One engine command: nothing can evict the prefix between import and hold.
-            if n_ok:
-                llm.import_cached_blocks(verified, buf[:n_ok])
-            llm.hold_prefix(request_id, hashes)
-            if hold_finished:
-                llm.hold_on_finish(request_id)
-
-        await self._engine.call(import_and_hold)
+        await self._engine.import_and_hold(
+            request_id, hashes, wanted[:n_ok], buf[:n_ok], hold_finished
+        )
         self._counters["fetched_blocks"] += n_ok
         return n_ok * self._spec.block_size
 
     async def _lookup_beyond(self, hashes: Sequence[bytes], n_local: int) -> int:
         """How many blocks past the local `n_local` the store holds."""
+        assert self.client is not None
         started = time.perf_counter()
-        n_store = await self.client.lookup(self._namespace, hashes)
+        n_store = await self.client.lookup(self._kv_fingerprint, hashes)
         self._counters["lookups"] += 1
         self._counters["lookup_ms_sum"] += (time.perf_counter() - started) * 1e3
         self._counters["hit_blocks"] += n_store
         return max(0, n_store - n_local)
 
     # ------------------------------------------------------------------ publish
+    def finish(self, request_id: str, token_ids: Sequence[int], publish: bool) -> None:
+        """After a stream: publish its blocks in the background (which then releases them),
+        or just release what the engine held for it."""
+        if publish and self.enabled:
+            self.publish_later(request_id, token_ids)
+        else:
+            self._engine.release_nowait(request_id)
+
     def publish_later(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Offer the full blocks of `token_ids` that sit in the local prefix cache to the
         store, in the background (prefill: the prompt; decode: prompt + answer), then
@@ -103,40 +119,28 @@ class KVReuse:
         task.add_done_callback(self._background.discard)
 
     async def _publish(self, request_id: str, token_ids: list[int]) -> None:
-        llm = self._engine.engine
-        hashes = llm.compute_block_hashes(token_ids)
+        assert self.client is not None
+        hashes = self._engine.compute_block_hashes(token_ids)
         try:
-            n_store = await self.client.lookup(self._namespace, hashes) if hashes else 0
+            n_store = await self.client.lookup(self._kv_fingerprint, hashes) if hashes else 0
             if n_store >= len(hashes):
                 return
-
-            def read_local() -> torch.Tensor | None:
-                # One engine call: the blocks cannot be evicted between lookup and copy.
-                local = llm.cached_prefix(hashes)
-                if len(local) <= n_store:
-                    return None
-                return llm.read_blocks(local[n_store:])
-
-            data = await self._engine.call(read_local)
+            # one engine command: the blocks cannot be evicted between lookup and copy
+            data = await self._engine.read_for_publish(hashes, n_store)
             if data is None:
                 return
             chain = hashes[: n_store + data.shape[0]]
-            stored = await self.client.put(self._namespace, chain, n_store, data)
+            stored = await self.client.put(self._kv_fingerprint, chain, n_store, data)
             self._counters["published_blocks"] += stored
         except Exception as exc:  # a cache: never fail the request for it
             self._counters["publish_failures"] += 1
             _log.warning("kvstore publish failed", request_id=request_id, error=repr(exc))
         finally:
-            await self.release(request_id)
-
-    async def release(self, request_id: str) -> None:
-        """Drop the engine's holds for `request_id` (after publishing, or instead of it)."""
-        llm = self._engine.engine
-        with contextlib.suppress(Exception):  # engine shut down: nothing left to hold
-            await self._engine.call(lambda: llm.release_held(request_id))
+            self._engine.release_nowait(request_id)
 
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        await self.client.close()
+        if self.client is not None:
+            await self.client.close()

@@ -14,7 +14,10 @@ from prometheus_client.registry import Collector
 
 from pdserve.worker.core import WorkerCore
 
-_GAUGES = {"pool_free_blocks", "pool_total_blocks"}  # the rest only grow
+GAUGES = {  # the rest only grow
+    "pool_free_blocks", "pool_total_blocks", "pool_reservations", "pool_reserved_blocks",
+    "pool_held_blocks",
+}  # fmt: skip
 
 
 class WorkerCollector(Collector):
@@ -25,7 +28,7 @@ class WorkerCollector(Collector):
         labels = {"role": self._core.role, "instance": self._core.instance_id}
         for name, value in sorted(self._core.counters().items()):
             metric = f"pdserve_worker_{name}"
-            family = GaugeMetricFamily if name in _GAUGES else CounterMetricFamily
+            family = GaugeMetricFamily if name in GAUGES else CounterMetricFamily
             fam = family(metric, f"worker counter {name}", labels=list(labels))
             fam.add_metric(list(labels.values()), value)
             yield fam

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -22,25 +22,25 @@ from pdserve.errors import (
     InvalidRequestError,
     UnavailableError,
 )
-from pdserve.kv.spec import KVSpec
 from pdserve.kv.transfer import TransferFailedError, UcxTransport
 from pdserve.logging import get_logger
 from pdserve.worker.domain import StageCosts, Ticket
-
-if TYPE_CHECKING:
-    from pdserve.worker.kv_reuse import KVReuse
+from pdserve.worker.kv_reuse import KVReuse
 
 _log = get_logger(__name__)
 
 
 class LayerPusher:
-    """Collects the per-layer sends of one request (event-loop side)."""
+    """Collects the per-layer sends of one request (event-loop side). Every send task it
+    starts is awaited by `wait` or retired by `close`; a layer the engine hands over after
+    `close` (the sink runs on the engine thread) is dropped, never sent unawaited."""
 
     def __init__(self, transport: UcxTransport, ticket: Ticket, timeout_s: float) -> None:
         self._transport = transport
         self._ticket = ticket
         self._timeout_s = timeout_s
-        self._sends: list[asyncio.Future] = []
+        self._sends: list[asyncio.Task] = []
+        self._closed = False
         self.bytes = 0
 
     def sink(self, loop: asyncio.AbstractEventLoop):
@@ -52,16 +52,18 @@ class LayerPusher:
         return kv_sink
 
     def _start(self, layer: int, kv: Any, count_bytes: bool = True) -> None:
+        if self._closed:
+            return
         if count_bytes:
             self.bytes += kv.numel() * kv.element_size()
         tag = self._ticket.tag_base + layer
         addr = self._ticket.ucx_worker_address
-        self._sends.append(
-            asyncio.ensure_future(self._transport.send(addr, tag, kv, self._timeout_s))
-        )
+        task = asyncio.ensure_future(self._transport.send(addr, tag, kv, self._timeout_s))
+        task.add_done_callback(_retrieve)
+        self._sends.append(task)
 
     def push_token(self, token: int, num_layers: int) -> None:
-        """Early admission: token 0 follows the layers (int32, tag tag_base + num_layers)."""
+        """Token 0 follows the layers (int32, tag tag_base + num_layers)."""
         self._start(num_layers, np.array([token], dtype=np.int32), count_bytes=False)
 
     async def wait(self, expected_layers: int) -> None:
@@ -78,9 +80,17 @@ class LayerPusher:
             if isinstance(result, BaseException):
                 raise result
 
-    def cancel(self) -> None:
+    def close(self) -> None:
+        """Stop: cancel the sends still running and drop layers that arrive later."""
+        self._closed = True
         for send in self._sends:
             send.cancel()
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Mark a send's failure as seen (`wait` reports it when someone waits)."""
+    if not task.cancelled() and task.exception() is not None:
+        _log.debug("kv send failed", error=repr(task.exception()))
 
 
 class PrefillHandler:
@@ -88,17 +98,15 @@ class PrefillHandler:
         self,
         engine: AsyncEngine,
         transport: UcxTransport,
-        spec: KVSpec,
-        kv_fingerprint: str,
+        kv_reuse: KVReuse,
         transfer_timeout_s: float,
-        kv_reuse: KVReuse | None = None,
     ) -> None:
         self._engine = engine
         self._transport = transport
-        self._spec = spec
-        self._kv_fingerprint = kv_fingerprint
+        self._kv_reuse = kv_reuse
+        self._spec = engine.spec
+        self._kv_fingerprint = engine.kv_fingerprint
         self._timeout_s = transfer_timeout_s
-        self.kv_reuse = kv_reuse
 
     async def prefill(
         self,
@@ -113,21 +121,13 @@ class PrefillHandler:
         started = time.perf_counter()
         stages = StageCosts()
         pusher = LayerPusher(self._transport, ticket, self._timeout_s)
-        loop = asyncio.get_running_loop()
-        first_token: int | None = None
+        use_kvstore = use_kvstore and self._kv_reuse.enabled
         try:
-            if use_kvstore and self.kv_reuse is not None:
-                stages.kvstore_tokens = await self.kv_reuse.fetch_prefix(
+            if use_kvstore:
+                stages.kvstore_tokens = await self._kv_reuse.fetch_prefix(
                     request_id, token_ids, hold_finished=True
                 )
-            async for out in self._engine.generate(
-                request_id, token_ids, params, prefill_only=True, kv_sink=pusher.sink(loop)
-            ):
-                if out.new_token_ids:
-                    first_token = out.new_token_ids[0]
-                    stages.cached_tokens = out.num_cached_tokens
-                if out.finish_reason == "abort":
-                    raise asyncio.CancelledError(f"request {request_id} aborted")
+            first_token = await self._compute(request_id, token_ids, params, pusher, stages)
             computed = time.perf_counter()
             expected = self._spec.num_layers
             if ticket.early_admission and first_token is not None:
@@ -135,8 +135,8 @@ class PrefillHandler:
                 expected += 1
             await pusher.wait(expected)
         except BaseException:
-            pusher.cancel()
-            await self._engine.abort(request_id)  # idempotent; releases a prefix hold too
+            pusher.close()
+            self._engine.abort_nowait(request_id)  # idempotent; releases its holds too
             raise
         done = time.perf_counter()
         if first_token is None:
@@ -145,9 +145,32 @@ class PrefillHandler:
         # exposed transfer only: the sends of layers 0..L-2 overlap the compute of later layers
         stages.transfer_ms = (done - computed) * 1e3
         stages.transfer_bytes = pusher.bytes
-        if use_kvstore and self.kv_reuse is not None:
-            self.kv_reuse.publish_later(request_id, token_ids)
+        if use_kvstore:
+            self._kv_reuse.publish_later(request_id, token_ids)
         return first_token, stages
+
+    async def _compute(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        pusher: LayerPusher,
+        stages: StageCosts,
+    ) -> int | None:
+        """Run the prompt (prefill only); each layer's KV goes to `pusher` as it is computed.
+        Returns token 0."""
+        sink = pusher.sink(asyncio.get_running_loop())
+        first_token = None
+        outputs = self._engine.generate(
+            request_id, token_ids, params, prefill_only=True, kv_sink=sink
+        )
+        async for out in outputs:
+            if out.new_token_ids:
+                first_token = out.new_token_ids[0]
+                stages.cached_tokens = out.num_cached_tokens
+            if out.finish_reason == "abort":
+                raise asyncio.CancelledError(f"request {request_id} aborted")
+        return first_token
 
     def _check_ticket(self, token_ids: Sequence[int], ticket: Ticket) -> None:
         if ticket.kv_fingerprint != self._kv_fingerprint:

@@ -18,13 +18,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Reserve(
         self, request: worker_pb2.ReserveRequest, context: aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
-        early = bool(request.prompt_token_ids) and request.HasField("sampling")
         ticket = await self._core.reserve(
             request.request_id,
             request.num_prompt_tokens,
             request.lease_s,
             list(request.prompt_token_ids),
-            convert.sampling_from_proto(request.sampling) if early else None,
+            convert.sampling_from_proto(request.sampling) if request.HasField("sampling") else None,
         )
         return worker_pb2.ReserveResponse(ticket=convert.ticket_to_proto(ticket))
 
@@ -50,7 +49,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             request.ticket_id,
             list(request.prompt_token_ids),
             request.first_token_id,
-            convert.sampling_from_proto(request.sampling),
             request.write_back,
         )
         async for ev in events:
@@ -91,16 +89,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.InfoRequest, context: aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
         core = self._core
-        llm = core.llm
+        engine = core.engine
         return worker_pb2.WorkerInfo(
             instance_id=core.instance_id,
             role=convert.ROLE_TO_PROTO[core.role],
             state=core.state,
-            model_fingerprint=llm.loaded.fingerprint,
-            kv_fingerprint=llm.namespace,
-            block_size=llm.spec.block_size,
-            num_layers=llm.spec.num_layers,
-            bytes_per_block=llm.spec.bytes_per_block,
+            model_fingerprint=engine.model_fingerprint,
+            kv_fingerprint=engine.kv_fingerprint,
+            block_size=engine.spec.block_size,
+            num_layers=engine.spec.num_layers,
+            bytes_per_block=engine.spec.bytes_per_block,
             load=core.load_snapshot().to_proto(),
             counters=core.counters(),
         )

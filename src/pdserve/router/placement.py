@@ -1,0 +1,116 @@
+"""`RequestPlacement`: the one owner of a request's footprint on workers.
+
+Every instance that may hold state for a request (a decode reservation, a running
+prefill, a decode or colocated stream) is entered here, with the router-side
+registry charges taken for it; the decode ticket lives here too. The orchestrator
+moves a request between instances only through this object, and `close()` —
+called once, by `Orchestrator.run`, however the request ends — uncharges and
+aborts every instance still holding it. Aborts are idempotent on the workers.
+
+Lifecycle of one holding (keyed by instance id):
+
+    expect(inst)            an RPC that may create state on inst is about to be sent
+                            (e.g. Reserve: the decode may hold a reservation before
+                            the router sees the ticket). Aborted on close; no charge.
+    charge(inst, r, t)      add registry charges (implies expect).
+    reserved(decode, t)     Reserve returned: charge one request, keep the ticket.
+    leave(inst, abort=...)  inst no longer holds the request: uncharge, and abort it
+                            in the background unless it finished the request itself.
+    await leave_now(inst)   abort and wait for it (then uncharge): used before
+                            re-reserving, which may pick the same decode.
+    close()                 leave(abort=True) every holding left; idempotent, never
+                            awaits, so it is safe while the request is being cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from pdserve.v1 import worker_pb2
+
+from .registry import Instance, Registry
+from .workers import Aborter
+
+
+@dataclass
+class _Holding:
+    instance: Instance
+    requests: int = 0
+    tokens: int = 0
+
+
+class RequestPlacement:
+    def __init__(self, request_id: str, registry: Registry, aborter: Aborter) -> None:
+        self.request_id = request_id
+        self._registry = registry
+        self._aborter = aborter
+        self._held: dict[str, _Holding] = {}
+        self.decode: Instance | None = None  # the decode holding the ticket
+        self.ticket: worker_pb2.Ticket | None = None
+        self.closed = False
+
+    # ------------------------------------------------------------- queries
+    def holds(self, instance_id: str) -> bool:
+        return instance_id in self._held
+
+    def holding(self) -> list[str]:
+        """Instance ids that may still hold the request (sorted)."""
+        return sorted(self._held)
+
+    # ------------------------------------------------------------- changes
+    def expect(self, inst: Instance) -> None:
+        self._check_open()
+        self._held.setdefault(inst.instance_id, _Holding(inst))
+
+    def charge(self, inst: Instance, requests: int = 1, tokens: int = 0) -> None:
+        self.expect(inst)
+        held = self._held[inst.instance_id]
+        held.requests += requests
+        held.tokens += tokens
+        self._registry.charge(inst.instance_id, requests=requests, tokens=tokens)
+
+    def reserved(self, decode: Instance, ticket: worker_pb2.Ticket) -> None:
+        self.charge(decode, requests=1)
+        self.decode, self.ticket = decode, ticket
+
+    def leave(self, inst: Instance, abort: bool = True) -> None:
+        held = self._held.pop(inst.instance_id, None)
+        if held is None:
+            return
+        self._uncharge(held)
+        if abort:
+            self._aborter.later(held.instance, self.request_id)
+
+    async def leave_now(self, inst: Instance) -> None:
+        held = self._held.pop(inst.instance_id, None)
+        if held is None:
+            return
+        try:
+            await self._aborter.now(held.instance, self.request_id)
+        except asyncio.CancelledError:  # cancelled mid-Abort: it must still be sent
+            self._aborter.later(held.instance, self.request_id)
+            raise
+        finally:
+            self._uncharge(held)
+
+    def close(self) -> None:
+        """Release everything still held (once; later calls do nothing)."""
+        if self.closed:
+            return
+        self.closed = True
+        for iid in sorted(self._held):
+            self.leave(self._held[iid].instance, abort=True)
+
+    # ------------------------------------------------------------- private
+    def _uncharge(self, held: _Holding) -> None:
+        if held.requests or held.tokens:
+            self._registry.charge(
+                held.instance.instance_id, requests=-held.requests, tokens=-held.tokens
+            )
+        if self.decode is not None and self.decode.instance_id == held.instance.instance_id:
+            self.decode, self.ticket = None, None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"request {self.request_id}: placement already closed")

@@ -1,0 +1,419 @@
+"""The request owner (RequestPlacement) and the orchestrator's request path with in-process
+fake workers: every way a request ends leaves no router charge and no reservation on a
+decode, and only instances still holding the request are aborted."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from pdserve.engine.params import SamplingParams
+from pdserve.errors import UnavailableError
+from pdserve.router.orchestrator import Deadlines, Job, Orchestrator
+from pdserve.router.placement import RequestPlacement
+from pdserve.router.policies import make_policy
+from pdserve.router.predictor import EwmaPredictor
+from pdserve.router.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
+from pdserve.router.workers import Aborter
+from pdserve.v1 import common_pb2, worker_pb2
+
+FIRST, REST = 11, [12, 13, 14]
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return f"fake {self._code.name}"
+
+
+class UnaryCall:
+    """Like grpc.aio.UnaryUnaryCall: awaitable and cancellable."""
+
+    def __init__(self, coro) -> None:
+        self._task = asyncio.ensure_future(coro)
+
+    def __await__(self):
+        return self._task.__await__()
+
+    def cancel(self) -> bool:
+        return self._task.cancel()
+
+
+class StreamCall:
+    """Like grpc.aio.UnaryStreamCall: read() until grpc.aio.EOF."""
+
+    def __init__(self, agen) -> None:
+        self._agen, self.cancelled = agen, False
+
+    async def read(self):
+        try:
+            return await anext(self._agen)
+        except StopAsyncIteration:
+            return grpc.aio.EOF
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class FakeWorker:
+    """One worker's RPCs. A decode "allocates" on Reserve before answering (as the real
+    one does), frees on Abort or when its stream finishes; `reserved` is what it holds."""
+
+    def __init__(self, iid: str) -> None:
+        self.iid = iid
+        self.calls: list[str] = []
+        self.reserved: set[str] = set()
+        self.gate: dict[str, asyncio.Event] = {}  # method -> wait for it before answering
+        self.fail: dict[str, grpc.StatusCode] = {}
+        self.jitter: random.Random | None = None  # random sleeps (0-2 ms) at every step
+
+    async def _pause(self) -> None:
+        if self.jitter is not None:
+            await asyncio.sleep(self.jitter.random() * 0.002)
+
+    async def _enter(self, method: str) -> None:
+        self.calls.append(method)
+        await self._pause()
+        if method in self.gate:
+            await self.gate[method].wait()
+        if method in self.fail:
+            raise FakeRpcError(self.fail[method])
+
+    async def Reserve(self, req, timeout=None, metadata=None):
+        self.reserved.add(req.request_id)
+        await self._enter("Reserve")
+        return worker_pb2.ReserveResponse(
+            ticket=worker_pb2.Ticket(ticket_id=7, decode_instance_id=self.iid)
+        )
+
+    def Prefill(self, req, timeout=None, metadata=None):
+        async def go():
+            await self._enter("Prefill")
+            return worker_pb2.PrefillResponse(first_token_id=FIRST)
+
+        return UnaryCall(go())
+
+    def Decode(self, req, metadata=None):
+        async def go():
+            await self._enter("Decode")
+            for i, tok in enumerate(REST):
+                if i == 1 and "Decode.mid" in self.gate:
+                    await self.gate["Decode.mid"].wait()
+                await self._pause()
+                last = i == len(REST) - 1
+                if last:
+                    self.reserved.discard(req.request_id)
+                yield worker_pb2.TokenChunk(
+                    token_ids=[tok],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
+                )
+
+        return StreamCall(go())
+
+    def Generate(self, req, metadata=None):
+        async def go():
+            await self._enter("Generate")
+            for tok in [FIRST, *REST]:
+                yield worker_pb2.TokenChunk(
+                    token_ids=[tok],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if tok == REST[-1] else 0,
+                )
+
+        return StreamCall(go())
+
+    async def Abort(self, req, timeout=None, metadata=None):
+        self.calls.append("Abort")
+        self.reserved.discard(req.request_id)
+        return worker_pb2.AbortResponse(found=True)
+
+
+class FakeWorkers:
+    def __init__(self) -> None:
+        self.by_address: dict[str, FakeWorker] = {}
+
+    def add(self, registry: Registry, iid: str, role: int) -> FakeWorker:
+        registry.register(iid, f"{iid}:1", role, "fp", 16)
+        worker = self.by_address[f"{iid}:1"] = FakeWorker(iid)
+        return worker
+
+    def stub(self, address: str) -> FakeWorker:
+        return self.by_address[address]
+
+
+class Cluster:
+    def __init__(self, prefills=("p0",), decodes=("d0",), colocated=()) -> None:
+        self.registry = Registry(heartbeat_timeout_s=60.0)
+        self.workers = FakeWorkers()
+        self.w = {}
+        for iid in prefills:
+            self.w[iid] = self.workers.add(self.registry, iid, ROLE_PREFILL)
+        for iid in decodes:
+            self.w[iid] = self.workers.add(self.registry, iid, ROLE_DECODE)
+        for iid in colocated:
+            self.w[iid] = self.workers.add(self.registry, iid, ROLE_COLOCATED)
+        self.orch = Orchestrator(
+            self.registry,
+            make_policy("round_robin", False),
+            EwmaPredictor(),
+            self.workers,
+            Deadlines(),
+            max_prefill_attempts=3,
+        )
+
+    def job(self, rid: str = "r1") -> Job:
+        return Job(
+            request_id=rid,
+            token_ids=list(range(1, 40)),
+            params=SamplingParams(max_tokens=8),
+            sampling=common_pb2.SamplingParams(max_tokens=8),
+        )
+
+    def charges(self) -> dict[str, tuple[int, int]]:
+        return {
+            i.instance_id: (i.inflight_requests, i.inflight_tokens)
+            for i in self.registry.instances()
+            if i.inflight_requests or i.inflight_tokens
+        }
+
+    def reserved(self) -> dict[str, set[str]]:
+        return {iid: w.reserved for iid, w in self.w.items() if w.reserved}
+
+
+async def collect(orch: Orchestrator, job: Job, out: list[int]) -> None:
+    async for chunk in orch.run(job):
+        out.extend(chunk.token_ids)
+
+
+async def until(pred, timeout: float = 2.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not pred():  # noqa: ASYNC110 (polls fake-worker state)
+            await asyncio.sleep(0.001)
+
+
+async def cancel_when(c: Cluster, pred) -> list[int]:
+    out: list[int] = []
+    task = asyncio.create_task(collect(c.orch, c.job(), out))
+    await until(pred)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await c.orch.close()
+    return out
+
+
+# ------------------------------------------------------------------ orchestrator
+
+
+async def test_finished_request_is_released_without_aborts():
+    c = Cluster()
+    out: list[int] = []
+    await collect(c.orch, c.job(), out)
+    await c.orch.close()
+    assert out == [FIRST, *REST]
+    assert c.w["d0"].calls == ["Reserve", "Decode"]
+    assert c.w["p0"].calls == ["Prefill"]
+    assert c.charges() == {} and c.reserved() == {}
+
+
+async def test_charges_while_prefilling():
+    c = Cluster()
+    c.w["p0"].gate["Prefill"] = gate = asyncio.Event()
+    out: list[int] = []
+    task = asyncio.create_task(collect(c.orch, c.job(), out))
+    await until(lambda: "Prefill" in c.w["p0"].calls)
+    assert c.charges() == {"p0": (1, 39), "d0": (1, 0)}
+    gate.set()
+    await task
+    assert c.charges() == {}
+
+
+async def test_cancel_while_reserve_in_flight_aborts_the_decode():
+    # The decode allocated, but the router never saw the ticket.
+    c = Cluster()
+    c.w["d0"].gate["Reserve"] = asyncio.Event()
+    await cancel_when(c, lambda: "Reserve" in c.w["d0"].calls)
+    assert c.w["d0"].calls == ["Reserve", "Abort"]
+    assert c.w["p0"].calls == []
+    assert c.charges() == {} and c.reserved() == {}
+
+
+async def test_cancel_during_prefill_aborts_prefill_and_decode():
+    c = Cluster()
+    c.w["p0"].gate["Prefill"] = asyncio.Event()
+    await cancel_when(c, lambda: "Prefill" in c.w["p0"].calls)
+    assert c.w["p0"].calls == ["Prefill", "Abort"]
+    assert c.w["d0"].calls == ["Reserve", "Abort"]
+    assert c.charges() == {} and c.reserved() == {}
+
+
+async def test_cancel_mid_stream_aborts_only_the_decode():
+    c = Cluster()
+    c.w["d0"].gate["Decode.mid"] = asyncio.Event()
+    out = await cancel_when(c, lambda: len(c.w["d0"].calls) == 2)
+    assert out[:1] == [FIRST]
+    assert c.w["p0"].calls == ["Prefill"]  # it had finished: nothing to abort
+    assert c.w["d0"].calls == ["Reserve", "Decode", "Abort"]
+    assert c.charges() == {} and c.reserved() == {}
+
+
+async def test_consumer_closing_after_first_token_aborts_the_decode():
+    c = Cluster()
+    gen = c.orch.run(c.job())
+    assert (await anext(gen)).token_ids == [FIRST]
+    await gen.aclose()  # e.g. a stop string matched
+    await c.orch.close()
+    assert c.w["d0"].calls == ["Reserve", "Abort"]
+    assert c.charges() == {} and c.reserved() == {}
+
+
+async def test_prefill_failure_releases_decode_before_retrying_elsewhere():
+    c = Cluster(prefills=("p0", "p1"))
+    c.w["p0"].fail["Prefill"] = grpc.StatusCode.UNAVAILABLE
+    job = c.job()
+    out: list[int] = []
+    await collect(c.orch, job, out)
+    await c.orch.close()
+    assert out == [FIRST, *REST]
+    assert job.prefill_attempts == 2 and job.prefill_instance == "p1"
+    # the first ticket is aborted (awaited) before the decode is asked again
+    assert c.w["d0"].calls == ["Reserve", "Abort", "Reserve", "Decode"]
+    assert c.w["p0"].calls == ["Prefill", "Abort"]
+    assert c.registry.get("p0").suspect_since is not None
+    assert c.charges() == {} and c.reserved() == {}
+
+
+async def test_non_retryable_prefill_failure_raises_and_releases():
+    c = Cluster(prefills=("p0", "p1"))
+    c.w["p0"].fail["Prefill"] = grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(Exception, match="fake INVALID_ARGUMENT"):
+        await collect(c.orch, c.job(), [])
+    await c.orch.close()
+    assert c.w["p1"].calls == []
+    assert c.charges() == {} and c.reserved() == {}
+
+
+async def test_full_decode_is_skipped_for_another():
+    c = Cluster(decodes=("d0", "d1"))
+    c.w["d0"].fail["Reserve"] = grpc.StatusCode.RESOURCE_EXHAUSTED
+    job = c.job()
+    await collect(c.orch, job, [])
+    await c.orch.close()
+    assert job.decode_instance == "d1"
+    assert c.w["d0"].calls == ["Reserve", "Abort"]
+    assert c.charges() == {} and c.reserved() == {}
+
+
+async def test_colocated_failure_before_first_chunk_retries():
+    c = Cluster(prefills=(), decodes=(), colocated=("c0", "c1"))
+    c.w["c0"].fail["Generate"] = grpc.StatusCode.UNAVAILABLE
+    job = c.job()
+    out: list[int] = []
+    await collect(c.orch, job, out)
+    await c.orch.close()
+    assert out == [FIRST, *REST] and job.decode_instance == "c1"
+    assert c.w["c0"].calls == ["Generate", "Abort"]
+    assert c.w["c1"].calls == ["Generate"]
+    assert c.charges() == {}
+
+
+async def test_cancel_storm_leaves_nothing_held():
+    # 300 requests, 16-32 in flight, each cancelled at a random moment (during Reserve,
+    # Prefill, the first token or the stream) or left to finish; prefill failures and full
+    # decodes mixed in. Afterwards no decode holds a reservation and no charge is left.
+    rng = random.Random(8)
+    c = Cluster(prefills=("p0", "p1"), decodes=("d0", "d1"))
+    for w in c.w.values():
+        w.jitter = rng
+    done = cancelled = 0
+
+    async def one(i: int) -> None:
+        nonlocal done, cancelled
+        c.w["p1"].fail = {"Prefill": grpc.StatusCode.UNAVAILABLE} if i % 7 == 0 else {}
+        c.w["d1"].fail = {"Reserve": grpc.StatusCode.RESOURCE_EXHAUSTED} if i % 5 == 0 else {}
+        c.registry.get("p1").suspect_since = None
+        task = asyncio.create_task(collect(c.orch, c.job(f"r{i}"), []))
+        limit = None if rng.random() < 0.3 else rng.random() * 0.02  # None: let it finish
+        await asyncio.wait({task}, timeout=limit)
+        if task.done():
+            done += task.exception() is None
+        else:
+            task.cancel()
+            cancelled += 1
+        await asyncio.gather(task, return_exceptions=True)
+
+    sem = asyncio.Semaphore(rng.randint(16, 32))
+
+    async def bounded(i: int) -> None:
+        async with sem:
+            await one(i)
+
+    await asyncio.gather(*(bounded(i) for i in range(300)))
+    await c.orch.close()
+    assert done > 30 and cancelled > 30  # both outcomes were exercised
+    assert c.reserved() == {}
+    assert c.charges() == {}
+
+
+async def test_no_instances_is_unavailable():
+    c = Cluster(prefills=(), decodes=())
+    with pytest.raises(UnavailableError, match="no decode"):
+        await collect(c.orch, c.job(), [])
+
+
+# ------------------------------------------------------------------ RequestPlacement
+
+
+def _placement():
+    c = Cluster(prefills=("p0",), decodes=("d0",))
+    aborter = Aborter(c.workers, timeout_s=1.0)
+    return c, aborter, RequestPlacement("r1", c.registry, aborter)
+
+
+async def test_close_releases_each_holding_once():
+    c, aborter, pl = _placement()
+    p0, d0 = c.registry.get("p0"), c.registry.get("d0")
+    pl.reserved(d0, worker_pb2.Ticket(ticket_id=3))
+    pl.charge(p0, requests=1, tokens=10)
+    assert pl.holding() == ["d0", "p0"] and pl.ticket.ticket_id == 3
+    pl.leave(p0, abort=False)
+    pl.leave(p0)  # already left: nothing
+    pl.close()
+    pl.close()
+    await aborter.wait()
+    assert c.w["p0"].calls == []
+    assert c.w["d0"].calls == ["Abort"]
+    assert c.charges() == {} and pl.decode is None and pl.ticket is None
+    with pytest.raises(RuntimeError, match="closed"):
+        pl.expect(d0)
+
+
+async def test_leave_now_cancelled_still_sends_the_abort():
+    c, aborter, pl = _placement()
+    d0 = c.registry.get("d0")
+    pl.reserved(d0, worker_pb2.Ticket(ticket_id=3))
+    c.w["d0"].gate["Abort"] = gate = asyncio.Event()
+    slow = c.w["d0"].Abort
+
+    async def gated_abort(req, timeout=None, metadata=None):
+        await gate.wait()
+        return await slow(req)
+
+    c.w["d0"].Abort = gated_abort
+    task = asyncio.create_task(pl.leave_now(d0))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    gate.set()
+    await aborter.wait()
+    assert c.w["d0"].calls == ["Abort"]  # the background retry of the cancelled one
+    assert c.charges() == {} and not pl.holds("d0")
