@@ -70,7 +70,9 @@ def resolve_dtype(
         return auto_dtype(device)
     name = dtype or config.torch_dtype
     if name not in DTYPE_NAMES:
-        raise ModelLoadError(f"unsupported dtype {name!r}; use auto or one of {sorted(DTYPE_NAMES)}")
+        raise ModelLoadError(
+            f"unsupported dtype {name!r}; use auto or one of {sorted(DTYPE_NAMES)}"
+        )
     return torch_dtype(name)
 
 
