@@ -22,6 +22,9 @@ pytestmark = pytest.mark.integration
 
 N_STREAMS = 32
 MAX_TOKENS = 112  # long enough (seconds) that the kill lands mid-stream
+# The 12-stream waves: on a quiet machine 112 tokens ended before the poll found a worker
+# running several streams; prompt <= 48 + 200 stays inside the 256-token context.
+LONG_MAX_TOKENS = 200
 KILLS = 3  # SIGKILLs of a decode, one per wave of streams
 MIN_RUNNING_AT_KILL = 4  # kill a decode once it runs at least this many of the streams
 
@@ -205,9 +208,7 @@ def test_streams_leave_a_frozen_decode(supervised, reference_engine):
     """SIGSTOP: the socket stays open and silent. The decode stops heartbeating; the router
     counts it lost after the heartbeat timeout and moves its streams (StreamLost)."""
     cluster, supervisor, metrics_port, _said = supervised
-    # Longer streams than the other waves (prompt <= 48 + 200 < the 256-token context): 12
-    # streams must still be running when the poll finds a decode with several of them.
-    requests = _requests(seed=2, max_tokens=200)[:12]
+    requests = _requests(seed=2, max_tokens=LONG_MAX_TOKENS)[:12]
     expected = _reference(reference_engine, requests)
     restarts0 = sum(supervisor.restarts.values())
     lost0 = _migrations(metrics_port, reason="lost")
@@ -227,7 +228,7 @@ def test_colocated_streams_survive_a_killed_worker(serving_model_dir, reference_
         router_args=[f"--metrics-port={metrics_port}"],
     )
     try:
-        requests = _requests(seed=3)[:12]
+        requests = _requests(seed=3, max_tokens=LONG_MAX_TOKENS)[:12]
         expected = _reference(reference_engine, requests)
         hit: list[str] = []
 
