@@ -3,8 +3,8 @@
 import asyncio
 
 from pdserve.engine.params import SamplingParams
+from pdserve.router.job import Job
 from pdserve.router.length import UNBOUNDED, LengthScheduling
-from pdserve.router.orchestrator import Job
 from pdserve.router.overload_queue import OverloadQueue
 from pdserve.router.policies import RouteRequest
 from pdserve.router.predictor import EwmaPredictor, OraclePredictor

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import DeadlineError, InvalidRequestError, OverloadedError, UnavailableError
+from pdserve.router.job import Chunk, Job
 from pdserve.router.migration import Migrator, StreamLost, continuation, fold, migratable
-from pdserve.router.orchestrator import Chunk, Job
 from pdserve.router.registry import ROLE_DECODE, ROLE_PREFILL, Registry
 from pdserve.router.workers import RemoteError
 from pdserve.v1 import common_pb2

@@ -24,10 +24,11 @@ from .frontdoor import FrontDoor
 from .http.app import OpenAIApp
 from .http.server import HttpServer
 from .input_limits import InputLimits
+from .job import Deadlines
 from .length import LengthMetrics, LengthScheduling
 from .metrics import RouterMetrics, Totals
 from .model_info import ModelInfo
-from .orchestrator import Deadlines, Orchestrator
+from .orchestrator import Orchestrator
 from .overload_queue import OverloadQueue
 from .policies import make_policy
 from .predictor import EwmaPredictor, OraclePredictor, OutputLengthPredictor

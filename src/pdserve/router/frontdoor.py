@@ -24,9 +24,10 @@ from pdserve.v1 import common_pb2, router_pb2
 
 from .auth import ApiKey, ApiKeys
 from .input_limits import FALLBACK_MAX_PROMPT_CHARS, InputLimits, check_raw_request
+from .job import Job
 from .metrics import RouterMetrics, Totals
 from .model_info import ModelInfo
-from .orchestrator import Job, Orchestrator
+from .orchestrator import Orchestrator
 from .quota import Quotas
 from .registry import Registry
 from .text import TextStream

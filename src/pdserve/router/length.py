@@ -31,7 +31,7 @@ from .predictor import LengthEstimate, LengthQuery, OutputLengthPredictor
 from .predictor.stats import kendall_tau
 
 if TYPE_CHECKING:
-    from .orchestrator import Job
+    from .job import Job
 
 log = get_logger("pdserve.router.length")
 

@@ -34,7 +34,7 @@ from pdserve.v1 import common_pb2
 from .registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
 
 if TYPE_CHECKING:
-    from .orchestrator import Chunk, Job
+    from .job import Chunk, Job
 
 log = get_logger("pdserve.router.migration")
 

@@ -21,9 +21,7 @@ which aborts every instance still holding the request.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -33,6 +31,8 @@ from pdserve.logging import get_logger
 from pdserve.rpc.channels import metadata_with_request_id
 from pdserve.v1 import common_pb2, worker_pb2
 
+from .job import Chunk, Deadlines, Job, add_stages
+from .kv_queue import KvQueue
 from .length import LengthScheduling
 from .migration import Migrator, StreamLost
 from .placement import RequestPlacement
@@ -51,63 +51,6 @@ DECODE_WATCH_S = 0.25  # how often a running Prefill checks that its decode stil
 
 class _DecodeLost(Exception):
     """The decode holding a request's ticket died while the prefill pushed its KV."""
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    reserve_s: float = 5.0
-    kv_queue_s: float = 30.0  # wait this long for free decode KV blocks before giving up
-    prefill_s: float = 120.0
-    first_token_s: float = 120.0  # colocated Generate / Decode: wait for the first chunk
-    decode_idle_s: float = 60.0  # longest gap between two chunks of a stream
-    abort_s: float = 2.0
-
-
-@dataclass
-class Job:
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    sampling: common_pb2.SamplingParams  # forwarded to workers (max_tokens filled in)
-    session_id: str = ""
-    # Filled while it runs:
-    stages: common_pb2.StageCosts = field(default_factory=common_pb2.StageCosts)
-    prefill_instance: str = ""
-    decode_instance: str = ""
-    prefill_attempts: int = 0
-    output_token_ids: list[int] = field(default_factory=list)  # every token yielded so far
-    # What the length predictor may read (besides tokens, session and max_tokens):
-    prompt_text: str | None = None  # the prompt as text (chat rendered), if it came as text
-    model: str = ""
-    oracle_tokens: int = 0  # benchmark oracle mode only: the true output length
-
-
-@dataclass(frozen=True)
-class Chunk:
-    token_ids: list[int]
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-
-
-def add_stages(total: common_pb2.StageCosts, part: common_pb2.StageCosts) -> None:
-    for f in common_pb2.StageCosts.DESCRIPTOR.fields:
-        setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))
-
-
-class KvQueue:
-    """While every decode is full, a request waits here (backing off) for up to
-    `timeout_s`: overload becomes waiting, as in a single engine, not an error."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._deadline = time.monotonic() + timeout_s
-        self._backoff = 0.01
-
-    async def wait(self, overloaded: OverloadedError) -> None:
-        """Sleep before the next round of Reserve attempts; raise `overloaded` when the
-        next sleep would pass the deadline."""
-        if time.monotonic() + self._backoff > self._deadline:
-            raise overloaded
-        await asyncio.sleep(self._backoff)  # blocks free as running requests finish
-        self._backoff = min(self._backoff * 2, 0.2)
 
 
 class Orchestrator:
