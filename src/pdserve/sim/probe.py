@@ -19,7 +19,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any
 
 
@@ -32,6 +31,7 @@ def run_probe(
     from pdserve.engine.engine import EngineConfig, LLMEngine
     from pdserve.engine.params import SamplingParams
     from pdserve.sim.costs import StepCost
+    from pdserve.sim.profile import timed_steps
 
     if cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cpu})
@@ -43,31 +43,17 @@ def run_probe(
     engine = LLMEngine(EngineConfig(model_dir=model, dtype=dtype, enable_prefix_caching=False))
     rng = np.random.default_rng(0)
     ratios: list[float] = []
-    sched = engine.scheduler
-    orig = sched.schedule
-    last: list[list[tuple[int, int]]] = []
-
-    def schedule():
-        plan = orig()
-        last.append([(e.start, e.num_new_tokens) for e in plan.scheduled])
-        return plan
-
-    sched.schedule = schedule
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for rep in range(3):
         for k in range(4):
             engine.add_request(
                 f"q{rep}-{k}", rng.integers(10, engine.vocab_size, 96).tolist(), params
             )
-        first = True
-        while engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            engine.step()
-            dt = time.perf_counter() - t0
-            if rep == 0 and first:  # warm-up step
-                first = False
-                continue
-            ratios.append(dt / max(floor.step_s(last[-1]), 1e-6))
+        samples: list[dict[str, Any]] = []
+        timed_steps(engine, samples, "probe")
+        if rep == 0:
+            samples = samples[1:]  # warm-up step
+        ratios += [x["s"] / max(floor.step_s(x["batch"]), 1e-6) for x in samples]
     return {"factor": statistics.median(ratios), "steps": len(ratios),
             "p10": float(np.percentile(ratios, 10)), "p90": float(np.percentile(ratios, 90))}  # fmt: skip
 

@@ -32,7 +32,7 @@ MIB = 1 << 20
 
 
 # ---------------------------------------------------------------------------- engine steps
-def _timed_steps(engine: Any, samples: list[dict[str, Any]], label: str, max_steps: int = 10_000):
+def timed_steps(engine: Any, samples: list[dict[str, Any]], label: str, max_steps: int = 10_000):
     """Step `engine` until idle, recording (batch, seconds) of every step."""
     sched = engine.scheduler
     orig = sched.schedule
@@ -96,7 +96,7 @@ def profile_engine(
 
     samples: list[dict[str, Any]] = []
     add(32, 2)  # warm-up (not recorded)
-    _timed_steps(engine, [], "warmup")
+    timed_steps(engine, [], "warmup")
     prompt_lens = (16, 64, 256, 512) if quick else (16, 32, 64, 128, 256, 384, 512)
     batch_sizes = (1, 4) if quick else (1, 2, 4, 8)
     repeats = 2 if quick else 3
@@ -107,26 +107,26 @@ def profile_engine(
                     continue
                 for _ in range(b):
                     add(n, 1)
-                _timed_steps(engine, samples, "prefill")
+                timed_steps(engine, samples, "prefill")
         for n in (1024, 2048) if quick else (1024, 1536, 2048):  # chunked: context grows
             if n > engine.max_model_len - 2:
                 continue
             add(n, 1)
-            _timed_steps(engine, samples, "chunked_prefill")
+            timed_steps(engine, samples, "chunked_prefill")
     ctxs = (64, 512) if quick else (64, 256, 512, 1024)
     decode_bs = (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32)
     for ctx in ctxs:  # decode: b sequences of context ~ctx, 8 decode steps each
         for b in decode_bs:
             for _ in range(b):
                 add(ctx, 9)
-            _timed_steps(engine, samples, "decode")
+            timed_steps(engine, samples, "decode")
     for b in (4, 16):  # mixed: b decodes, then a prompt joins their steps as a chunk
         for _ in range(b):
             add(128, 24)
         for _ in range(2):
             engine.step()
         add(384, 1)
-        _timed_steps(engine, samples, "mixed")
+        timed_steps(engine, samples, "mixed")
     # label each sample by what the step held (the same request list mixes kinds)
     for s in samples:
         kinds = {"decode" if n == 1 else "prefill" for _, n in s["batch"]}
