@@ -381,6 +381,7 @@ def _placement():
 async def test_close_releases_each_holding_once():
     c, aborter, pl = _placement()
     p0, d0 = c.registry.get("p0"), c.registry.get("d0")
+    pl.charge(d0, requests=1)  # picked
     pl.reserved(d0, worker_pb2.Ticket(ticket_id=3))
     pl.charge(p0, requests=1, tokens=10)
     assert pl.holding() == ["d0", "p0"] and pl.ticket.ticket_id == 3
@@ -396,9 +397,37 @@ async def test_close_releases_each_holding_once():
         pl.expect(d0)
 
 
+def test_reserved_needs_the_charge_taken_at_pick():
+    c, _aborter, pl = _placement()
+    d0 = c.registry.get("d0")
+    with pytest.raises(RuntimeError, match="not charged"):
+        pl.reserved(d0, worker_pb2.Ticket(ticket_id=1))
+
+
+async def test_a_burst_spreads_over_the_decodes():
+    """Concurrent requests pick their decode before any Reserve returns: each pick must
+    see the earlier ones (the charge is taken at pick time), so a burst does not all land
+    on the decode that looked idle."""
+    c = Cluster(decodes=("d0", "d1"))
+    c.orch.policy = make_policy("least_loaded", False)
+    for d in ("d0", "d1"):
+        c.w[d].gate["Reserve"] = asyncio.Event()  # every Reserve waits until all picked
+    jobs = [c.job(f"r{i}") for i in range(8)]
+    tasks = [asyncio.create_task(collect(c.orch, j, [])) for j in jobs]
+    await until(lambda: len(c.w["d0"].calls) + len(c.w["d1"].calls) == 8)
+    assert (c.w["d0"].calls, c.w["d1"].calls) == (["Reserve"] * 4, ["Reserve"] * 4)
+    for d in ("d0", "d1"):
+        c.w[d].gate["Reserve"].set()
+    await asyncio.gather(*tasks)
+    await c.orch.close()
+    assert sorted(j.decode_instance for j in jobs) == ["d0"] * 4 + ["d1"] * 4
+    assert c.charges() == {} and c.reserved() == {}
+
+
 async def test_leave_now_cancelled_still_sends_the_abort():
     c, aborter, pl = _placement()
     d0 = c.registry.get("d0")
+    pl.charge(d0, requests=1)
     pl.reserved(d0, worker_pb2.Ticket(ticket_id=3))
     c.w["d0"].gate["Abort"] = gate = asyncio.Event()
     slow = c.w["d0"].Abort

@@ -274,7 +274,9 @@ class Orchestrator:
                 tried, overloaded = set(), None
                 continue
             tried.add(decode.instance_id)
-            placement.expect(decode)  # it may hold a reservation before we see the ticket
+            # Charged now, not when Reserve returns: concurrent picks see it at once. (It
+            # may hold a reservation before we see the ticket: close() aborts it.)
+            placement.charge(decode, requests=1)
             try:
                 resp = await self.workers.stub(decode.address).Reserve(
                     self._reserve_request(job, route, prompt),

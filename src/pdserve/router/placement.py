@@ -13,7 +13,10 @@ Lifecycle of one holding (keyed by instance id):
                             (e.g. Reserve: the decode may hold a reservation before
                             the router sees the ticket). Aborted on close; no charge.
     charge(inst, r, t)      add registry charges (implies expect).
-    reserved(decode, t)     Reserve returned: charge one request, keep the ticket.
+    reserved(decode, t)     Reserve returned: keep the ticket (the decode was charged one
+                            request when picked, before Reserve, so that a burst of
+                            requests spreads over the decodes instead of all picking
+                            the one that looked idle).
     leave(inst, abort=...)  inst no longer holds the request: uncharge, and abort it
                             in the background unless it finished the request itself.
     await leave_now(inst)   abort and wait for it (then uncharge): used before
@@ -71,7 +74,10 @@ class RequestPlacement:
         self._registry.charge(inst.instance_id, requests=requests, tokens=tokens)
 
     def reserved(self, decode: Instance, ticket: worker_pb2.Ticket) -> None:
-        self.charge(decode, requests=1)
+        """Reserve on `decode` (charged when picked) returned `ticket`."""
+        held = self._held.get(decode.instance_id)
+        if held is None or held.requests < 1:
+            raise RuntimeError(f"request {self.request_id}: {decode.instance_id} was not charged")
         self.decode, self.ticket = decode, ticket
 
     def leave(self, inst: Instance, abort: bool = True) -> None:
