@@ -21,12 +21,12 @@ from .conftest import VOCAB, pool_idle, start_cluster, wait_until, worker_info
 pytestmark = pytest.mark.integration
 
 N_STREAMS = 32
-MAX_TOKENS = 112  # long enough (seconds) that the kill lands mid-stream
-# The colocated wave: on a quiet machine 112 tokens ended before the poll found a worker
-# running several streams; prompt <= 48 + 200 stays inside the 256-token context. (The
-# frozen-decode wave keeps 112: with 200 it once hung until the client deadline -- an open
-# defect, see the closing note.)
-LONG_MAX_TOKENS = 200
+# Streams last seconds, so that a kill lands mid-stream even on a slow or busy machine
+# (with 200 tokens a colocated wave once ended before the poll found a busy worker): a
+# checkpoint of its own with a longer context (prompt <= 48 + MAX_TOKENS <= LONG_CONTEXT).
+LONG_CONTEXT = 1024
+MAX_TOKENS = 600
+WORKER_ARGS = ["--num-blocks", "2048", "--max-num-batched-tokens", "512"]  # all on one: 1.3k
 KILLS = 3  # SIGKILLs of a decode, one per wave of streams
 MIN_RUNNING_AT_KILL = 4  # kill a decode once it runs at least this many of the streams
 
@@ -95,15 +95,30 @@ def _registered_ids(addr: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def supervised(serving_model_dir):
+def long_model_dir(tmp_path_factory):
+    from pdserve.model.tiny import TinySpec, make_tiny
+
+    root = tmp_path_factory.mktemp("migration-tiny")
+    return make_tiny(root / "llama", TinySpec(vocab=VOCAB, max_pos=LONG_CONTEXT))
+
+
+@pytest.fixture(scope="module")
+def long_reference(long_model_dir):
+    from pdserve.engine.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model_dir=str(long_model_dir), dtype="float32", num_blocks=2048))
+
+
+@pytest.fixture(scope="module")
+def supervised(long_model_dir):
     from pdserve.supervisor import RestartPolicy, Supervisor, SupervisorThread
 
     metrics_port = _free_port()
     cluster = start_cluster(
-        serving_model_dir,
+        long_model_dir,
         prefill=2,
         decode=2,
-        worker_args=["--num-blocks", "256", "--max-num-batched-tokens", "512"],
+        worker_args=WORKER_ARGS,
         router_args=[f"--metrics-port={metrics_port}"],
     )
     said: list[str] = []
@@ -196,10 +211,10 @@ def _wave(cluster, metrics_port: int, requests, expected, sig: int, label: str) 
         wait_until(lambda name=name: pool_idle(cluster, name), 30, f"{label}: {name} idle")
 
 
-def test_streams_survive_a_killed_decode(supervised, reference_engine):
+def test_streams_survive_a_killed_decode(supervised, long_reference):
     cluster, supervisor, metrics_port, said = supervised
     requests = _requests(seed=1)  # the same streams each wave (the prompts then hit the
-    expected = _reference(reference_engine, requests)  # prefill's prefix cache: fine)
+    expected = _reference(long_reference, requests)  # prefill's prefix cache: fine)
     for wave in range(KILLS):
         _wave(cluster, metrics_port, requests, expected, signal.SIGKILL, f"kill {wave}")
     assert sum(supervisor.restarts.values()) == KILLS
@@ -208,17 +223,12 @@ def test_streams_survive_a_killed_decode(supervised, reference_engine):
     assert sum(" is back " in line for line in said) == KILLS
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open defect: about 1 run in 4 the streams of a SIGSTOPped decode hang until the "
-    "client's deadline instead of migrating (the killed-decode waves are not affected)",
-)
-def test_streams_leave_a_frozen_decode(supervised, reference_engine):
+def test_streams_leave_a_frozen_decode(supervised, long_reference):
     """SIGSTOP: the socket stays open and silent. The decode stops heartbeating; the router
     counts it lost after the heartbeat timeout and moves its streams (StreamLost)."""
     cluster, supervisor, metrics_port, _said = supervised
     requests = _requests(seed=2)[:12]
-    expected = _reference(reference_engine, requests)
+    expected = _reference(long_reference, requests)
     restarts0 = sum(supervisor.restarts.values())
     lost0 = _migrations(metrics_port, reason="lost")
     _wave(cluster, metrics_port, requests, expected, signal.SIGSTOP, "freeze")
@@ -226,19 +236,19 @@ def test_streams_leave_a_frozen_decode(supervised, reference_engine):
     assert _migrations(metrics_port, reason="lost") > lost0  # the watchdog, not a socket error
 
 
-def test_colocated_streams_survive_a_killed_worker(serving_model_dir, reference_engine):
+def test_colocated_streams_survive_a_killed_worker(long_model_dir, long_reference):
     """The same for the colocated topology: a Generate stream moves to the other worker."""
     metrics_port = _free_port()
     cluster = start_cluster(
-        serving_model_dir,
+        long_model_dir,
         mode="colocated",
         colocated=2,
-        worker_args=["--num-blocks", "256", "--max-num-batched-tokens", "512"],
+        worker_args=WORKER_ARGS,
         router_args=[f"--metrics-port={metrics_port}"],
     )
     try:
-        requests = _requests(seed=3, max_tokens=LONG_MAX_TOKENS)[:12]
-        expected = _reference(reference_engine, requests)
+        requests = _requests(seed=3)[:12]
+        expected = _reference(long_reference, requests)
         hit: list[str] = []
 
         def hit_when_running() -> bool:

@@ -390,3 +390,45 @@ def test_relay_cancelled_by_its_consumer_is_not_stream_lost(monkeypatch):
         assert call.cancelled
 
     asyncio.run(scenario())
+
+
+def test_relay_call_cancelled_under_it_is_unavailable_not_a_client_cancel():
+    """A dropped instance's channel closes under its calls: grpc.aio ends them with
+    CancelledError in a task nobody cancelled. Mid-stream that is an UNAVAILABLE failure
+    (the Migrator continues the request), before the first message a retryable RpcError;
+    never a CancelledError, which would end the client's request as if it had left."""
+    from pdserve.router.workers import CallCancelled
+
+    now = [100.0]
+    _orch_mod, orch, inst = _relay_setup(now)
+
+    async def relay_until_closed(n_before: int):
+        call = SilentCall(n_before)
+        call_read = call.read
+
+        async def read():
+            msg = await call_read()
+            return Msg() if msg is common_pb2.FinishReason else msg
+
+        call.read = read
+        got = []
+
+        async def consume():
+            async for chunk in orch._relay(call, inst, make_job(max_tokens=10), None, "decode"):
+                got.append(chunk)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        call.cancel()  # what channel.close() does to a call on it
+        try:
+            await asyncio.wait_for(task, 5)
+        except BaseException as exc:  # (the test inspects it)
+            return exc, len(got)
+        return None, len(got)
+
+    exc, n = asyncio.run(relay_until_closed(2))
+    assert n == 2 and isinstance(exc, RemoteError), exc
+    assert exc.code == grpc.StatusCode.UNAVAILABLE and "left the registry" in str(exc)
+    assert orch.registry.get("d1").suspect_since is not None
+    exc, n = asyncio.run(relay_until_closed(0))
+    assert n == 0 and isinstance(exc, CallCancelled), exc

@@ -74,6 +74,7 @@ class FakeWorker:
         self.reserved: set[str] = set()
         self.gate: dict[str, asyncio.Event] = {}  # method -> wait for it before answering
         self.fail: dict[str, grpc.StatusCode] = {}
+        self.cancel: set[str] = set()  # methods whose call ends cancelled (channel closed)
         self.jitter: random.Random | None = None  # random sleeps (0-2 ms) at every step
 
     async def _pause(self) -> None:
@@ -87,6 +88,8 @@ class FakeWorker:
             await self.gate[method].wait()
         if method in self.fail:
             raise FakeRpcError(self.fail[method])
+        if method in self.cancel:
+            raise asyncio.CancelledError  # as grpc.aio ends a call whose channel closed
 
     async def Reserve(self, req, timeout=None, metadata=None):
         self.reserved.add(req.request_id)
@@ -446,3 +449,29 @@ async def test_leave_now_cancelled_still_sends_the_abort():
     await aborter.wait()
     assert c.w["d0"].calls == ["Abort"]  # the background retry of the cancelled one
     assert c.charges() == {} and not pl.holds("d0")
+
+
+async def test_a_reserve_cancelled_by_a_channel_close_goes_to_another_decode():
+    """The router closes the channel of an instance that expired; a Reserve in flight on it
+    ends cancelled. That is the instance's failure (retry elsewhere), not the client's
+    cancel."""
+    c = Cluster(decodes=("d0", "d1"))
+    c.w["d0"].cancel.add("Reserve")
+    out: list[int] = []
+    job = c.job()
+    await collect(c.orch, job, out)
+    await c.orch.close()
+    assert out == [FIRST, *REST] and job.decode_instance == "d1"
+    assert c.registry.get("d0").suspect_since is not None
+    assert c.charges() == {} and c.reserved() == {}
+
+
+async def test_a_prefill_cancelled_by_a_channel_close_goes_to_another_prefill():
+    c = Cluster(prefills=("p0", "p1"))
+    c.w["p0"].cancel.add("Prefill")
+    out: list[int] = []
+    job = c.job()
+    await collect(c.orch, job, out)
+    await c.orch.close()
+    assert out == [FIRST, *REST] and job.prefill_instance == "p1"
+    assert c.charges() == {} and c.reserved() == {}

@@ -268,7 +268,7 @@ class RouterApp(ServiceApp):
                 log.warning("instance expired (no heartbeat)", instance=iid)
             live = {inst.address for inst in self.registry.instances()}
             for address in [a for a in self.workers.addresses() if a not in live]:
-                await self.workers.drop(address)
+                self.workers.drop(address)
             counts = dict.fromkeys(ROLE_NAMES.values(), 0)
             for inst in self.registry.instances():
                 counts[inst.role_name] += 1

@@ -21,7 +21,7 @@ from pdserve.v1 import worker_pb2
 from .demand import DecodeDemand
 from .flip_policy import FlipDecision, FlipPolicy, InstanceLoad, direction
 from .registry import Registry
-from .workers import WorkerClients, remote_error
+from .workers import WorkerClients, remote_error, settle
 
 log = get_logger("pdserve.router.flip")
 
@@ -118,8 +118,11 @@ class FlipController:
         started = self._clock()
         log.info("flip started", instance=instance_id, direction=way)
         try:
-            resp = await self.workers.stub(address).SetRole(
-                worker_pb2.SetRoleRequest(role=to_role), timeout=self.set_role_timeout_s
+            resp = await settle(
+                self.workers.stub(address).SetRole(
+                    worker_pb2.SetRoleRequest(role=to_role), timeout=self.set_role_timeout_s
+                ),
+                "SetRole",
             )
         except grpc.RpcError as err:
             failure = remote_error(err, f"instance {instance_id}")

@@ -32,6 +32,7 @@ from .quota import Quotas
 from .registry import Registry
 from .text import TextStream
 from .validation import check_messages, check_request, to_params
+from .workers import cancelled_under_us
 
 log = get_logger("pdserve.router")
 
@@ -159,14 +160,24 @@ class FrontDoor:
                     if not self.totals.running:
                         self.idle.set()
                 self._observe(job, key, finish, n_out, t0, t_first)
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away (at any stage)
-            log.info(
-                "request cancelled by the client",
-                key=key.name,
-                e2e_s=round(time.perf_counter() - t0, 4),
-                **progress,
-            )
+        except asyncio.CancelledError:
+            if cancelled_under_us():  # not the client: a cancel leaked from a call we made
+                log.error("request cancelled internally", key=key.name, **progress)
+                raise UnavailableError("the request was cancelled inside the router") from None
+            self._cancelled(key, t0, progress)
             raise
+        except GeneratorExit:  # the client went away (at any stage)
+            self._cancelled(key, t0, progress)
+            raise
+
+    @staticmethod
+    def _cancelled(key: ApiKey, t0: float, progress: dict[str, int]) -> None:
+        log.info(
+            "request cancelled by the client",
+            key=key.name,
+            e2e_s=round(time.perf_counter() - t0, 4),
+            **progress,
+        )
 
     def status(self) -> router_pb2.StatusResponse:
         vocab, context = self.model.known_limits

@@ -39,7 +39,16 @@ from .placement import RequestPlacement
 from .policies import PlacementPolicy, RouteRequest
 from .predictor import OutputLengthPredictor
 from .registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Instance, Registry
-from .workers import RETRYABLE, Aborter, RemoteError, WorkerClients, remote_error
+from .workers import (
+    RETRYABLE,
+    Aborter,
+    CallCancelled,
+    RemoteError,
+    WorkerClients,
+    cancelled_under_us,
+    remote_error,
+    settle,
+)
 
 log = get_logger("pdserve.router.orchestrator")
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
@@ -210,7 +219,7 @@ class Orchestrator:
         """Await a Prefill call; cancel it when its decode instance turns suspect or stops
         heartbeating: a KV push to a dead decode would otherwise hang until the prefill's
         transfer timeout. A draining decode still counts as alive (it finishes its work)."""
-        task = asyncio.ensure_future(call)
+        task = asyncio.ensure_future(settle(call, "Prefill"))
         # Retrieve its outcome even when we are cancelled as it fails (no "Task exception
         # was never retrieved" log).
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -278,10 +287,13 @@ class Orchestrator:
             # may hold a reservation before we see the ticket: close() aborts it.)
             placement.charge(decode, requests=1)
             try:
-                resp = await self.workers.stub(decode.address).Reserve(
-                    self._reserve_request(job, route, prompt),
-                    timeout=self.deadlines.reserve_s,
-                    metadata=metadata_with_request_id(job.request_id),
+                resp = await settle(
+                    self.workers.stub(decode.address).Reserve(
+                        self._reserve_request(job, route, prompt),
+                        timeout=self.deadlines.reserve_s,
+                        metadata=metadata_with_request_id(job.request_id),
+                    ),
+                    "Reserve",
                 )
             except grpc.RpcError as err:
                 failure = self._failure(err, decode, "decode")
@@ -374,11 +386,15 @@ class Orchestrator:
                         f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
                     ) from None
                 except asyncio.CancelledError:
-                    # the watchdog cancelled the call (unless this task is being cancelled)
-                    task = asyncio.current_task()
-                    if lost and not (task is not None and task.cancelling()):
+                    # The call was cancelled, not this task: by the watchdog (`lost`), or
+                    # by the close of a dropped instance's channel.
+                    if not cancelled_under_us():
+                        raise
+                    if lost:
                         raise self._stream_lost(inst, what) from None
-                    raise
+                    if first:
+                        raise CallCancelled(what) from None  # retryable, like an RpcError
+                    raise self._failure(CallCancelled(what), inst, what) from None
                 except grpc.RpcError as err:
                     if lost:
                         raise self._stream_lost(inst, what) from None

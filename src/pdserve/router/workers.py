@@ -28,6 +28,41 @@ RETRYABLE = frozenset(
 )
 
 
+class CallCancelled(grpc.RpcError):
+    """A worker call ended cancelled although nobody cancelled the task awaiting it: its
+    channel was closed under it (the router drops the channel of an instance that
+    expired). It reads as UNAVAILABLE, so the caller retries or migrates instead of
+    taking it for its own cancellation (which would end the client's request)."""
+
+    def __init__(self, what: str = "worker call") -> None:
+        super().__init__(what)
+        self._details = f"{what} was cancelled: the instance left the registry"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
+def cancelled_under_us() -> bool:
+    """True inside `except CancelledError` when the cancellation came from the call (or
+    channel) awaited, not from a cancel of the current task."""
+    task = asyncio.current_task()
+    return task is not None and not task.cancelling()
+
+
+async def settle(call, what: str = "worker call"):
+    """Await a unary worker call; a cancel of the call itself (not of us) becomes
+    `CallCancelled`."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        if cancelled_under_us():
+            raise CallCancelled(what) from None
+        raise
+
+
 class RemoteError(PdserveError):
     """A worker's status, relayed with its code (the interceptor maps `code`)."""
 
@@ -44,11 +79,22 @@ def remote_error(err: grpc.RpcError, what: str) -> RemoteError:
     return RemoteError(code, f"{what}: {details}")
 
 
+# How long the calls still running on a dropped instance's channel may take before the
+# channel is closed (which cancels them).
+DROP_GRACE_S = 10.0
+
+
 class WorkerClients:
-    def __init__(self, channel_factory: Callable[[str], grpc.aio.Channel] | None = None) -> None:
+    def __init__(
+        self,
+        channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+        drop_grace_s: float = DROP_GRACE_S,
+    ) -> None:
         self._factory = channel_factory or make_channel
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self._drop_grace_s = drop_grace_s
+        self._closing: set[asyncio.Task] = set()  # dropped channels closing in the background
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
@@ -61,16 +107,28 @@ class WorkerClients:
     def addresses(self) -> list[str]:
         return list(self._channels)
 
-    async def drop(self, address: str) -> None:
-        """Close the channel of an instance that left."""
+    def drop(self, address: str) -> None:
+        """Forget the channel of an instance that left; it closes in the background after
+        the calls still on it end (within `drop_grace_s`), so that those calls fail (or
+        finish) on their own terms rather than all at once by the close. New calls to the
+        address get a new channel."""
         self._stubs.pop(address, None)
         channel = self._channels.pop(address, None)
         if channel is not None:
-            await channel.close()
+            task = asyncio.get_running_loop().create_task(channel.close(self._drop_grace_s))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
-        for address in list(self._channels):
-            await self.drop(address)
+        """Close every channel now (shutdown)."""
+        channels = list(self._channels.values())
+        self._channels.clear()
+        self._stubs.clear()
+        for task in list(self._closing):
+            task.cancel()
+        await asyncio.gather(*self._closing, return_exceptions=True)
+        for channel in channels:
+            await channel.close()
 
 
 class Aborter:
@@ -89,6 +147,10 @@ class Aborter:
                 timeout=self._timeout_s,
                 metadata=metadata_with_request_id(request_id),
             )
+        except asyncio.CancelledError:
+            if not cancelled_under_us():
+                raise
+            log.info("abort failed", instance=inst.instance_id, code="CANCELLED")
         except grpc.RpcError as err:
             log.info("abort failed", instance=inst.instance_id, code=str(err.code()))
 
