@@ -74,6 +74,34 @@ async def test_loopback_tagged_layers_and_counters() -> None:
         await t.close()
 
 
+async def test_a_receive_counts_once_however_often_it_is_awaited() -> None:
+    """Counted when it arrives: waiting twice (the pump, then a release) does not count it
+    twice, and one that arrives with nobody waiting still counts; a retired receive (matched
+    by our own empty message) does not."""
+    t = await UcxTransport.create()
+    try:
+        ticket = t.new_ticket()
+        x, y = np.arange(4096, dtype=np.uint8), np.arange(1000, dtype=np.uint8)
+        waited, unwaited = np.zeros_like(x), np.zeros_like(y)
+        h1 = t.post_recv(waited, make_tag(ticket, 0))
+        h2 = t.post_recv(unwaited, make_tag(ticket, 1))
+        h3 = t.post_recv(np.zeros_like(x), make_tag(ticket, 2))
+        await t.send(t.address, make_tag(ticket, 0), x)
+        await t.send(t.address, make_tag(ticket, 1), y)
+        await h1.wait(5.0)
+        await h1.wait(0)
+        async with asyncio.timeout(5.0):
+            while not h2.done:  # noqa: ASYNC110 (polls a UCX receive)
+                await asyncio.sleep(0.001)
+        await h3.cancel()
+        await asyncio.sleep(0)  # done callbacks run
+        assert t.counters["bytes_received"] == x.nbytes + y.nbytes
+        assert t.counters["transfers_received"] == 2
+        np.testing.assert_array_equal(unwaited, y)
+    finally:
+        await t.close()
+
+
 async def test_recv_timeout_retires_the_receive() -> None:
     t = await UcxTransport.create()
     try:

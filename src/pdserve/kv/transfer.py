@@ -146,9 +146,17 @@ class RecvHandle:
         self._transport = transport
         self._started = time.perf_counter()
         self._buf = buf  # keeps the memory alive while UCX may write into it
-        self.task: asyncio.Task = asyncio.ensure_future(request.wait())
-        self.task.add_done_callback(lambda _t: None)  # exceptions are read in wait()
         self._retired = False
+        self.task: asyncio.Task = asyncio.ensure_future(request.wait())
+        self.task.add_done_callback(self._count_once)  # (it reads a failure too)
+
+    def _count_once(self, task: asyncio.Task) -> None:
+        """Count the message when it arrives, exactly once, whoever waits for it (or nobody:
+        a receive that completed before its request was aborted still moved its bytes). A
+        receive retired first is matched by our own empty message: not counted."""
+        if task.cancelled() or task.exception() is not None or self._retired:
+            return
+        self._transport._count_recv(self.nbytes, time.perf_counter() - self._started)
 
     @property
     def done(self) -> bool:
@@ -165,7 +173,6 @@ class RecvHandle:
         if exc is not None:
             self._transport._count_timeout()
             raise TransferFailedError(f"receive tag {self.tag:#x} failed: {exc}") from exc
-        self._transport._count_recv(self.nbytes, time.perf_counter() - self._started)
 
     async def cancel(self, settle_s: float = 1.0) -> None:
         """Retire the receive: match it with a zero-byte message from ourselves, then wait

@@ -344,10 +344,7 @@ class DecodeHandler:
             return
         if res.pump is not None and res.pump is not asyncio.current_task():
             res.pump.cancel()
-        # Layers that already arrived count as received (a 1-token request: the router
-        # releases the ticket right after prefill); wait(0) on a finished receive counts it.
-        arrived = [h for h in res.handles if h.done]
-        await asyncio.gather(*(h.wait(0) for h in arrived), return_exceptions=True)
+        # (Layers that already arrived were counted as received when they did.)
         await asyncio.gather(*(h.cancel() for h in res.handles), return_exceptions=True)
 
     def _forget(self, res: Reservation) -> None:
