@@ -184,3 +184,26 @@ def test_cluster_waits_for_ready_and_stops(tmp_path):
     bad = UpProcess(["--crash"], launcher=[sys.executable, str(script)], ready_timeout_s=30)
     with pytest.raises(ClusterError, match="boom"):
         bad.start()
+
+
+def test_kv_bytes_per_token_follows_the_served_dtype(tmp_path):
+    """The checkpoint says float32; workers serving bfloat16 (--dtype auto on an AMX CPU)
+    hold half the bytes per token."""
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "hidden_size": 64,
+                "num_hidden_layers": 3,
+                "torch_dtype": "float32",
+            }
+        )
+    )
+    p = argparse.ArgumentParser()
+    multiturn.add_parser(p.add_subparsers())
+    base = ["multiturn", "--model", str(tmp_path)]
+    checkpoint = multiturn.kv_bytes_per_token(p.parse_args(base))
+    served = multiturn.kv_bytes_per_token(p.parse_args([*base, "--kv-dtype", "bfloat16"]))
+    assert checkpoint == 2 * 3 * 2 * 16 * 4  # K and V x layers x kv heads x head_dim x fp32
+    assert served == checkpoint // 2

@@ -87,7 +87,13 @@ def test_status_table_and_hit_rate():
                 "prefill",
                 "serving",
                 0.4,
-                {"num_running": 2, "num_waiting": 1, "free_blocks": 90, "total_blocks": 100},
+                {
+                    "num_running": 2,
+                    "num_waiting": 1,
+                    "free_blocks": 90,
+                    "total_blocks": 100,
+                    "step_ms_ewma": 12.34,
+                },
             )
         ],
         requests_total=10,
@@ -99,5 +105,6 @@ def test_status_table_and_hit_rate():
     )
     table = format_table(st)
     assert "p-1" in table and "prefill" in table and "90/100" in table
+    assert "STEP MS" in table and " 12.3 " in table
     assert "hit rate 25.0%" in table
     assert st.to_dict()["cache_hit_rate"] == 0.25

@@ -28,6 +28,7 @@ from pdserve.bench.report import latency_arrays, write_json
 from pdserve.bench.sessions import SessionPlan, run_sessions, turn_report
 from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, read_mooncake_jsonl
 from pdserve.bench.workload import trace_requests
+from pdserve.model.dtypes import ITEMSIZE
 
 DEFAULT_KV_BYTES_PER_TOKEN = 8192  # bench50m: K,V x 8 layers x 2 kv heads x 64 dims x fp32
 
@@ -62,6 +63,13 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         help="KV bytes per token (default: from --model, else 8 KiB = bench50m fp32)",
     )
+    p.add_argument(
+        "--kv-dtype",
+        choices=sorted(ITEMSIZE),
+        help="the workers' KV dtype, for the KV bytes per token of --model (default: the "
+        "checkpoint's torch_dtype; workers under --dtype auto serve bfloat16 on CPUs with "
+        "AMX or AVX512-BF16 and on GPUs)",
+    )
     p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--replay", type=int, help="replay the first N trace requests on --addr")
@@ -85,7 +93,8 @@ def kv_bytes_per_token(args: argparse.Namespace) -> int:
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     kv_heads = cfg.get("num_key_value_heads", heads)
-    itemsize = 2 if str(cfg.get("torch_dtype", "float32")) in ("bfloat16", "float16") else 4
+    dtype = args.kv_dtype or str(cfg.get("torch_dtype", "float32"))
+    itemsize = ITEMSIZE.get(dtype, 4)
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * itemsize
 
 

@@ -18,6 +18,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _step_ms(ewma: float) -> str:
+    """The worker's engine step time (EWMA over its recent steps); '-' before its first."""
+    return f"{ewma:.1f}" if ewma > 0 else "-"
+
+
 def format_table(status) -> str:
     """Plain-text table of a pdserve.client.ClusterStatus."""
     header = (
@@ -28,6 +33,7 @@ def format_table(status) -> str:
         "RUNNING",
         "WAITING",
         "FREE/TOTAL BLOCKS",
+        "STEP MS",
         "HB AGE",
     )
     rows = [header]
@@ -41,6 +47,7 @@ def format_table(status) -> str:
                 str(int(i.load["num_running"])),
                 str(int(i.load["num_waiting"])),
                 f"{int(i.load['free_blocks'])}/{int(i.load['total_blocks'])}",
+                _step_ms(i.load.get("step_ms_ewma", 0.0)),
                 f"{i.heartbeat_age_s:.1f}s",
             )
         )
