@@ -55,17 +55,14 @@ def reference_tokens(engine, requests: Sequence[tuple[list[int], int]]) -> list[
     return [out[f"ref-{i}"] for i in range(len(requests))]
 
 
-def mixed_requests(
-    n: int, seed: int, max_len: int = 100, min_tokens: int = 1
-) -> list[tuple[list[int], int]]:
+def mixed_requests(n: int, seed: int, max_len: int = 100) -> list[tuple[list[int], int]]:
     """n (prompt, max_tokens): lengths 1..max_len incl. block boundaries (15, 16, 17, 32, 33),
-    distinct random prompts (no shared prefixes, so no prefix-cache hits), max_tokens in
-    min_tokens..24."""
+    distinct random prompts (no shared prefixes, so no prefix-cache hits)."""
     rng = random.Random(seed)
     lengths = [1, 15, 16, 17, 32, 33, 64, max_len]
     lengths += [rng.randint(1, max_len) for _ in range(n - len(lengths))]
     return [
-        ([rng.randint(2, VOCAB - 1) for _ in range(length)], rng.randint(min_tokens, 24))
+        ([rng.randint(2, VOCAB - 1) for _ in range(length)], rng.randint(1, 24))
         for length in lengths[:n]
     ]
 

@@ -75,6 +75,7 @@ class FakeWorker:
         self.gate: dict[str, asyncio.Event] = {}  # method -> wait for it before answering
         self.fail: dict[str, grpc.StatusCode] = {}
         self.cancel: set[str] = set()  # methods whose call ends cancelled (channel closed)
+        self.prefills: list[worker_pb2.PrefillRequest] = []
         self.jitter: random.Random | None = None  # random sleeps (0-2 ms) at every step
 
     async def _pause(self) -> None:
@@ -99,6 +100,8 @@ class FakeWorker:
         )
 
     def Prefill(self, req, timeout=None, metadata=None):
+        self.prefills.append(req)
+
         async def go():
             await self._enter("Prefill")
             return worker_pb2.PrefillResponse(first_token_id=FIRST)
@@ -474,4 +477,27 @@ async def test_a_prefill_cancelled_by_a_channel_close_goes_to_another_prefill():
     await collect(c.orch, job, out)
     await c.orch.close()
     assert out == [FIRST, *REST] and job.prefill_instance == "p1"
+    assert c.charges() == {} and c.reserved() == {}
+
+
+async def test_a_one_token_request_is_prefill_only():
+    """max_tokens 1: token 0 is the whole answer. No decode is reserved and the Prefill
+    carries no ticket, so no KV is pushed; a failed prefill is retried on another."""
+    c = Cluster(prefills=("p0", "p1"), decodes=("d0",))
+    c.w["p0"].fail["Prefill"] = grpc.StatusCode.UNAVAILABLE
+    job = Job(
+        request_id="r1",
+        token_ids=list(range(1, 40)),
+        params=SamplingParams(max_tokens=1),
+        sampling=common_pb2.SamplingParams(max_tokens=1),
+    )
+    out: list[int] = []
+    await collect(c.orch, job, out)
+    await c.orch.close()
+    assert out == [FIRST] and job.prefill_instance == "p1"
+    assert c.w["d0"].calls == []
+    assert [p.HasField("ticket") for p in c.w["p0"].prefills + c.w["p1"].prefills] == [
+        False,
+        False,
+    ]
     assert c.charges() == {} and c.reserved() == {}

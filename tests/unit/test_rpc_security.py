@@ -226,7 +226,7 @@ def test_lease_bounds(lease):
 
 
 def test_ticket_checks():
-    from pdserve.v1 import worker_pb2
+    from pdserve.v1 import common_pb2, worker_pb2
     from pdserve.worker.checks import WorkerLimits, check_prefill
 
     lim = WorkerLimits(vocab_size=100, max_model_len=64, block_size=16, max_lease_s=600.0)
@@ -247,6 +247,15 @@ def test_ticket_checks():
     ]:
         with pytest.raises(InvalidRequestError, match=field):
             check_prefill(req(**bad), lim)
+    # no ticket: only for a 1-token request (prefill only, no KV leaves the worker)
+    one = worker_pb2.PrefillRequest(
+        request_id="r", token_ids=[1, 2], sampling=common_pb2.SamplingParams(max_tokens=1)
+    )
+    check_prefill(one, lim)
+    for max_tokens in (0, 2):
+        one.sampling.max_tokens = max_tokens
+        with pytest.raises(InvalidRequestError, match="ticket: must be set unless"):
+            check_prefill(one, lim)
 
 
 # --------------------------------------------------------------------------- kvstore writers

@@ -10,6 +10,9 @@ carries the finish reason). Disaggregated, in three named steps:
     (yield the first token at once)
     _decode              relay the decode's stream of the remaining tokens.
 
+A 1-token request (max_tokens 1) has nothing to decode: `_prefill_only` runs Prefill
+without a ticket, so no decode is reserved and no KV is pushed.
+
 Colocated: one Generate stream (`_colocated`), retried elsewhere before its first chunk.
 
 Every instance a request touches is entered in its `RequestPlacement` (placement.py),
@@ -145,6 +148,10 @@ class Orchestrator:
     async def _disagg(
         self, job: Job, route: RouteRequest, placement: RequestPlacement
     ) -> AsyncIterator[Chunk]:
+        if job.params.max_tokens <= 1:
+            first = await self._prefill_only(job, route, placement)
+            yield Chunk([first], self._finish_after_first(job.params, first))
+            return
         first = await self._place_and_prefill(job, route, placement, job.token_ids)
         first_finish = self._finish_after_first(job.params, first)
         yield Chunk([first], first_finish)
@@ -194,9 +201,30 @@ class Orchestrator:
             add_stages(job.stages, resp.stages)
             return resp.first_token_id
 
+    async def _prefill_only(
+        self, job: Job, route: RouteRequest, placement: RequestPlacement
+    ) -> int:
+        """Token 0 of a request that needs no other: Prefill without a ticket, retried on
+        another prefill when one fails (up to max_prefill_attempts)."""
+        tried: set[str] = set()
+        while True:
+            prefill = self._pick(ROLE_PREFILL, route, exclude=tried)
+            tried.add(prefill.instance_id)
+            try:
+                resp = await self._prefill(job, placement, prefill, job.token_ids)
+            except grpc.RpcError as err:
+                failure = self._failure(err, prefill, "prefill")
+                placement.leave(prefill)
+                self._give_up_or_retry(failure, job, ROLE_PREFILL, tried)
+                continue
+            add_stages(job.stages, resp.stages)
+            return resp.first_token_id
+
     async def _prefill(
         self, job: Job, placement: RequestPlacement, prefill: Instance, prompt: list[int]
     ) -> worker_pb2.PrefillResponse:
+        """Prefill on `prefill`, pushing the KV to the placement's decode (if it holds a
+        ticket; without one, prefill only)."""
         job.prefill_attempts += 1
         job.prefill_instance = prefill.instance_id
         placement.charge(prefill, requests=1, tokens=len(prompt))
@@ -211,8 +239,11 @@ class Orchestrator:
             timeout=self.deadlines.prefill_s,
             metadata=metadata_with_request_id(job.request_id),
         )
-        resp = await self._prefill_while_decode_lives(call, placement.decode)
-        placement.leave(prefill, abort=False)  # done: its KV is on the decode
+        if placement.decode is None:
+            resp = await settle(call, "Prefill")
+        else:
+            resp = await self._prefill_while_decode_lives(call, placement.decode)
+        placement.leave(prefill, abort=False)  # done: its KV is on the decode (or nowhere)
         return resp
 
     async def _prefill_while_decode_lives(self, call, decode: Instance):

@@ -92,7 +92,8 @@ class WorkerServicer:
 
     def Prefill(self, request, context):
         """prefill: compute the prompt's KV, push it layer by layer to the ticket's
-        decode instance, return the first token.
+        decode instance, return the first token. Without a ticket (only for
+        sampling.max_tokens == 1: token 0 is the whole answer) no KV leaves the prefill.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

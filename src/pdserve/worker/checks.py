@@ -97,8 +97,12 @@ def check_ticket(t: worker_pb2.Ticket, num_tokens: int, lim: WorkerLimits) -> No
 def check_prefill(req: worker_pb2.PrefillRequest, lim: WorkerLimits) -> None:
     check_id("request_id", req.request_id)
     check_tokens("token_ids", req.token_ids, lim)
-    if not req.HasField("ticket"):
-        raise InvalidRequestError("ticket", "must be set")
+    if not req.HasField("ticket"):  # prefill only: token 0 is the whole answer
+        if req.sampling.max_tokens != 1:
+            raise InvalidRequestError(
+                "ticket", "must be set unless sampling.max_tokens is 1 (prefill only)"
+            )
+        return
     check_ticket(req.ticket, len(req.token_ids), lim)
 
 

@@ -211,9 +211,10 @@ class WorkerCore:
         request_id: str,
         token_ids: Sequence[int],
         params: SamplingParams,
-        ticket: Ticket,
+        ticket: Ticket | None,
         use_kvstore: bool,
     ) -> tuple[int, StageCosts]:
+        """Token 0 of the prompt; its KV goes to the ticket's decode (None: nowhere)."""
         self._accept("prefill", "colocated")
         with self._track(len(token_ids)):
             return await self.parts.prefill.prefill(

@@ -113,10 +113,13 @@ class PrefillHandler:
         request_id: str,
         token_ids: Sequence[int],
         params: SamplingParams,
-        ticket: Ticket,
+        ticket: Ticket | None,
         use_kvstore: bool,
     ) -> tuple[int, StageCosts]:
-        """Returns (token 0, stage costs) once every layer has reached the decode."""
+        """Returns (token 0, stage costs) once every layer has reached the decode. Without a
+        ticket (a 1-token request: nothing to decode) the KV stays here."""
+        if ticket is None:
+            return await self._prefill_only(request_id, token_ids, params, use_kvstore)
         self._check_ticket(token_ids, ticket)
         started = time.perf_counter()
         stages = StageCosts()
@@ -149,17 +152,39 @@ class PrefillHandler:
             self._kv_reuse.publish_later(request_id, token_ids)
         return first_token, stages
 
+    async def _prefill_only(
+        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, use_kvstore: bool
+    ) -> tuple[int, StageCosts]:
+        started = time.perf_counter()
+        stages = StageCosts()
+        use_kvstore = use_kvstore and self._kv_reuse.enabled
+        try:
+            if use_kvstore:
+                stages.kvstore_tokens = await self._kv_reuse.fetch_prefix(
+                    request_id, token_ids, hold_finished=True
+                )
+            first_token = await self._compute(request_id, token_ids, params, None, stages)
+        except BaseException:
+            self._engine.abort_nowait(request_id)  # idempotent; releases its holds too
+            raise
+        if first_token is None:
+            raise UnavailableError(f"prefill of {request_id} produced no token")
+        stages.prefill_ms = (time.perf_counter() - started) * 1e3
+        if use_kvstore:
+            self._kv_reuse.publish_later(request_id, token_ids)
+        return first_token, stages
+
     async def _compute(
         self,
         request_id: str,
         token_ids: Sequence[int],
         params: SamplingParams,
-        pusher: LayerPusher,
+        pusher: LayerPusher | None,
         stages: StageCosts,
     ) -> int | None:
-        """Run the prompt (prefill only); each layer's KV goes to `pusher` as it is computed.
-        Returns token 0."""
-        sink = pusher.sink(asyncio.get_running_loop())
+        """Run the prompt (prefill only); each layer's KV goes to `pusher` (if any) as it is
+        computed. Returns token 0."""
+        sink = pusher.sink(asyncio.get_running_loop()) if pusher is not None else None
         first_token = None
         outputs = self._engine.generate(
             request_id, token_ids, params, prefill_only=True, kv_sink=sink

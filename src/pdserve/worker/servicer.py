@@ -58,7 +58,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             request.request_id,
             list(request.token_ids),
             self._sampling(request.sampling),
-            convert.ticket_from_proto(request.ticket),
+            convert.ticket_from_proto(request.ticket) if request.HasField("ticket") else None,
             request.use_kvstore,
         )
         return worker_pb2.PrefillResponse(
