@@ -314,9 +314,11 @@ async def test_eos_as_first_token_finishes_without_decode(router, cluster, model
         one = await c.generate(token_ids=[1, 2], max_tokens=1, ignore_eos=True, request_id="r-one")
     assert (res.finish_reason, res.token_ids) == ("stop", [eos])
     assert (one.finish_reason, one.token_ids) == ("length", [eos])
-    for rid in ("r-eos", "r-one"):
-        assert await cluster.log.wait_for((d.instance_id, "Abort", rid))  # reservation freed
-        assert (d.instance_id, "Decode") not in cluster.log.of(rid)
+    # EOS as token 0: the decode reserved for the rest is freed, never asked to decode
+    assert await cluster.log.wait_for((d.instance_id, "Abort", "r-eos"))
+    assert (d.instance_id, "Decode") not in cluster.log.of("r-eos")
+    # max_tokens 1: prefill only, the decode never hears of it
+    assert [m for i, m in cluster.log.of("r-one") if i == d.instance_id] == []
 
 
 async def test_colocated_generate(router, cluster):
