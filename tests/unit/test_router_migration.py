@@ -397,7 +397,7 @@ def test_relay_call_cancelled_under_it_is_unavailable_not_a_client_cancel():
     CancelledError in a task nobody cancelled. Mid-stream that is an UNAVAILABLE failure
     (the Migrator continues the request), before the first message a retryable RpcError;
     never a CancelledError, which would end the client's request as if it had left."""
-    from pdserve.router.workers import CallCancelled
+    from pdserve.router.workers import CallLost
 
     now = [100.0]
     _orch_mod, orch, inst = _relay_setup(now)
@@ -431,4 +431,4 @@ def test_relay_call_cancelled_under_it_is_unavailable_not_a_client_cancel():
     assert exc.code == grpc.StatusCode.UNAVAILABLE and "left the registry" in str(exc)
     assert orch.registry.get("d1").suspect_since is not None
     exc, n = asyncio.run(relay_until_closed(0))
-    assert n == 0 and isinstance(exc, CallCancelled), exc
+    assert n == 0 and isinstance(exc, CallLost), exc

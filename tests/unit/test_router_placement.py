@@ -48,19 +48,26 @@ class UnaryCall:
 
 
 class StreamCall:
-    """Like grpc.aio.UnaryStreamCall: read() until grpc.aio.EOF."""
+    """Like grpc.aio.UnaryStreamCall: read() until grpc.aio.EOF; cancel() ends a pending
+    read with CancelledError."""
 
     def __init__(self, agen) -> None:
         self._agen, self.cancelled = agen, False
+        self._reading: asyncio.Task | None = None
 
     async def read(self):
+        if self.cancelled:
+            raise asyncio.CancelledError
+        self._reading = asyncio.ensure_future(anext(self._agen))
         try:
-            return await anext(self._agen)
+            return await self._reading
         except StopAsyncIteration:
             return grpc.aio.EOF
 
     def cancel(self) -> bool:
         self.cancelled = True
+        if self._reading is not None:
+            self._reading.cancel()
         return True
 
 
@@ -76,6 +83,7 @@ class FakeWorker:
         self.fail: dict[str, grpc.StatusCode] = {}
         self.cancel: set[str] = set()  # methods whose call ends cancelled (channel closed)
         self.prefills: list[worker_pb2.PrefillRequest] = []
+        self.empty: set[str] = set()  # stream methods that end before their first message
         self.jitter: random.Random | None = None  # random sleeps (0-2 ms) at every step
 
     async def _pause(self) -> None:
@@ -128,6 +136,8 @@ class FakeWorker:
     def Generate(self, req, metadata=None):
         async def go():
             await self._enter("Generate")
+            if "Generate" in self.empty:
+                return
             for tok in [FIRST, *REST]:
                 yield worker_pb2.TokenChunk(
                     token_ids=[tok],
@@ -501,3 +511,33 @@ async def test_a_one_token_request_is_prefill_only():
         False,
     ]
     assert c.charges() == {} and c.reserved() == {}
+
+
+async def test_a_colocated_worker_lost_before_its_first_chunk_is_retried(monkeypatch):
+    """Silent (SIGSTOPped) before its first chunk: the watchdog sees it stop heartbeating
+    and the request goes to the other colocated worker instead of failing."""
+    from pdserve.router import orchestrator as orch_mod
+
+    monkeypatch.setattr(orch_mod, "DECODE_WATCH_S", 0.01)
+    c = Cluster(prefills=(), decodes=(), colocated=("c0", "c1"))
+    c.w["c0"].gate["Generate"] = asyncio.Event()  # never answers
+    out: list[int] = []
+    job = c.job()
+    task = asyncio.create_task(collect(c.orch, job, out))
+    await until(lambda: c.w["c0"].calls == ["Generate"])
+    c.registry.get("c0").last_heartbeat -= 1000.0  # stopped heartbeating
+    await asyncio.wait_for(task, 5)
+    await c.orch.close()
+    assert out == [FIRST, *REST] and job.decode_instance == "c1"
+    assert c.charges() == {}
+
+
+async def test_a_colocated_stream_that_ends_before_its_first_chunk_is_retried():
+    c = Cluster(prefills=(), decodes=(), colocated=("c0", "c1"))
+    c.w["c0"].empty.add("Generate")
+    out: list[int] = []
+    job = c.job()
+    await collect(c.orch, job, out)
+    await c.orch.close()
+    assert out == [FIRST, *REST] and job.decode_instance == "c1"
+    assert c.charges() == {}

@@ -1,6 +1,6 @@
 """WorkerClients.drop against a real grpc.aio server on 127.0.0.1: a call in flight on the
 channel of an instance that left finishes within the grace; without a grace the close
-cancels it, and `settle` turns that into CallCancelled (UNAVAILABLE), not a CancelledError
+cancels it, and `settle` turns that into CallLost (UNAVAILABLE), not a CancelledError
 that would read as the client's cancel."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.router.workers import CallCancelled, WorkerClients, settle
+from pdserve.router.workers import CallLost, WorkerClients, settle
 from pdserve.v1 import worker_pb2
 
 ABORT = "/pdserve.v1.Worker/Abort"
@@ -55,7 +55,7 @@ def test_a_call_in_flight_finishes_within_the_grace():
 
 
 def test_without_grace_the_close_is_the_instances_failure_not_a_cancel():
-    with pytest.raises(CallCancelled) as err:
+    with pytest.raises(CallLost) as err:
         asyncio.run(_abort_while_dropped(grace_s=0.0))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "Abort was cancelled" in err.value.details()

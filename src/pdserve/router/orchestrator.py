@@ -45,7 +45,7 @@ from .registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Instance, Regis
 from .workers import (
     RETRYABLE,
     Aborter,
-    CallCancelled,
+    CallLost,
     RemoteError,
     WorkerClients,
     cancelled_under_us,
@@ -403,7 +403,8 @@ class Orchestrator:
         A watchdog (`_watch_stream`, one task per stream, not per message) cancels the call
         when the instance is lost (expired, or silent for the heartbeat timeout): a hung or
         partitioned worker keeps its stream open and silent, so the read turns that into
-        `StreamLost` at once instead of waiting for `decode_idle_s`."""
+        `StreamLost` at once instead of waiting for `decode_idle_s` (before the first
+        message: a retryable `CallLost`, like any failure there)."""
         first, finished = True, False
         lost: list[bool] = []  # set by the watchdog before it cancels the call
         watchdog = asyncio.ensure_future(self._watch_stream(call, inst, lost))
@@ -421,18 +422,22 @@ class Orchestrator:
                     # by the close of a dropped instance's channel.
                     if not cancelled_under_us():
                         raise
+                    if lost and first:
+                        raise CallLost(what, "the instance stopped heartbeating") from None
                     if lost:
                         raise self._stream_lost(inst, what) from None
                     if first:
-                        raise CallCancelled(what) from None  # retryable, like an RpcError
-                    raise self._failure(CallCancelled(what), inst, what) from None
+                        raise CallLost(what) from None  # retryable, like an RpcError
+                    raise self._failure(CallLost(what), inst, what) from None
                 except grpc.RpcError as err:
-                    if lost:
-                        raise self._stream_lost(inst, what) from None
                     if first:
                         raise
+                    if lost:
+                        raise self._stream_lost(inst, what) from None
                     raise self._failure(err, inst, what) from None
                 if msg is grpc.aio.EOF:
+                    if first:
+                        raise CallLost(what, "the stream ended before its first message")
                     if lost:
                         raise self._stream_lost(inst, what)
                     raise UnavailableError(

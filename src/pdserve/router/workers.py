@@ -28,15 +28,16 @@ RETRYABLE = frozenset(
 )
 
 
-class CallCancelled(grpc.RpcError):
-    """A worker call ended cancelled although nobody cancelled the task awaiting it: its
-    channel was closed under it (the router drops the channel of an instance that
-    expired). It reads as UNAVAILABLE, so the caller retries or migrates instead of
-    taking it for its own cancellation (which would end the client's request)."""
+class CallLost(grpc.RpcError):
+    """A worker call ended without an answer because its instance went away: cancelled
+    although nobody cancelled the task awaiting it (the router closed the channel of an
+    instance that expired), or, for a stream, lost before its first message. It reads as
+    UNAVAILABLE, so the caller retries or migrates instead of taking it for its own
+    cancellation (which would end the client's request)."""
 
-    def __init__(self, what: str = "worker call") -> None:
+    def __init__(self, what: str = "worker call", why: str = "the instance left the registry"):
         super().__init__(what)
-        self._details = f"{what} was cancelled: the instance left the registry"
+        self._details = f"{what} was cancelled: {why}"
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
@@ -54,12 +55,12 @@ def cancelled_under_us() -> bool:
 
 async def settle(call, what: str = "worker call"):
     """Await a unary worker call; a cancel of the call itself (not of us) becomes
-    `CallCancelled`."""
+    `CallLost`."""
     try:
         return await call
     except asyncio.CancelledError:
         if cancelled_under_us():
-            raise CallCancelled(what) from None
+            raise CallLost(what) from None
         raise
 
 
