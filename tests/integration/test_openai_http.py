@@ -255,3 +255,36 @@ def test_grpc_cancel_leaves_a_log_line(cluster, grpc_client):
     next(stream)
     stream.close()  # cancels the call
     wait_until(lambda: log_path.read_text().count(line) > before, 15, "the cancel log line")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_before_its_answer_cancels_the_request(cluster, model_name, stream):
+    """The prefill is frozen (SIGSTOP), so no token can come; the client gives up (read
+    timeout) and disconnects. The router must notice and cancel the request -- a
+    non-streaming one as well as a stream still waiting for its first token -- instead of
+    finishing work nobody reads. Then the prefill resumes and no worker holds a KV block."""
+    import signal
+
+    from .conftest import pool_idle, wait_until
+
+    log_path = cluster.processes["router"].log_path
+    line = "request cancelled by the client"
+    before = log_path.read_text().count(line)
+    prefill = cluster.processes["prefill0"]
+    prefill.signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{cluster.http_url}/completions",
+                headers={"Authorization": f"Bearer {KEYS['beta']}"},
+                json={"model": model_name, "prompt": "a tide table", "max_tokens": 8,
+                      "stream": stream},
+                timeout=httpx.Timeout(10.0, read=0.5),
+            )  # fmt: skip
+        # within the freeze (well under the 3 s heartbeat timeout): the disconnect itself
+        # cancelled it, not a worker failure
+        wait_until(lambda: log_path.read_text().count(line) > before, 2, "the cancel log line")
+    finally:
+        prefill.signal(signal.SIGCONT)
+    for name in ("prefill0", "decode0"):
+        wait_until(lambda name=name: pool_idle(cluster, name), 30, f"{name} idle")

@@ -5,10 +5,16 @@ Every generation goes through `FrontDoor.generate`, the path the gRPC Router ser
 the key is checked, the request admitted, validated, orchestrated and detokenized there.
 Errors before the first token get their HTTP status (400/401/429/503...); an error after it
 (the SSE response has started) is sent as a final `data: {"error": ...}` event.
+
+A client that disconnects cancels its request at any stage: while it waits for its first
+token (either kind) and while a non-streaming answer is being generated (`_unless_gone`
+watches the connection), and during an SSE stream (Starlette cancels the body iterator).
+The front door then aborts the request on the workers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -31,6 +37,45 @@ from .openai import ChatRequest, CompletionRequest, Shaper, parse
 
 log = get_logger("pdserve.router.http")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+CLIENT_CLOSED = 499  # (nginx's code) nobody reads it: the client is gone
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client disconnects (call after the body has been read: the next ASGI
+    message is then `http.disconnect`)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@contextlib.asynccontextmanager
+async def _unless_gone(request: Request) -> AsyncIterator[None]:
+    """Run the block; if the client disconnects meanwhile, cancel it (at its current await:
+    the front door then aborts the request) and raise ClientGone. The block stays in the
+    handler's task, so the request id bound in its context stays bound."""
+    handler = asyncio.current_task()
+    assert handler is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        await _disconnected(request)
+        gone = True
+        handler.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        handler.uncancel()
+        raise ClientGone from None
+    finally:
+        watcher.cancel()  # (no await since the block ended: the watcher cannot fire late)
 
 
 def _sse(obj: Any) -> bytes:
@@ -100,9 +145,12 @@ class OpenAIApp:
             grpc_req = req.to_request()
             stream = self.front.generate(grpc_req, key)
             try:
-                first = await anext(stream)
+                async with _unless_gone(request):
+                    first = await anext(stream)
             except StopAsyncIteration:
                 raise UnavailableError("the request ended without a response") from None
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
             return error_response(exc, chat)
         shaper = Shaper(kind, self.model_name, first.request_id, req.return_token_ids)  # type: ignore[arg-type]
@@ -112,7 +160,11 @@ class OpenAIApp:
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
-        return await self._whole(shaper, first, stream, chat)
+        try:
+            async with _unless_gone(request):
+                return await self._whole(shaper, first, stream, chat)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
 
     async def _whole(
         self,
