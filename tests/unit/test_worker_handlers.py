@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.params import SamplingParams
-from pdserve.errors import DeadlineError, InvalidRequestError, NotFoundError
+from pdserve.errors import DeadlineError, InvalidRequestError, NotFoundError, UnavailableError
 from pdserve.worker.decode import DecodeHandler
 from pdserve.worker.kv_reuse import KVReuse
 from pdserve.worker.prefill import PrefillHandler
@@ -220,4 +220,16 @@ async def test_reserve_requires_the_prompt_and_sampling(pair):
     with pytest.raises(InvalidRequestError):
         await pair.reserve("v1")
     await pair.decode.abort("v1")
+    await pair.assert_idle()
+
+
+async def test_an_abort_that_overtakes_its_reserve_refuses_it(pair):
+    """The Abort arrives first (nothing known of the id yet); the Reserve that comes later
+    is refused instead of holding its blocks until the lease ends. Only once."""
+    assert not await pair.decode.abort("late-1")
+    with pytest.raises(UnavailableError, match="aborted before its Reserve"):
+        await pair.reserve("late-1")
+    await pair.assert_idle()
+    await pair.reserve("late-1")  # the memory is single use
+    assert await pair.decode.abort("late-1")
     await pair.assert_idle()

@@ -18,6 +18,7 @@ state can never leak them: `abort(request_id)` always frees them. A reservation 
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -43,6 +44,7 @@ from pdserve.worker.kv_reuse import KVReuse
 from pdserve.worker.nonce import new_nonce, nonce_matches, token_buffer
 
 _log = get_logger(__name__)
+ABORTED_UNSEEN_MEMORY = 4096  # request ids remembered when aborted before their Reserve
 
 
 class ResState(enum.Enum):
@@ -96,6 +98,10 @@ class DecodeHandler:
         self._by_request: dict[str, int] = {}
         self._background: set[asyncio.Task] = set()
         self._reserving: dict[str, bool] = {}  # request id -> aborted while Reserve was in flight
+        # Ids aborted before anything was known of them: an Abort can overtake its own Reserve
+        # (sent on another stream, or both queued behind a frozen process). The Reserve that
+        # comes later is refused instead of holding blocks until its lease ends. Bounded.
+        self._aborted_unseen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.counters: dict[str, float] = dict.fromkeys(
             ("reservations", "reservations_refused", "leases_expired", "transfers_failed", "admitted",
              "admission_delay_ms_sum", "kv_wait_ms_sum", "nonce_mismatch"), 0.0
@@ -134,6 +140,9 @@ class DecodeHandler:
             raise InvalidRequestError("sampling", "required with Reserve")
         if request_id in self._by_request or request_id in self._reserving:
             raise InvalidRequestError("request_id", f"{request_id!r} already has a reservation")
+        if request_id in self._aborted_unseen:
+            del self._aborted_unseen[request_id]
+            raise UnavailableError(f"request {request_id} was aborted before its Reserve")
         lease_s = lease_s or self._default_lease_s
         self._reserving[request_id] = False
         try:
@@ -313,7 +322,12 @@ class DecodeHandler:
             res.abandoned = True
             await self._release(res)
             found = True
-        return await self._engine.abort(request_id) or found
+        found = await self._engine.abort(request_id) or found
+        if not found:
+            self._aborted_unseen[request_id] = None
+            if len(self._aborted_unseen) > ABORTED_UNSEEN_MEMORY:
+                self._aborted_unseen.popitem(last=False)
+        return found
 
     def _on_lease_expired(self, res: Reservation) -> None:
         if self._by_ticket.get(res.ticket.ticket_id) is not res:
