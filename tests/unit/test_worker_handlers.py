@@ -233,3 +233,17 @@ async def test_an_abort_that_overtakes_its_reserve_refuses_it(pair):
     await pair.reserve("late-1")  # the memory is single use
     assert await pair.decode.abort("late-1")
     await pair.assert_idle()
+
+
+async def test_a_reserve_refused_for_want_of_blocks_can_be_retried_after_its_abort(pair):
+    """The router aborts a refused Reserve and retries the same id later (KvQueue): that
+    Abort finds nothing, but the id was seen, so the retry is not taken for a late Reserve."""
+    from pdserve.errors import OverloadedError
+
+    huge = list(range(2, 2 + 16 * 80))  # 80 blocks: more than the 64-block pool
+    with pytest.raises(OverloadedError):
+        await pair.decode.reserve("kvq-1", len(huge), None, huge, GREEDY)
+    assert not await pair.decode.abort("kvq-1")
+    await pair.reserve("kvq-1")  # the retry (a prompt that fits now)
+    assert await pair.decode.abort("kvq-1")
+    await pair.assert_idle()

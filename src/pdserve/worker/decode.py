@@ -44,7 +44,14 @@ from pdserve.worker.kv_reuse import KVReuse
 from pdserve.worker.nonce import new_nonce, nonce_matches, token_buffer
 
 _log = get_logger(__name__)
-ABORTED_UNSEEN_MEMORY = 4096  # request ids remembered when aborted before their Reserve
+ID_MEMORY = 4096  # request ids remembered: Reserves seen, Aborts that came before any
+
+
+def _remember(ids: collections.OrderedDict[str, None], request_id: str) -> None:
+    ids[request_id] = None
+    ids.move_to_end(request_id)
+    if len(ids) > ID_MEMORY:
+        ids.popitem(last=False)
 
 
 class ResState(enum.Enum):
@@ -98,9 +105,13 @@ class DecodeHandler:
         self._by_request: dict[str, int] = {}
         self._background: set[asyncio.Task] = set()
         self._reserving: dict[str, bool] = {}  # request id -> aborted while Reserve was in flight
-        # Ids aborted before anything was known of them: an Abort can overtake its own Reserve
-        # (sent on another stream, or both queued behind a frozen process). The Reserve that
-        # comes later is refused instead of holding blocks until its lease ends. Bounded.
+        # An Abort can overtake its own Reserve (another HTTP/2 stream, or both queued behind
+        # a frozen process). Ids aborted before any Reserve for them was seen are remembered,
+        # and the Reserve that comes later is refused instead of holding blocks until its
+        # lease ends. An id seen before (e.g. a Reserve refused for want of blocks, which the
+        # router aborts and retries later) is not: its next Reserve is a legitimate retry.
+        # Both memories are bounded.
+        self._reserve_seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._aborted_unseen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.counters: dict[str, float] = dict.fromkeys(
             ("reservations", "reservations_refused", "leases_expired", "transfers_failed", "admitted",
@@ -140,6 +151,7 @@ class DecodeHandler:
             raise InvalidRequestError("sampling", "required with Reserve")
         if request_id in self._by_request or request_id in self._reserving:
             raise InvalidRequestError("request_id", f"{request_id!r} already has a reservation")
+        _remember(self._reserve_seen, request_id)
         if request_id in self._aborted_unseen:
             del self._aborted_unseen[request_id]
             raise UnavailableError(f"request {request_id} was aborted before its Reserve")
@@ -323,10 +335,8 @@ class DecodeHandler:
             await self._release(res)
             found = True
         found = await self._engine.abort(request_id) or found
-        if not found:
-            self._aborted_unseen[request_id] = None
-            if len(self._aborted_unseen) > ABORTED_UNSEEN_MEMORY:
-                self._aborted_unseen.popitem(last=False)
+        if not found and request_id not in self._reserve_seen:
+            _remember(self._aborted_unseen, request_id)
         return found
 
     def _on_lease_expired(self, res: Reservation) -> None:
