@@ -121,8 +121,13 @@ def bench_hf(
     forwards over the KV cache, each phase timed on its own (not a difference of two
     `generate` timings, which came out <= 0 on a busy machine). The model's forwards only: no
     `generate` loop overhead, so a lower bound on transformers' own time."""
+    import inspect
+
     import torch
 
+    # transformers 5 calls the KV cache argument `cache`; older releases `past_key_values`
+    forward_args = inspect.signature(model.forward).parameters
+    cache_arg = "cache" if "cache" in forward_args else "past_key_values"
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
     with torch.inference_mode():
@@ -130,11 +135,10 @@ def bench_hf(
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
         t1 = clock()
-        past = out.past_key_values
         for _ in range(gen_len - 1):
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-            out = model(input_ids=token, attention_mask=mask, past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            kv = {cache_arg: getattr(out, cache_arg)}
+            out = model(input_ids=token, attention_mask=mask, use_cache=True, **kv)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
         t2 = clock()
     decode = t2 - t1
