@@ -118,12 +118,11 @@ class PrefillHandler:
     ) -> tuple[int, StageCosts]:
         """Returns (token 0, stage costs) once every layer has reached the decode. Without a
         ticket (a 1-token request: nothing to decode) the KV stays here."""
-        if ticket is None:
-            return await self._prefill_only(request_id, token_ids, params, use_kvstore)
-        self._check_ticket(token_ids, ticket)
+        if ticket is not None:
+            self._check_ticket(token_ids, ticket)
         started = time.perf_counter()
         stages = StageCosts()
-        pusher = LayerPusher(self._transport, ticket, self._timeout_s)
+        pusher = LayerPusher(self._transport, ticket, self._timeout_s) if ticket else None
         use_kvstore = use_kvstore and self._kv_reuse.enabled
         try:
             if use_kvstore:
@@ -132,13 +131,15 @@ class PrefillHandler:
                 )
             first_token = await self._compute(request_id, token_ids, params, pusher, stages)
             computed = time.perf_counter()
-            expected = self._spec.num_layers
-            if ticket.early_admission and first_token is not None:
-                pusher.push_token(first_token, self._spec.num_layers)
-                expected += 1
-            await pusher.wait(expected)
+            if ticket is not None and pusher is not None:
+                expected = self._spec.num_layers
+                if ticket.early_admission and first_token is not None:
+                    pusher.push_token(first_token, self._spec.num_layers)
+                    expected += 1
+                await pusher.wait(expected)
         except BaseException:
-            pusher.close()
+            if pusher is not None:
+                pusher.close()
             self._engine.abort_nowait(request_id)  # idempotent; releases its holds too
             raise
         done = time.perf_counter()
@@ -147,29 +148,7 @@ class PrefillHandler:
         stages.prefill_ms = (computed - started) * 1e3
         # exposed transfer only: the sends of layers 0..L-2 overlap the compute of later layers
         stages.transfer_ms = (done - computed) * 1e3
-        stages.transfer_bytes = pusher.bytes
-        if use_kvstore:
-            self._kv_reuse.publish_later(request_id, token_ids)
-        return first_token, stages
-
-    async def _prefill_only(
-        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, use_kvstore: bool
-    ) -> tuple[int, StageCosts]:
-        started = time.perf_counter()
-        stages = StageCosts()
-        use_kvstore = use_kvstore and self._kv_reuse.enabled
-        try:
-            if use_kvstore:
-                stages.kvstore_tokens = await self._kv_reuse.fetch_prefix(
-                    request_id, token_ids, hold_finished=True
-                )
-            first_token = await self._compute(request_id, token_ids, params, None, stages)
-        except BaseException:
-            self._engine.abort_nowait(request_id)  # idempotent; releases its holds too
-            raise
-        if first_token is None:
-            raise UnavailableError(f"prefill of {request_id} produced no token")
-        stages.prefill_ms = (time.perf_counter() - started) * 1e3
+        stages.transfer_bytes = pusher.bytes if pusher is not None else 0
         if use_kvstore:
             self._kv_reuse.publish_later(request_id, token_ids)
         return first_token, stages
