@@ -35,7 +35,9 @@ class CallLost(grpc.RpcError):
     UNAVAILABLE, so the caller retries or migrates instead of taking it for its own
     cancellation (which would end the client's request)."""
 
-    def __init__(self, what: str = "worker call", why: str = "the instance left the registry"):
+    def __init__(
+        self, what: str = "worker call", why: str = "the instance left the registry"
+    ) -> None:
         super().__init__(what)
         self._details = f"{what} was cancelled: {why}"
 

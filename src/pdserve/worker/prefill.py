@@ -66,6 +66,15 @@ class LayerPusher:
         ticket's nonce (the decode admits the KV only if it matches)."""
         self._start(num_layers, token_message(token, self._ticket.nonce), count_bytes=False)
 
+    async def finish(self, first_token: int | None, num_layers: int) -> None:
+        """After the last layer: send token 0 when the ticket asks for early admission, then
+        wait until every send completed."""
+        expected = num_layers
+        if self._ticket.early_admission and first_token is not None:
+            self.push_token(first_token, num_layers)
+            expected += 1
+        await self.wait(expected)
+
     async def wait(self, expected_layers: int) -> None:
         if len(self._sends) != expected_layers:
             raise UnavailableError(
@@ -131,12 +140,8 @@ class PrefillHandler:
                 )
             first_token = await self._compute(request_id, token_ids, params, pusher, stages)
             computed = time.perf_counter()
-            if ticket is not None and pusher is not None:
-                expected = self._spec.num_layers
-                if ticket.early_admission and first_token is not None:
-                    pusher.push_token(first_token, self._spec.num_layers)
-                    expected += 1
-                await pusher.wait(expected)
+            if pusher is not None:
+                await pusher.finish(first_token, self._spec.num_layers)
         except BaseException:
             if pusher is not None:
                 pusher.close()
