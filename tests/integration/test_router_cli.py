@@ -95,7 +95,7 @@ def test_router_imports_no_torch(model_dir):
         "import sys\n"
         "import pdserve.router.__main__, pdserve.router.app, pdserve.client\n"
         "import pdserve.cli.chat, pdserve.cli.status\n"
-        "from pdserve.router.model_info import ModelInfo\n"
+        "from pdserve.router.frontdoor.model_info import ModelInfo\n"
         f"m = ModelInfo.from_dir({str(model_dir)!r})\n"
         "assert m.encode('héllo') and m.detokenizer() is not None\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"

@@ -153,7 +153,7 @@ class Log:
 
     def of(self, request_id: str) -> list[tuple[str, str]]:
         """Calls of the client request `request_id` (workers see it with a random suffix,
-        `<id>.<8 hex>`: pdserve.router.servicer.worker_request_id)."""
+        `<id>.<8 hex>`: pdserve.router.frontdoor.servicer.worker_request_id)."""
         return [(i, m) for i, m, r in self.calls if client_id(r) == request_id]
 
     async def wait_for(self, entry: tuple[str, str, str], timeout: float = 5.0) -> bool:

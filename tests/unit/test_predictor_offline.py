@@ -10,9 +10,14 @@ import numpy as np
 import pytest
 
 from pdserve.cli.main import main
-from pdserve.router.predictor import LengthQuery
-from pdserve.router.predictor.offline import DEFAULT_DIR, TextLengthModel, TrainConfig, train
-from pdserve.router.predictor.stats import kendall_tau, spearman, summarize
+from pdserve.router.scheduling.predictor import LengthQuery
+from pdserve.router.scheduling.predictor.offline import (
+    DEFAULT_DIR,
+    TextLengthModel,
+    TrainConfig,
+    train,
+)
+from pdserve.router.scheduling.predictor.stats import kendall_tau, spearman, summarize
 
 SMALL = TrainConfig(dim=1 << 12, folds=3, knn_keep=64)
 TOPICS = ["rust", "python", "sql", "tea", "bikes", "rome", "jazz", "mars", "bees", "chess"]
@@ -77,7 +82,7 @@ def test_rank_statistics_known_values():
 
 
 def test_training_is_deterministic_and_learns_the_templates(tmp_path):
-    from pdserve.router.predictor.offline import save_model
+    from pdserve.router.scheduling.predictor.offline import save_model
 
     rows = [r for r in fixture_rows() if r["prompt_split"] == "train"]
     a = save_model(train(rows, SMALL), tmp_path / "a")

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from pdserve.router.predictor import EwmaPredictor, LengthQuery, OraclePredictor
-from pdserve.router.predictor.evaluate import evaluate_online
-from pdserve.router.predictor.online import OnlineLengthPredictor
-from pdserve.router.predictor.stats import kendall_tau
+from pdserve.router.scheduling.predictor import EwmaPredictor, LengthQuery, OraclePredictor
+from pdserve.router.scheduling.predictor.evaluate import evaluate_online
+from pdserve.router.scheduling.predictor.online import OnlineLengthPredictor
+from pdserve.router.scheduling.predictor.stats import kendall_tau
 
 
 def templated_stream(n: int, seed: int = 0) -> list[dict]:

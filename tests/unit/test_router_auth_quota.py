@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.errors import OverloadedError, UnauthenticatedError
-from pdserve.router import quota as quota_mod
-from pdserve.router.auth import ANONYMOUS, ApiKey, ApiKeys, key_id, metadata_value
-from pdserve.router.quota import Quotas
+from pdserve.router.frontdoor import quota as quota_mod
+from pdserve.router.frontdoor.auth import ANONYMOUS, ApiKey, ApiKeys, key_id, metadata_value
+from pdserve.router.frontdoor.quota import Quotas
 from pdserve.rpc.interceptor import retry_metadata
 from pdserve.rpc.metrics import Metrics
 

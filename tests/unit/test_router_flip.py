@@ -9,9 +9,15 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdserve.router.flip import FlipController, FlipMetrics, snapshot
-from pdserve.router.flip_policy import FlipPolicy, FlipThresholds, InstanceLoad
-from pdserve.router.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, LoadReport, Registry
+from pdserve.router.cluster.registry import (
+    ROLE_COLOCATED,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    LoadReport,
+    Registry,
+)
+from pdserve.router.flip.controller import FlipController, FlipMetrics, snapshot
+from pdserve.router.flip.policy import FlipPolicy, FlipThresholds, InstanceLoad
 from pdserve.rpc.metrics import Metrics
 
 P, D = ROLE_PREFILL, ROLE_DECODE

@@ -4,7 +4,7 @@ expiry), and a role change replaces the old series instead of leaving it behind.
 from prometheus_client import CollectorRegistry
 
 from pdserve.router.app import RouterApp
-from pdserve.router.registry import ROLE_DECODE, ROLE_PREFILL
+from pdserve.router.cluster.registry import ROLE_DECODE, ROLE_PREFILL
 from pdserve.router.settings import RouterSettings
 from pdserve.rpc.metrics import Metrics
 

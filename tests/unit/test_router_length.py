@@ -4,11 +4,11 @@ import asyncio
 
 from pdserve.engine.params import SamplingParams
 from pdserve.router.job import Job
-from pdserve.router.length import UNBOUNDED, LengthScheduling
-from pdserve.router.overload_queue import OverloadQueue
-from pdserve.router.policies import RouteRequest
-from pdserve.router.predictor import EwmaPredictor, OraclePredictor
-from pdserve.router.predictor.online import OnlineLengthPredictor
+from pdserve.router.scheduling.length import UNBOUNDED, LengthScheduling
+from pdserve.router.scheduling.overload_queue import OverloadQueue
+from pdserve.router.scheduling.policies import RouteRequest
+from pdserve.router.scheduling.predictor import EwmaPredictor, OraclePredictor
+from pdserve.router.scheduling.predictor.online import OnlineLengthPredictor
 from pdserve.v1 import common_pb2
 
 
@@ -78,7 +78,7 @@ async def test_demand_and_queue_slot_follow_the_request():
 
 
 def test_oracle_metadata_parsing():
-    from pdserve.router.servicer import oracle_tokens
+    from pdserve.router.frontdoor.servicer import oracle_tokens
 
     class Ctx:
         def __init__(self, md):

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from pdserve.router.demand import DecodeDemand
-from pdserve.router.flip_policy import FlipPolicy, FlipThresholds, InstanceLoad
-from pdserve.router.overload_queue import OverloadQueue
-from pdserve.router.policies import PredictedFootprint, RouteRequest, make_policy
-from pdserve.router.registry import ROLE_DECODE, ROLE_PREFILL, Instance, LoadReport
+from pdserve.router.cluster.registry import ROLE_DECODE, ROLE_PREFILL, Instance, LoadReport
+from pdserve.router.flip.policy import FlipPolicy, FlipThresholds, InstanceLoad
+from pdserve.router.scheduling.demand import DecodeDemand
+from pdserve.router.scheduling.overload_queue import OverloadQueue
+from pdserve.router.scheduling.policies import PredictedFootprint, RouteRequest, make_policy
 
 
 def decode(iid, inflight_requests=0, total_blocks=1000, block_size=16):
@@ -218,8 +218,8 @@ def test_flip_pressure_reads_predicted_decode_demand():
 
 
 def test_flip_snapshot_carries_the_predicted_demand():
-    from pdserve.router.flip import snapshot
-    from pdserve.router.registry import Registry
+    from pdserve.router.cluster.registry import Registry
+    from pdserve.router.flip.controller import snapshot
 
     reg = Registry()
     reg.register("d0", "d0:1", ROLE_DECODE, "fp", 16, LoadReport(total_blocks=10, free_blocks=10))

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import DeadlineError, InvalidRequestError, OverloadedError, UnavailableError
+from pdserve.router.cluster.registry import ROLE_DECODE, ROLE_PREFILL, Registry
+from pdserve.router.cluster.workers import RemoteError
 from pdserve.router.job import Chunk, Job
-from pdserve.router.migration import Migrator, StreamLost, continuation, fold, migratable
-from pdserve.router.registry import ROLE_DECODE, ROLE_PREFILL, Registry
-from pdserve.router.workers import RemoteError
+from pdserve.router.lifecycle.migration import Migrator, StreamLost, continuation, fold, migratable
 from pdserve.v1 import common_pb2
 
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
@@ -333,8 +333,8 @@ class Msg:
 
 
 def _relay_setup(now):
-    from pdserve.router import orchestrator as orch_mod
-    from pdserve.router.orchestrator import Deadlines, Orchestrator
+    from pdserve.router.lifecycle import orchestrator as orch_mod
+    from pdserve.router.lifecycle.orchestrator import Deadlines, Orchestrator
 
     reg = Registry(heartbeat_timeout_s=3.0, clock=lambda: now[0])
     inst = reg.register("d1", "127.0.0.1:2", ROLE_DECODE, "fp", 16)
@@ -397,7 +397,7 @@ def test_relay_call_cancelled_under_it_is_unavailable_not_a_client_cancel():
     CancelledError in a task nobody cancelled. Mid-stream that is an UNAVAILABLE failure
     (the Migrator continues the request), before the first message a retryable RpcError;
     never a CancelledError, which would end the client's request as if it had left."""
-    from pdserve.router.workers import CallLost
+    from pdserve.router.cluster.workers import CallLost
 
     now = [100.0]
     _orch_mod, orch, inst = _relay_setup(now)

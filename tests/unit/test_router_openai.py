@@ -15,9 +15,9 @@ from pdserve.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from pdserve.router.http.errors import error_body, error_response
-from pdserve.router.http.openai import ChatRequest, CompletionRequest, Shaper, parse
-from pdserve.router.model_info import model_name
+from pdserve.router.frontdoor.http.errors import error_body, error_response
+from pdserve.router.frontdoor.http.openai import ChatRequest, CompletionRequest, Shaper, parse
+from pdserve.router.frontdoor.model_info import model_name
 from pdserve.v1 import router_pb2
 
 

@@ -12,12 +12,12 @@ import pytest
 
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import UnavailableError
-from pdserve.router.orchestrator import Deadlines, Job, Orchestrator
-from pdserve.router.placement import RequestPlacement
-from pdserve.router.policies import make_policy
-from pdserve.router.predictor import EwmaPredictor
-from pdserve.router.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
-from pdserve.router.workers import Aborter
+from pdserve.router.cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
+from pdserve.router.cluster.workers import Aborter
+from pdserve.router.lifecycle.orchestrator import Deadlines, Job, Orchestrator
+from pdserve.router.lifecycle.placement import RequestPlacement
+from pdserve.router.scheduling.policies import make_policy
+from pdserve.router.scheduling.predictor import EwmaPredictor
 from pdserve.v1 import common_pb2, worker_pb2
 
 FIRST, REST = 11, [12, 13, 14]
@@ -516,7 +516,7 @@ async def test_a_one_token_request_is_prefill_only():
 async def test_a_colocated_worker_lost_before_its_first_chunk_is_retried(monkeypatch):
     """Silent (SIGSTOPped) before its first chunk: the watchdog sees it stop heartbeating
     and the request goes to the other colocated worker instead of failing."""
-    from pdserve.router import orchestrator as orch_mod
+    from pdserve.router.lifecycle import orchestrator as orch_mod
 
     monkeypatch.setattr(orch_mod, "DECODE_WATCH_S", 0.01)
     c = Cluster(prefills=(), decodes=(), colocated=("c0", "c1"))

@@ -3,7 +3,8 @@
 import pytest
 
 from pdserve.kv.hashing import block_hashes
-from pdserve.router.policies import (
+from pdserve.router.cluster.registry import Instance, LoadReport
+from pdserve.router.scheduling.policies import (
     LeastLoaded,
     PrefixAware,
     RoundRobin,
@@ -11,8 +12,7 @@ from pdserve.router.policies import (
     SessionAffinity,
     make_policy,
 )
-from pdserve.router.predictor import EwmaPredictor
-from pdserve.router.registry import Instance, LoadReport
+from pdserve.router.scheduling.predictor import EwmaPredictor
 
 
 def inst(iid, inflight_tokens=0, inflight_requests=0, block_size=4, **load):

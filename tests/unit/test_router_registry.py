@@ -3,7 +3,7 @@
 import pytest
 
 from pdserve.errors import FailedPreconditionError, InvalidRequestError
-from pdserve.router.registry import (
+from pdserve.router.cluster.registry import (
     ROLE_COLOCATED,
     ROLE_DECODE,
     ROLE_PREFILL,

@@ -1,7 +1,7 @@
 """Stop strings and the router's text path (detokenizer -> stop matcher)."""
 
-from pdserve.router.stops import StopMatcher
-from pdserve.router.text import TextStream
+from pdserve.router.frontdoor.stops import StopMatcher
+from pdserve.router.frontdoor.text import TextStream
 
 
 def feed_all(m, parts):

@@ -4,7 +4,12 @@ import pytest
 
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import InvalidRequestError
-from pdserve.router.validation import check_messages, check_request, check_session_id, to_params
+from pdserve.router.frontdoor.validation import (
+    check_messages,
+    check_request,
+    check_session_id,
+    to_params,
+)
 from pdserve.v1 import common_pb2
 
 

@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.router.workers import CallLost, WorkerClients, settle
+from pdserve.router.cluster.workers import CallLost, WorkerClients, settle
 from pdserve.v1 import worker_pb2
 
 ABORT = "/pdserve.v1.Worker/Abort"

@@ -153,7 +153,7 @@ def test_id_rule(value, ok):
 
 
 def test_instance_id_belongs_to_its_registrant(monkeypatch):
-    from pdserve.router import registry_checks
+    from pdserve.router.cluster import registry_checks
 
     owners = registry_checks.Owners()
     peer = {"who": Identity("worker", "a")}
@@ -171,7 +171,7 @@ def test_instance_id_belongs_to_its_registrant(monkeypatch):
 
 def test_instances_per_identity_cap(monkeypatch):
     from pdserve.errors import OverloadedError
-    from pdserve.router import registry_checks
+    from pdserve.router.cluster import registry_checks
 
     owners = registry_checks.Owners(max_per_identity=1)
     peer = {"who": Identity("worker", "a")}
@@ -191,7 +191,7 @@ def test_instances_per_identity_cap(monkeypatch):
 
 
 def test_public_limits_refuse_before_tokenizing():
-    from pdserve.router.input_limits import InputLimits, check_raw_request
+    from pdserve.router.frontdoor.input_limits import InputLimits, check_raw_request
     from pdserve.v1 import router_pb2
 
     lim = InputLimits(max_prompt_chars=100, max_chat_messages=2, max_prompt_tokens=8)

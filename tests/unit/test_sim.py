@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import pytest
 
 from pdserve.bench.workload import BenchRequest, LengthDist, synthetic_requests
-from pdserve.router.policies import PlacementPolicy, RoundRobin, RouteRequest
-from pdserve.router.registry import Instance
+from pdserve.router.cluster.registry import Instance
+from pdserve.router.scheduling.policies import PlacementPolicy, RoundRobin, RouteRequest
 from pdserve.sim.cluster import ClusterSpec, PoolSpec, SimCluster
 from pdserve.sim.costs import CostModel, LinkCost, StepCost
 from pdserve.sim.instance import InstanceConfig
@@ -191,8 +191,8 @@ def test_early_stop_only_when_the_target_is_out_of_reach():
 
 
 def test_flip_policy_moves_a_decode_instance_to_a_starved_prefill_pool():
-    from pdserve.router.flip_policy import FlipThresholds
-    from pdserve.router.registry import ROLE_PREFILL
+    from pdserve.router.cluster.registry import ROLE_PREFILL
+    from pdserve.router.flip.policy import FlipThresholds
 
     # long prompts (522 ms of prefill each) at 2.5 req/s, two output tokens: the prefill pool
     # starves while 3 decode instances with room to spare idle

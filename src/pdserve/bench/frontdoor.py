@@ -171,7 +171,7 @@ def summarize(samples: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.launcher import Cluster, ClusterConfig
-    from pdserve.router.model_info import ModelInfo
+    from pdserve.router.frontdoor.model_info import ModelInfo
 
     cluster = Cluster(
         ClusterConfig(

@@ -31,7 +31,7 @@ def length_requests(
 ) -> list[BenchRequest]:
     """`n` (prompt, length) pairs of `model` (its `model_canonical`; "any" = every
     model) from rows of `split` ("" = all), drawn without replacement with `seed`."""
-    from pdserve.router.predictor.evaluate import read_rows
+    from pdserve.router.scheduling.predictor.evaluate import read_rows
 
     rows = [
         r

@@ -18,9 +18,9 @@ import time
 
 import grpc
 
-from pdserve.router import orchestrator as orch_mod
-from pdserve.router.orchestrator import Chunk, Deadlines, Orchestrator
-from pdserve.router.registry import ROLE_DECODE, Registry
+from pdserve.router.cluster.registry import ROLE_DECODE, Registry
+from pdserve.router.lifecycle import orchestrator as orch_mod
+from pdserve.router.lifecycle.orchestrator import Chunk, Deadlines, Orchestrator
 
 
 class _Msg:

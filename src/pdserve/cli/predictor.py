@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _rows(args: argparse.Namespace) -> list[dict]:
-    from pdserve.router.predictor.evaluate import read_rows
+    from pdserve.router.scheduling.predictor.evaluate import read_rows
 
     rows = []
     for row in read_rows(args.data):
@@ -52,7 +52,7 @@ def _rows(args: argparse.Namespace) -> list[dict]:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from pdserve.router.predictor.offline import TrainConfig, save_model, train
+    from pdserve.router.scheduling.predictor.offline import TrainConfig, save_model, train
 
     t0 = time.monotonic()
     rows = _rows(args)
@@ -76,13 +76,13 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
-    from pdserve.router.predictor.evaluate import (
+    from pdserve.router.scheduling.predictor.evaluate import (
         default_online,
         evaluate_offline,
         evaluate_online,
         is_trace,
     )
-    from pdserve.router.predictor.offline import DEFAULT_DIR, TextLengthModel
+    from pdserve.router.scheduling.predictor.offline import DEFAULT_DIR, TextLengthModel
 
     rows = _rows(args)
     if not rows:

@@ -188,7 +188,7 @@ def _first_file_key(path: str | None) -> str | None:
     """A key from the keys file, for the launcher's own Status polls."""
     if not path:
         return None
-    from pdserve.router.auth import read_keys_file
+    from pdserve.router.frontdoor.auth import read_keys_file
 
     try:
         entries = read_keys_file(Path(path))

@@ -16,27 +16,28 @@ from pdserve.rpc.reflection import enable_reflection
 from pdserve.rpc.server import ServiceApp
 from pdserve.v1 import router_pb2_grpc
 
-from .auth import ApiKeys
-from .demand import DecodeDemand
-from .flip import FlipController, FlipMetrics
-from .flip_policy import FlipPolicy, FlipThresholds
-from .frontdoor import FrontDoor
-from .http.app import OpenAIApp
-from .http.server import HttpServer
-from .input_limits import InputLimits
+from .cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_NAMES, Registry
+from .cluster.servicer import RegistryServicer
+from .cluster.workers import WorkerClients
+from .flip.controller import FlipController, FlipMetrics
+from .flip.policy import FlipPolicy, FlipThresholds
+from .frontdoor.auth import ApiKeys
+from .frontdoor.door import FrontDoor
+from .frontdoor.http.app import OpenAIApp
+from .frontdoor.http.server import HttpServer
+from .frontdoor.input_limits import InputLimits
+from .frontdoor.model_info import ModelInfo
+from .frontdoor.quota import Quotas
+from .frontdoor.servicer import RouterServicer
 from .job import Deadlines
-from .length import LengthMetrics, LengthScheduling
+from .lifecycle.orchestrator import Orchestrator
 from .metrics import RouterMetrics, Totals
-from .model_info import ModelInfo
-from .orchestrator import Orchestrator
-from .overload_queue import OverloadQueue
-from .policies import make_policy
-from .predictor import EwmaPredictor, OraclePredictor, OutputLengthPredictor
-from .quota import Quotas
-from .registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_NAMES, Registry
-from .servicer import RegistryServicer, RouterServicer
+from .scheduling.demand import DecodeDemand
+from .scheduling.length import LengthMetrics, LengthScheduling
+from .scheduling.overload_queue import OverloadQueue
+from .scheduling.policies import make_policy
+from .scheduling.predictor import EwmaPredictor, OraclePredictor, OutputLengthPredictor
 from .settings import RouterSettings
-from .workers import WorkerClients
 
 log = get_logger("pdserve.router")
 # Listed by server reflection (with the health service and reflection itself).
@@ -104,8 +105,8 @@ class RouterApp(ServiceApp):
         if s.predictor == "ewma":
             predictor = EwmaPredictor(alpha=s.predictor_alpha, initial=s.predictor_initial)
         else:
-            from .predictor.offline import DEFAULT_DIR, TextLengthModel
-            from .predictor.online import OnlineLengthPredictor
+            from .scheduling.predictor.offline import DEFAULT_DIR, TextLengthModel
+            from .scheduling.predictor.online import OnlineLengthPredictor
 
             text_model = None
             if s.predictor_path != "none":

@@ -1,7 +1,7 @@
 """The simulated cluster: router + workers (+ kvstore) in simulated time.
 
 Real decision code, called as the services call it:
-- placement: a `pdserve.router.policies.PlacementPolicy` (pick_decode, pick_prefill, on_routed)
+- placement: a `pdserve.router.scheduling.policies.PlacementPolicy` (pick_decode, pick_prefill, on_routed)
   over `Registry.candidates(role)`, with the router's in-flight counters (`Registry.charge`)
   and heartbeat loads (`Registry.heartbeat` every `heartbeat_interval_s` with the instance's
   `LoadReport`), exactly the inputs the orchestrator gives them;
@@ -28,11 +28,11 @@ from pdserve.bench.workload import BenchRequest
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.kv.hashing import block_hashes
 from pdserve.kvstore.store import BlockStore
-from pdserve.router.flip import snapshot
-from pdserve.router.flip_policy import FlipPolicy, FlipThresholds
-from pdserve.router.policies import PlacementPolicy, RouteRequest, make_policy
-from pdserve.router.predictor import EwmaPredictor, OutputLengthPredictor
-from pdserve.router.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
+from pdserve.router.cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
+from pdserve.router.flip.controller import snapshot
+from pdserve.router.flip.policy import FlipPolicy, FlipThresholds
+from pdserve.router.scheduling.policies import PlacementPolicy, RouteRequest, make_policy
+from pdserve.router.scheduling.predictor import EwmaPredictor, OutputLengthPredictor
 from pdserve.sim.costs import CostModel
 from pdserve.sim.events import EventLoop
 from pdserve.sim.instance import SAMPLED_TOKEN, InstanceConfig, SimInstance

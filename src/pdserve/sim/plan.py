@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.bench.goodput import SLO, distserve_goodput, search_goodput_rate
-from pdserve.router.flip_policy import FlipThresholds  # noqa: F401  (documented option)
+from pdserve.router.flip.policy import FlipThresholds  # noqa: F401  (documented option)
 from pdserve.sim.cluster import ClusterSpec, PoolSpec
 from pdserve.sim.costs import CostModel
 from pdserve.sim.hardware import load_model_config, roofline_costs

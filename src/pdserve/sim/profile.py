@@ -249,8 +249,8 @@ def profile_kvstore(block_bytes: int, blocks: list[int], repeats: int = 3) -> di
 def profile_router_decision(n_instances: int = 2, iters: int = 2000) -> float:
     """Seconds per placement decision (PrefixAware over a Registry, 256-token prompt)."""
     from pdserve.kv.hashing import block_hashes
-    from pdserve.router.policies import RouteRequest, make_policy
-    from pdserve.router.registry import ROLE_COLOCATED, Registry
+    from pdserve.router.cluster.registry import ROLE_COLOCATED, Registry
+    from pdserve.router.scheduling.policies import RouteRequest, make_policy
 
     reg = Registry()
     for i in range(n_instances):

@@ -24,7 +24,7 @@ from pdserve.bench.goodput import (
 )
 from pdserve.bench.metrics import summarize
 from pdserve.bench.serve import offered_rate, sweep_result, workload_at
-from pdserve.router.flip_policy import FlipThresholds
+from pdserve.router.flip.policy import FlipThresholds
 from pdserve.sim.cluster import ClusterSpec, PoolSpec, SimCluster
 from pdserve.sim.costs import CostModel
 from pdserve.sim.instance import InstanceConfig

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from pdserve.v1 import worker_pb2
 
-from .registry import Instance, Registry
-from .workers import Aborter
+from ..cluster.registry import Instance, Registry
+from ..cluster.workers import Aborter
 
 
 @dataclass

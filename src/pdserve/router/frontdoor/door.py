@@ -2,11 +2,11 @@
 HTTP API): authenticate -> admission (per-key limits, bounded queue) -> tokenize and
 validate -> Orchestrator.run -> detokenize and stop strings -> usage, metrics, log line.
 
-Both front doors build a `router_pb2.GenerateRequest` (the HTTP API through the SDK's
-`build_request`) and consume `router_pb2.GenerateResponse` messages, so a request means the
+Both front doors build a `router_pb2.GenerateRequest` (the HTTP API in http/openai.py)
+and consume `router_pb2.GenerateResponse` messages, so a request means the
 same thing, is checked by the same code and fails with the same errors on either door.
 Errors are domain errors (pdserve.errors); each door maps them (gRPC: the ErrorInterceptor;
-HTTP: pdserve.router.http.errors).
+HTTP: pdserve.router.frontdoor.http.errors).
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from pdserve.logging import bind_request_id, get_logger
 from pdserve.rpc.ids import MAX_ID_CHARS, check_id
 from pdserve.v1 import common_pb2, router_pb2
 
+from ..cluster.registry import Registry
+from ..cluster.workers import cancelled_under_us
+from ..job import Job
+from ..lifecycle.orchestrator import Orchestrator
+from ..metrics import RouterMetrics, Totals
 from .auth import ApiKey, ApiKeys
 from .input_limits import FALLBACK_MAX_PROMPT_CHARS, InputLimits, check_raw_request
-from .job import Job
-from .metrics import RouterMetrics, Totals
 from .model_info import ModelInfo
-from .orchestrator import Orchestrator
 from .quota import Quotas
-from .registry import Registry
 from .text import TextStream
 from .validation import check_messages, check_request, to_params
-from .workers import cancelled_under_us
 
 log = get_logger("pdserve.router")
 

@@ -16,7 +16,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 from .registry import Instance
 
-log = get_logger("pdserve.router.workers")
+log = get_logger("pdserve.router.cluster.workers")
 
 # Worker failures after which another instance may succeed.
 RETRYABLE = frozenset(

@@ -18,12 +18,12 @@ from pdserve.logging import get_logger
 from pdserve.rpc.metrics import Metrics
 from pdserve.v1 import worker_pb2
 
-from .demand import DecodeDemand
-from .flip_policy import FlipDecision, FlipPolicy, InstanceLoad, direction
-from .registry import Registry
-from .workers import WorkerClients, remote_error, settle
+from ..cluster.registry import Registry
+from ..cluster.workers import WorkerClients, remote_error, settle
+from ..scheduling.demand import DecodeDemand
+from .policy import FlipDecision, FlipPolicy, InstanceLoad, direction
 
-log = get_logger("pdserve.router.flip")
+log = get_logger("pdserve.router.flip.controller")
 
 
 def snapshot(registry: Registry, demand: DecodeDemand | None = None) -> list[InstanceLoad]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 
 @dataclass
-class Placement:
+class PlacedDemand:
     request_id: str
     instance_id: str
     prompt_tokens: int
@@ -26,15 +26,15 @@ class Placement:
 class DecodeDemand:
     def __init__(self, min_remaining: int = 8) -> None:
         self.min_remaining = min_remaining
-        self._by_request: dict[str, Placement] = {}
-        self._by_instance: dict[str, dict[str, Placement]] = {}
+        self._by_request: dict[str, PlacedDemand] = {}
+        self._by_instance: dict[str, dict[str, PlacedDemand]] = {}
 
     # -- updates
     def add(
         self, request_id: str, instance_id: str, prompt_tokens: int, predicted_tokens: int
     ) -> None:
         self.remove(request_id)
-        p = Placement(request_id, instance_id, prompt_tokens, max(1, predicted_tokens))
+        p = PlacedDemand(request_id, instance_id, prompt_tokens, max(1, predicted_tokens))
         self._by_request[request_id] = p
         self._by_instance.setdefault(instance_id, {})[request_id] = p
 
@@ -57,11 +57,11 @@ class DecodeDemand:
             self.remove(rid)
 
     # -- queries
-    def remaining(self, p: Placement) -> int:
+    def remaining(self, p: PlacedDemand) -> int:
         tail = max(self.min_remaining, p.generated // 4)
         return max(p.predicted_tokens - p.generated, tail)
 
-    def placements(self, instance_id: str) -> Iterable[Placement]:
+    def placements(self, instance_id: str) -> Iterable[PlacedDemand]:
         return self._by_instance.get(instance_id, {}).values()
 
     def count(self, instance_id: str) -> int:

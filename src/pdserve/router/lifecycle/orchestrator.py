@@ -34,15 +34,8 @@ from pdserve.logging import get_logger
 from pdserve.rpc.channels import metadata_with_request_id
 from pdserve.v1 import common_pb2, worker_pb2
 
-from .job import Chunk, Deadlines, Job, add_stages
-from .kv_queue import KvQueue
-from .length import LengthScheduling
-from .migration import Migrator, StreamLost
-from .placement import RequestPlacement
-from .policies import PlacementPolicy, RouteRequest
-from .predictor import OutputLengthPredictor
-from .registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Instance, Registry
-from .workers import (
+from ..cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Instance, Registry
+from ..cluster.workers import (
     RETRYABLE,
     Aborter,
     CallLost,
@@ -52,8 +45,15 @@ from .workers import (
     remote_error,
     settle,
 )
+from ..job import Chunk, Deadlines, Job, add_stages
+from ..scheduling.length import LengthScheduling
+from ..scheduling.policies import PlacementPolicy, RouteRequest
+from ..scheduling.predictor import OutputLengthPredictor
+from .kv_queue import KvQueue
+from .migration import Migrator, StreamLost
+from .placement import RequestPlacement
 
-log = get_logger("pdserve.router.orchestrator")
+log = get_logger("pdserve.router.lifecycle.orchestrator")
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 ROLE_KINDS = {ROLE_PREFILL: "prefill", ROLE_DECODE: "decode", ROLE_COLOCATED: "colocated"}
 
@@ -114,7 +114,7 @@ class Orchestrator:
         route = RouteRequest(
             job.request_id, job.token_ids, session_id=job.session_id, hasher=self.hasher
         )
-        ticket = await self.length.predict(job, route, self._predictor_block_size())
+        pred = await self.length.predict(job, route, self._predictor_block_size())
         if self.registry.candidates(ROLE_PREFILL) and self.registry.candidates(ROLE_DECODE):
             lifecycle = self._disagg
         elif self.registry.candidates(ROLE_COLOCATED):
@@ -123,14 +123,14 @@ class Orchestrator:
             raise UnavailableError("no decode (or colocated) instance is available")
         else:
             raise UnavailableError("no prefill instance is available")
-        await self.length.admit(ticket)  # the overload queue (no-op without a limit)
+        await self.length.admit(pred)  # the overload queue (no-op without a limit)
         placement = RequestPlacement(job.request_id, self.registry, self.aborter)
         gen = lifecycle(job, route, placement)
         finished = False
         try:
             async for chunk in gen:
                 job.output_token_ids.extend(chunk.token_ids)
-                self.length.progress(ticket, len(chunk.token_ids))
+                self.length.progress(pred, len(chunk.token_ids))
                 finished = finished or bool(chunk.finish_reason)
                 yield chunk
         finally:
@@ -138,7 +138,7 @@ class Orchestrator:
                 await gen.aclose()
             finally:
                 placement.close()  # the one place a request's footprint is released
-                self.length.done(ticket, len(job.output_token_ids), finished)
+                self.length.done(pred, len(job.output_token_ids), finished)
 
     async def close(self) -> None:
         """Wait for pending background aborts."""

@@ -15,8 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..cluster.registry import Instance
 from .demand import DecodeDemand
-from .registry import Instance
 
 
 @dataclass

@@ -14,7 +14,7 @@ import uvicorn
 
 from pdserve.logging import get_logger
 
-log = get_logger("pdserve.router.http")
+log = get_logger("pdserve.router.frontdoor.http")
 
 
 class _Server(uvicorn.Server):

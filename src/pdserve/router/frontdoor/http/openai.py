@@ -1,5 +1,6 @@
-"""OpenAI request bodies -> `router_pb2.GenerateRequest` (through the SDK's build_request, so
-HTTP and gRPC requests are the same object), and GenerateResponse streams -> OpenAI JSON.
+"""OpenAI request bodies -> `router_pb2.GenerateRequest` (the message a gRPC client sends, so
+HTTP and gRPC requests are the same object and pass the same checks), and GenerateResponse
+streams -> OpenAI JSON. The server builds the message itself: it never imports the client SDK.
 
 Supported: n=1; temperature, top_p, max_tokens / max_completion_tokens, stop, seed; vLLM's
 extra fields top_k, ignore_eos, stop_token_ids, return_token_ids; pdserve's session_id.
@@ -14,7 +15,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pdserve.client.aio import build_request
 from pdserve.errors import InvalidRequestError
 from pdserve.v1 import common_pb2, router_pb2
 
@@ -65,19 +65,25 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
-    def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
+    def _request(self, max_tokens: int | None) -> router_pb2.GenerateRequest:
+        """The GenerateRequest without its prompt; unset fields keep the proto defaults
+        (the front door's validation fills them in, as for a gRPC request)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return dict(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
+        sampling = common_pb2.SamplingParams(
             top_k=max(0, self.top_k),
-            seed=self.seed,
             ignore_eos=self.ignore_eos,
             stop=stop,
             stop_token_ids=self.stop_token_ids,
-            session_id=self.session_id,
         )
+        if max_tokens is not None:
+            sampling.max_tokens = max_tokens
+        if self.temperature is not None:
+            sampling.temperature = self.temperature
+        if self.top_p is not None:
+            sampling.top_p = self.top_p
+        if self.seed is not None:
+            sampling.seed = self.seed
+        return router_pb2.GenerateRequest(sampling=sampling, session_id=self.session_id or "")
 
 
 class _Message(BaseModel):
@@ -101,8 +107,9 @@ class ChatRequest(_Common):
             messages.append({"role": m.role, "content": _text_content(m.content, i)})
         if not messages:
             raise InvalidRequestError("messages", "needs at least one message")
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        return build_request(messages=messages, **self.sampling_kwargs(max_tokens))
+        req = self._request(self.max_completion_tokens or self.max_tokens)
+        req.chat.messages.extend(router_pb2.ChatMessage(**m) for m in messages)
+        return req
 
 
 class CompletionRequest(_Common):
@@ -124,12 +131,14 @@ class CompletionRequest(_Common):
             if len(prompt) != 1:
                 raise InvalidRequestError("prompt", "only one prompt per request (n=1)")
             prompt = prompt[0]
-        kwargs = self.sampling_kwargs(self.max_tokens)
+        req = self._request(self.max_tokens)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
-            return build_request(prompt=prompt, **kwargs)
-        return build_request(token_ids=list(prompt), **kwargs)
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+        return req
 
 
 def _text_content(content: str | list[dict[str, Any]] | None, i: int) -> str:

@@ -31,11 +31,11 @@ from pdserve.logging import get_logger
 from pdserve.v1 import router_pb2
 
 from ..auth import AUTH_HEADER
-from ..frontdoor import FrontDoor
+from ..door import FrontDoor
 from .errors import error_body, error_response
 from .openai import ChatRequest, CompletionRequest, Shaper, parse
 
-log = get_logger("pdserve.router.http")
+log = get_logger("pdserve.router.frontdoor.http")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 CLIENT_CLOSED = 499  # (nginx's code) nobody reads it: the client is gone
 

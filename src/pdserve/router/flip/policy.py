@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .registry import ROLE_DECODE, ROLE_NAMES, ROLE_PREFILL
+from ..cluster.registry import ROLE_DECODE, ROLE_NAMES, ROLE_PREFILL
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ from .predictor import LengthEstimate, LengthQuery, OutputLengthPredictor
 from .predictor.stats import kendall_tau
 
 if TYPE_CHECKING:
-    from .job import Job
+    from ..job import Job
 
-log = get_logger("pdserve.router.length")
+log = get_logger("pdserve.router.scheduling.length")
 
 UNBOUNDED = 1 << 30
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -74,7 +74,7 @@ class LengthMetrics:
 
 
 @dataclass
-class LengthTicket:
+class Prediction:
     request_id: str
     query: LengthQuery
     estimate: LengthEstimate
@@ -121,7 +121,7 @@ class LengthScheduling:
             oracle_tokens=job.oracle_tokens if self.oracle else 0,
         )
 
-    async def predict(self, job: Job, route: RouteRequest, block_size: int) -> LengthTicket:
+    async def predict(self, job: Job, route: RouteRequest, block_size: int) -> Prediction:
         q = self.query(job, route, block_size)
         try:
             if q.text:  # featurizing text takes milliseconds: off the event loop
@@ -138,19 +138,19 @@ class LengthScheduling:
             route.reserve_tokens = min(
                 route.predicted_p90, self.reserve_max_tokens, job.params.max_tokens
             )
-        return LengthTicket(job.request_id, q, est, route)
+        return Prediction(job.request_id, q, est, route)
 
-    async def admit(self, ticket: LengthTicket) -> None:
+    async def admit(self, pred: Prediction) -> None:
         if self.queue is None:
             return
         if self.metrics is not None:
             self.metrics.queue_waiting.set(self.queue.waiting + 1)
         try:
-            waited = await self.queue.acquire(ticket.route.predicted_tokens)
+            waited = await self.queue.acquire(pred.route.predicted_tokens)
         finally:
             if self.metrics is not None:
                 self.metrics.queue_waiting.set(self.queue.waiting)
-        ticket.admitted = True
+        pred.admitted = True
         if self.metrics is not None:
             self.metrics.queue_wait.observe(waited)
 
@@ -158,28 +158,28 @@ class LengthScheduling:
     def placed(self, request_id: str, instance_id: str, prompt_tokens: int, route: RouteRequest):
         self.demand.add(request_id, instance_id, prompt_tokens, route.predicted_tokens)
 
-    def progress(self, ticket: LengthTicket, new_tokens: int) -> None:
-        self.demand.progress(ticket.request_id, new_tokens)
+    def progress(self, pred: Prediction, new_tokens: int) -> None:
+        self.demand.progress(pred.request_id, new_tokens)
 
-    def done(self, ticket: LengthTicket, completion_tokens: int, finished: bool) -> None:
-        self.demand.remove(ticket.request_id)
-        if ticket.admitted and self.queue is not None:
-            ticket.admitted = False
+    def done(self, pred: Prediction, completion_tokens: int, finished: bool) -> None:
+        self.demand.remove(pred.request_id)
+        if pred.admitted and self.queue is not None:
+            pred.admitted = False
             self.queue.release()
         if not finished or completion_tokens <= 0:
             return  # cancelled or failed: the length is unknown (censored)
         try:
-            self.predictor.learn(ticket.query, completion_tokens)
+            self.predictor.learn(pred.query, completion_tokens)
         except Exception:
             log.exception("length predictor failed to learn")
         self.learned += 1
-        self._pairs.append((ticket.estimate.p50, float(completion_tokens)))
+        self._pairs.append((pred.estimate.p50, float(completion_tokens)))
         if self.metrics is not None:
             m = self.metrics
-            m.log2_error.observe(math.log2(completion_tokens / max(1.0, ticket.estimate.p50)))
-            m.predicted.observe(ticket.estimate.p50)
+            m.log2_error.observe(math.log2(completion_tokens / max(1.0, pred.estimate.p50)))
+            m.predicted.observe(pred.estimate.p50)
             m.actual.observe(completion_tokens)
-            if completion_tokens <= ticket.estimate.p90:
+            if completion_tokens <= pred.estimate.p90:
                 m.p90_covered.inc()
 
     # -- introspection

@@ -31,12 +31,12 @@ from pdserve.errors import PdserveError, UnavailableError
 from pdserve.logging import get_logger
 from pdserve.v1 import common_pb2
 
-from .registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
+from ..cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
 
 if TYPE_CHECKING:
-    from .job import Chunk, Job
+    from ..job import Chunk, Job
 
-log = get_logger("pdserve.router.migration")
+log = get_logger("pdserve.router.lifecycle.migration")
 
 # Codes of a broken stream after which another worker can continue the request.
 MIGRATABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})

@@ -1,0 +1,2 @@
+"""The flip controller (acts on workers) and its policy (pure): move workers between the
+prefill and decode pools."""
