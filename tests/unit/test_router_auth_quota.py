@@ -1,8 +1,10 @@
-"""API keys (auth.py) and admission control (quota.py): logic only, no servers."""
+"""API keys (auth.py) and the admission stage's per-key limits and bounded queue
+(scheduling/admission.py): logic only, no servers."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import grpc
@@ -10,9 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.errors import OverloadedError, UnauthenticatedError
-from pdserve.router.frontdoor import quota as quota_mod
 from pdserve.router.frontdoor.auth import ANONYMOUS, ApiKey, ApiKeys, key_id, metadata_value
-from pdserve.router.frontdoor.quota import Quotas
+from pdserve.router.scheduling import admission as admission_mod
+from pdserve.router.scheduling.admission import Admission, AdmissionConfig
 from pdserve.rpc.interceptor import retry_metadata
 from pdserve.rpc.metrics import Metrics
 
@@ -79,15 +81,23 @@ def test_metadata_value():
     assert metadata_value(md) == "Bearer k" and metadata_value(None) is None
 
 
-def _value(q: Quotas, name: str, **labels) -> float:
+def _value(q: Admission, name: str, **labels) -> float:
     return q.registry.get_sample_value("pdserve_" + name, labels) or 0.0
 
 
-def _quotas(**kw) -> Quotas:
+def _quotas(**kw) -> Admission:
     registry = CollectorRegistry()
-    q = Quotas(Metrics(registry), **kw)
+    q = Admission(Metrics(registry), AdmissionConfig(**kw))
     q.registry = registry  # type: ignore[attr-defined]
     return q
+
+
+@contextlib.asynccontextmanager
+async def _run(q: Admission, key: ApiKey, predicted: float = 0.0):
+    """A request through the whole stage: per-key admission, then its queue turn."""
+    async with q.admit(key) as p:
+        await p.turn(predicted)
+        yield p
 
 
 async def test_per_key_concurrency():
@@ -110,7 +120,7 @@ async def test_per_key_concurrency():
 
 async def test_tokens_per_minute(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr(quota_mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(admission_mod.time, "monotonic", lambda: now[0])
     q = _quotas()
     key = ApiKey("k", tokens_per_minute=100)
     async with q.admit(key) as a:
@@ -130,13 +140,13 @@ async def test_tokens_per_minute(monkeypatch):
 
 
 async def test_bounded_queue():
-    q = _quotas(max_running=1, max_queue=1, queue_timeout_s=5)
+    q = _quotas(max_running=1, max_queue=1, timeout_s=5)
     key = ApiKey("k")
     gate = asyncio.Event()
     entered = []
 
     async def hold(i):
-        async with q.admit(key):
+        async with _run(q, key):
             entered.append(i)
             await gate.wait()
 
@@ -146,7 +156,7 @@ async def test_bounded_queue():
     await asyncio.sleep(0)
     assert entered == [1] and q.waiting == 1
     with pytest.raises(OverloadedError) as info:  # queue full
-        async with q.admit(key):
+        async with _run(q, key):
             pass
     assert "max_queue=1" in str(info.value)
     gate.set()
@@ -157,13 +167,13 @@ async def test_bounded_queue():
 
 
 async def test_queue_timeout():
-    q = _quotas(max_running=1, max_queue=4, queue_timeout_s=0.05)
+    q = _quotas(max_running=1, max_queue=4, timeout_s=0.05)
     key = ApiKey("k")
-    async with q.admit(key):
+    async with _run(q, key):
         with pytest.raises(OverloadedError) as info:
-            async with q.admit(key):
+            async with _run(q, key):
                 pass
-    assert "no slot within" in str(info.value)
+    assert "no turn within" in str(info.value)
     assert q.state(key).running == 0 and q.waiting == 0
 
 

@@ -1,11 +1,8 @@
 """LengthScheduling: what the orchestrator calls around a request's lifecycle."""
 
-import asyncio
-
 from pdserve.engine.params import SamplingParams
 from pdserve.router.job import Job
 from pdserve.router.scheduling.length import UNBOUNDED, LengthScheduling
-from pdserve.router.scheduling.overload_queue import OverloadQueue
 from pdserve.router.scheduling.policies import RouteRequest
 from pdserve.router.scheduling.predictor import EwmaPredictor, OraclePredictor
 from pdserve.router.scheduling.predictor.online import OnlineLengthPredictor
@@ -30,11 +27,13 @@ async def test_predict_fills_the_route_and_bounds_the_headroom():
     j = job(max_tokens=30)
     route = RouteRequest(j.request_id, j.token_ids)
     t = await ls.predict(j, route, block_size=4)
+    ls.route(t, j, route)
     assert route.predicted_tokens == 30  # clamped to max_tokens
     assert route.reserve_tokens == 30  # min(p90, 50, max_tokens)
     ls2 = LengthScheduling(EwmaPredictor(initial=40), reserve_max_tokens=50, use_max_tokens=False)
     route2 = RouteRequest(j.request_id, j.token_ids)
     t2 = await ls2.predict(j, route2, block_size=4)
+    ls2.route(t2, j, route2)
     assert t2.query.max_tokens == UNBOUNDED and route2.predicted_tokens == 40
     assert route2.reserve_tokens == 30  # headroom never beyond max_tokens
     assert t.query.model == "m"
@@ -45,36 +44,49 @@ async def test_oracle_only_when_enabled_and_learning_only_from_finished_requests
     ls = LengthScheduling(OraclePredictor(inner), oracle=True)
     route = RouteRequest("a", [1, 2, 3])
     t = await ls.predict(job("a", oracle=77), route, 4)
-    assert route.predicted_tokens == 77
+    assert t.predicted_tokens == 77
     ls_off = LengthScheduling(OraclePredictor(inner), oracle=False)
     route_off = RouteRequest("b", [1, 2, 3])
-    await ls_off.predict(job("b", oracle=77), route_off, 4)
-    assert route_off.predicted_tokens == 10  # metadata ignored without the flag
+    t_off = await ls_off.predict(job("b", oracle=77), route_off, 4)
+    assert t_off.predicted_tokens == 10  # metadata ignored without the flag
     ls.done(t, 50, finished=False)  # cancelled: censored, not learned
     assert ls.learned == 0
     ls.done(t, 50, finished=True)
     assert ls.learned == 1
 
 
-async def test_demand_and_queue_slot_follow_the_request():
-    q = OverloadQueue(lambda: 1)
-    ls = LengthScheduling(EwmaPredictor(initial=20), queue=q)
-    j1, j2 = job("1"), job("2")
-    r1, r2 = RouteRequest("1", j1.token_ids), RouteRequest("2", j2.token_ids)
+async def test_demand_follows_the_request_across_attempts():
+    ls = LengthScheduling(EwmaPredictor(initial=20))
+    j1 = job("1")
+    r1 = RouteRequest("1", j1.token_ids)
     t1 = await ls.predict(j1, r1, 4)
-    t2 = await ls.predict(j2, r2, 4)
-    await ls.admit(t1)
-    waiter = asyncio.create_task(ls.admit(t2))
-    await asyncio.sleep(0)
-    assert not waiter.done() and q.waiting == 1
-    ls.placed("1", "d0", 8, r1)
+    ls.placed(t1, "d0", 8, ls.route(t1, j1, r1))
     ls.progress(t1, 5)
     assert ls.demand.current_tokens("d0") == 13
+    ls.left(t1)  # the attempt broke: its decode no longer holds it
+    assert ls.demand.footprint("d0") == 0 and ls.learned == 0
     ls.done(t1, 5, finished=True)
-    await asyncio.wait_for(waiter, 1)
-    assert ls.demand.footprint("d0") == 0 and q.running == 1
-    ls.done(t2, 7, finished=True)
-    assert q.running == 0 and ls.learned == 2
+    assert ls.learned == 1
+
+
+async def test_a_continuation_is_routed_on_what_is_left_and_learned_as_the_whole():
+    """A migrated stream keeps its request's prediction: its route asks for what is left
+    of it, and the predictor learns the request's whole length once (not the piece)."""
+    learned = []
+
+    class Spy(EwmaPredictor):
+        def learn(self, query, actual):
+            learned.append((query.num_prompt_tokens, actual))
+
+    ls = LengthScheduling(Spy(initial=40), reserve_max_tokens=64)
+    j = job("r", max_tokens=100)
+    t = await ls.predict(j, RouteRequest("r", j.token_ids), 4)
+    part = j.__class__(**{**j.__dict__, "request_id": "r.m1", "token_ids": [*j.token_ids, 9] * 3})
+    part.params = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)  # 30 out
+    route = ls.route(t, part, RouteRequest(part.request_id, part.token_ids))
+    assert route.predicted_tokens == 10 and route.reserve_tokens <= 70
+    ls.done(t, 95, finished=True)
+    assert learned == [(8, 95)]  # the client's prompt and the whole output
 
 
 def test_oracle_metadata_parsing():

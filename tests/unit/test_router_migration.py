@@ -338,7 +338,7 @@ def _relay_setup(now):
 
     reg = Registry(heartbeat_timeout_s=3.0, clock=lambda: now[0])
     inst = reg.register("d1", "127.0.0.1:2", ROLE_DECODE, "fp", 16)
-    orch = Orchestrator(reg, None, None, None, Deadlines(decode_idle_s=60.0))
+    orch = Orchestrator(reg, None, None, Deadlines(decode_idle_s=60.0))
     return orch_mod, orch, inst
 
 

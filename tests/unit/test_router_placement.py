@@ -17,7 +17,6 @@ from pdserve.router.cluster.workers import Aborter
 from pdserve.router.lifecycle.orchestrator import Deadlines, Job, Orchestrator
 from pdserve.router.lifecycle.placement import RequestPlacement
 from pdserve.router.scheduling.policies import make_policy
-from pdserve.router.scheduling.predictor import EwmaPredictor
 from pdserve.v1 import common_pb2, worker_pb2
 
 FIRST, REST = 11, [12, 13, 14]
@@ -179,7 +178,6 @@ class Cluster:
         self.orch = Orchestrator(
             self.registry,
             make_policy("round_robin", False),
-            EwmaPredictor(),
             self.workers,
             Deadlines(),
             max_prefill_attempts=3,

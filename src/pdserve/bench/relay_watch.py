@@ -66,7 +66,7 @@ async def _baseline_relay(call: _FakeCall, wait: float = 60.0):
 async def measure(messages: int, streams: int, rounds: int) -> dict[str, list[float]]:
     reg = Registry()
     inst = reg.register("d1", "127.0.0.1:1", ROLE_DECODE, "fp", 16)
-    orch = Orchestrator(reg, None, None, None, Deadlines())  # type: ignore[arg-type]
+    orch = Orchestrator(reg, None, None, Deadlines())  # type: ignore[arg-type]
     orch_mod.add_stages = lambda _total, _part: None  # the fake messages carry no stages
 
     async def baseline() -> None:

@@ -27,14 +27,13 @@ from .frontdoor.http.app import OpenAIApp
 from .frontdoor.http.server import HttpServer
 from .frontdoor.input_limits import InputLimits
 from .frontdoor.model_info import ModelInfo
-from .frontdoor.quota import Quotas
 from .frontdoor.servicer import RouterServicer
 from .job import Deadlines
 from .lifecycle.orchestrator import Orchestrator
 from .metrics import RouterMetrics, Totals
+from .scheduling.admission import Admission, AdmissionConfig
 from .scheduling.demand import DecodeDemand
 from .scheduling.length import LengthMetrics, LengthScheduling
-from .scheduling.overload_queue import OverloadQueue
 from .scheduling.policies import make_policy
 from .scheduling.predictor import EwmaPredictor, OraclePredictor, OutputLengthPredictor
 from .settings import RouterSettings
@@ -93,6 +92,7 @@ class RouterApp(ServiceApp):
         self._tasks: list[asyncio.Task] = []
         self.flip: FlipController | None = None  # set when settings.flip_enabled
         self.length: LengthScheduling | None = None  # built in start() (loads the predictor)
+        self.admission = self._admission()  # the one admission stage (scheduling/admission.py)
 
     def _prefix_hashes(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
         """Router-local prefix identity for prefix-aware placement: any KV namespace shared
@@ -114,26 +114,49 @@ class RouterApp(ServiceApp):
             predictor = OnlineLengthPredictor(text_model, initial=s.predictor_initial)
         return OraclePredictor(predictor) if s.predictor_oracle else predictor
 
-    def _queue_limit(self) -> int:
-        """Requests the router lets run at once: so many per decode (or colocated) instance."""
+    def _serving(self) -> int:
+        """Decode (or colocated) instances serving now: the admission limit's unit."""
         serving = self.registry.candidates(ROLE_DECODE) or self.registry.candidates(ROLE_COLOCATED)
-        return self.settings.queue_max_running_per_decode * max(1, len(serving))
+        return len(serving)
 
-    def _length_scheduling(self, predictor: OutputLengthPredictor) -> LengthScheduling:
+    def _admission(self) -> Admission:
         s = self.settings
-        queue = None
-        if s.queue_max_running_per_decode > 0:
-            queue = OverloadQueue(
-                self._queue_limit,
+        admission = Admission(
+            self.raw_metrics,
+            AdmissionConfig(
+                max_running=s.max_running,
+                max_running_per_decode=s.queue_max_running_per_decode,
+                max_queue=s.max_queue,
+                timeout_s=s.queue_timeout_s,
                 order=s.queue_order,
                 aging_tokens_per_s=s.queue_aging_tokens_per_s,
                 max_wait_s=s.queue_max_wait_s,
                 max_bypass=s.queue_max_bypass,
-            )
+            ),
+            serving=self._serving,
+        )
+        self.registry.on_change(admission.capacity.changed)
+        return admission
+
+    def _predictions_needed(self) -> bool:
+        """Whether anything reads the length prediction; when nothing does, the router does
+        not run the predictor per request (nor learn)."""
+        s = self.settings
+        sjf_queue = s.queue_order == "sjf" and (s.max_running or s.queue_max_running_per_decode)
+        return bool(
+            sjf_queue
+            or s.decode_placement == "predicted"
+            or s.reserve_max_tokens > 0
+            or s.flip_enabled
+            or s.predictor_oracle
+        )
+
+    def _length_scheduling(self, predictor: OutputLengthPredictor) -> LengthScheduling:
+        s = self.settings
         return LengthScheduling(
             predictor,
             demand=self.demand,
-            queue=queue,
+            needed=self._predictions_needed(),
             reserve_max_tokens=s.reserve_max_tokens,
             oracle=s.predictor_oracle,
             use_max_tokens=s.predictor_use_max_tokens,
@@ -146,7 +169,6 @@ class RouterApp(ServiceApp):
         return Orchestrator(
             self.registry,
             self.policy,
-            length.predictor,
             self.workers,
             Deadlines(
                 reserve_s=s.reserve_deadline_s,
@@ -166,6 +188,7 @@ class RouterApp(ServiceApp):
             max_migrations=s.max_migrations,
             migration_wait_s=s.migration_wait_s,
             on_migration=lambda reason: self.metrics.migrations.labels(reason).inc(),
+            capacity=self.admission.capacity,
         )
 
     async def start(self, server) -> None:
@@ -181,12 +204,7 @@ class RouterApp(ServiceApp):
             self.metrics,
             self.totals,
             self.keys,
-            Quotas(
-                self.raw_metrics,
-                max_running=s.max_running,
-                max_queue=s.max_queue,
-                queue_timeout_s=s.queue_timeout_s,
-            ),
+            self.admission,
             kv,
             limits=InputLimits.from_settings(s, self.model.max_model_len),
         )
@@ -213,7 +231,7 @@ class RouterApp(ServiceApp):
             model=self.model.name or None,
             policy=self.policy.name,
             predictor=self.length.predictor.name,
-            queue=s.queue_order if self.length.queue is not None else None,
+            queue=s.queue_order if self.admission.limit() else None,
             kvstore=kv or None,
             flip=s.flip_enabled,
             http_port=self.http.port if self.http else None,
@@ -276,9 +294,8 @@ class RouterApp(ServiceApp):
                 self.metrics.set_inflight(inst.instance_id, inst.role_name, inst.inflight_requests)
             for role, n in counts.items():
                 self.metrics.instances.labels(role).set(n)
+            self.admission.dispatch()  # the limit grows when instances join
             if self.length is not None:
-                if self.length.queue is not None:
-                    self.length.queue.dispatch()  # the limit grows when instances join
                 decodes = [
                     i.instance_id for i in self.registry.instances() if i.role == ROLE_DECODE
                 ]

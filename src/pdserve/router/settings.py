@@ -8,6 +8,8 @@ from pydantic import Field
 
 from pdserve.config import ServiceSettings
 
+from .scheduling.overload_queue import DEFAULT_MAX_WAIT_S
+
 
 class RouterSettings(ServiceSettings):
     """pdserve router: the public endpoint (Router) and the worker registry (Registry)."""
@@ -137,7 +139,10 @@ class RouterSettings(ServiceSettings):
         64.0, ge=0, description="sjf aging: a waiter's predicted length shrinks this much per s"
     )
     queue_max_wait_s: float = Field(
-        60.0, gt=0, description="a waiter this old goes before everyone else, seconds"
+        DEFAULT_MAX_WAIT_S,
+        gt=0,
+        description="a waiter this old goes before everyone else, seconds (below "
+        "--queue-timeout-s, so that it matters)",
     )
     queue_max_bypass: float = Field(
         2.0,

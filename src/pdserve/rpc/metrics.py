@@ -3,7 +3,9 @@
 Convention: a process creates one `Metrics` (default: prometheus_client's process registry)
 and hands it to the components that declare metrics; tests pass `Metrics(CollectorRegistry())`
 so that several services in one test process do not collide. Declaring the same metric twice
-on one registry returns the existing one (idempotent), so components need no coordination.
+on one registry returns the existing one (idempotent), so components need no coordination;
+declaring one name with another kind, help text or label set raises (two meanings of one
+series would silently overwrite each other).
 
     metrics = Metrics()
     hits = metrics.counter("prefix_cache_hits", "blocks found in the prefix cache")
@@ -58,6 +60,12 @@ class Metrics:
             self._declared[full] = found
         if not isinstance(found, kind):
             raise TypeError(f"metric {full} already declared as {type(found).__name__}")
+        was = (getattr(found, "_documentation", doc), tuple(getattr(found, "_labelnames", labels)))
+        if was != (doc, tuple(labels)):
+            raise ValueError(
+                f"metric {full} declared twice with different help or labels: {was} vs "
+                f"{(doc, tuple(labels))}"
+            )
         return found
 
     def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:

@@ -65,6 +65,7 @@ class Registry:
         self._instances: dict[str, Instance] = {}
         self.model_fingerprint: str | None = None
         self._listeners: list[Callable[[str], None]] = []
+        self._watchers: list[Callable[[], None]] = []  # on_change
         self._expired: OrderedDict[str, None] = OrderedDict()  # recent expiries, bounded
 
     # -- worker-facing -----------------------------------------------------
@@ -107,6 +108,7 @@ class Registry:
                 old.inflight_tokens,
             )
         self._instances[instance_id] = inst
+        self._changed()
         return inst
 
     def heartbeat(self, instance_id: str, role: int, state: str, load: LoadReport) -> bool:
@@ -123,6 +125,7 @@ class Registry:
             inst.state = state
         if inst.suspect_since is not None and now - inst.suspect_since >= self.suspect_s:
             inst.suspect_since = None  # alive again: it heartbeats after the suspicion window
+        self._changed()
         return True
 
     def deregister(self, instance_id: str) -> bool:
@@ -184,6 +187,8 @@ class Registry:
         if inst is not None:
             inst.inflight_requests = max(0, inst.inflight_requests + requests)
             inst.inflight_tokens = max(0, inst.inflight_tokens + tokens)
+            if requests < 0:  # a request left it: room may have freed there
+                self._changed()
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
@@ -198,8 +203,18 @@ class Registry:
         """Call fn(instance_id) when an instance leaves (policies drop their state)."""
         self._listeners.append(fn)
 
+    def on_change(self, fn: Callable[[], None]) -> None:
+        """Call fn() after any change that may free capacity: an instance registered,
+        heartbeated (new load), left, or a request left an instance."""
+        self._watchers.append(fn)
+
+    def _changed(self) -> None:
+        for fn in self._watchers:
+            fn()
+
     def _forgotten(self, instance_id: str) -> None:
         if not self._instances:
             self.model_fingerprint = None
         for fn in self._listeners:
             fn(instance_id)
+        self._changed()

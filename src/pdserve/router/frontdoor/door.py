@@ -1,6 +1,8 @@
 """The one domain path behind every public front door (gRPC Router service and the OpenAI
-HTTP API): authenticate -> admission (per-key limits, bounded queue) -> tokenize and
-validate -> Orchestrator.run -> detokenize and stop strings -> usage, metrics, log line.
+HTTP API): authenticate -> admission per key -> tokenize and validate -> predict the
+output length -> the admission queue's turn (bounded, FCFS or SJF by the prediction) ->
+Orchestrator.run -> detokenize and stop strings -> usage, metrics, log line. The request
+passes admission once (scheduling/admission.py); a migrated stream keeps its turn.
 
 Both front doors build a `router_pb2.GenerateRequest` (the HTTP API in http/openai.py)
 and consume `router_pb2.GenerateResponse` messages, so a request means the
@@ -27,10 +29,10 @@ from ..cluster.workers import cancelled_under_us
 from ..job import Job
 from ..lifecycle.orchestrator import Orchestrator
 from ..metrics import RouterMetrics, Totals
+from ..scheduling.admission import Admission
 from .auth import ApiKey, ApiKeys
 from .input_limits import FALLBACK_MAX_PROMPT_CHARS, InputLimits, check_raw_request
 from .model_info import ModelInfo
-from .quota import Quotas
 from .text import TextStream
 from .validation import check_messages, check_request, to_params
 
@@ -54,13 +56,13 @@ class FrontDoor:
         metrics: RouterMetrics,
         totals: Totals,
         keys: ApiKeys,
-        quotas: Quotas,
+        admission: Admission,
         kvstore_addr: str = "",
         limits: InputLimits | None = None,
     ) -> None:
         self.orch, self.registry, self.model = orchestrator, registry, model
         self.metrics, self.totals, self.kvstore_addr = metrics, totals, kvstore_addr
-        self.keys, self.quotas = keys, quotas
+        self.keys, self.admission = keys, admission
         self.limits = limits or InputLimits(
             FALLBACK_MAX_PROMPT_CHARS, 256, model.max_model_len, model.max_model_len
         )
@@ -109,17 +111,19 @@ class FrontDoor:
         check_raw_request(request, self.limits)  # before any expensive work
         progress = {"prompt_tokens": 0, "completion_tokens": 0}
         try:
-            async with self.quotas.admit(key) as admission:
+            async with self.admission.admit(key) as admission:
                 job, stops = await self._prepare(request, rid)
                 job.oracle_tokens = oracle_tokens
                 progress["prompt_tokens"] = len(job.token_ids)
                 admission.charge(len(job.token_ids))
+                pred = await self.orch.predict(job)
+                await admission.turn(pred.predicted_tokens)  # once: migrations keep it
                 text = TextStream(self.model.detokenizer(), stops)
                 self.totals.requests += 1
                 self.totals.running += 1
                 self.idle.clear()
                 n_out, t_first, finish = 0, 0.0, 0
-                gen = self.orch.run(job)
+                gen = self.orch.run(job, pred)
                 try:
                     async for chunk in gen:
                         step = text.push(chunk.token_ids)
@@ -198,7 +202,7 @@ class FrontDoor:
         resp.predictor = length.predictor.name
         resp.predictor_kendall_tau = length.running_tau()
         resp.predictor_observed = length.learned
-        resp.queue_waiting = length.queue.waiting if length.queue is not None else 0
+        resp.queue_waiting = self.admission.waiting
         for inst in instances:
             state = "suspect" if inst.suspect_since is not None else inst.state
             resp.instances.append(

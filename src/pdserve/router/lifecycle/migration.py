@@ -14,12 +14,13 @@ text and do not see the seam.
 Failures before the first token are the orchestrator's own retries (prefill, reserve);
 migration starts once the client has seen a token. Bounded: at most `max_migrations` per
 request, and a request's continuations wait at most `wait_s` in all for a decode (or
-colocated) instance to exist (the supervisor may be restarting the only one).
+colocated) instance to exist (the supervisor may be restarting the only one): a wait on the
+admission stage's `Capacity`, woken when an instance registers. A continuation is not a new
+request: it keeps the request's admission turn and its length prediction.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -32,6 +33,7 @@ from pdserve.logging import get_logger
 from pdserve.v1 import common_pb2
 
 from ..cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
+from ..scheduling.admission import Capacity
 
 if TYPE_CHECKING:
     from ..job import Chunk, Job
@@ -110,19 +112,25 @@ class Migrator:
         max_migrations: int = 3,
         wait_s: float = 10.0,
         on_migration: Callable[[str], None] | None = None,
+        capacity: Capacity | None = None,
     ) -> None:
         self._attempt = attempt
+        self.capacity = capacity if capacity is not None else Capacity()
         self.registry = registry
         self.max_migrations = max(0, max_migrations)
         self.wait_s = wait_s
         self._on_migration = on_migration or (lambda _reason: None)
 
-    async def run(self, job: Job) -> AsyncIterator[Chunk]:
+    async def run(
+        self, job: Job, attempt: Callable[[Job], AsyncIterator[Chunk]] | None = None
+    ) -> AsyncIterator[Chunk]:
+        """`job`'s chunks through `attempt` (default: the one given at construction)."""
+        attempt = attempt or self._attempt
         emitted: list[int] = []
         current, migrations = job, 0
         wait_deadline: float | None = None  # set at the first migration
         while True:
-            gen = self._attempt(current)
+            gen = attempt(current)
             streamed = False  # this attempt yielded tokens: a failure is its stream's
             try:
                 async for chunk in gen:
@@ -176,15 +184,11 @@ class Migrator:
     async def _wait_for_capacity(self, request_id: str, deadline: float) -> None:
         """Wait (until `deadline`) for a place for the continuation: a decode and a prefill
         instance, or a colocated one. The launcher may be restarting the only one."""
-        delay = 0.05
-        while not self._placeable():
-            if time.monotonic() + delay > deadline:
-                log.warning("stream lost: no instance to continue it on", request_id=request_id)
-                raise UnavailableError(
-                    f"the stream's worker died and no instance took it over within {self.wait_s:g} s"
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
+        if not await self.capacity.wait(deadline, ready=self._placeable):
+            log.warning("stream lost: no instance to continue it on", request_id=request_id)
+            raise UnavailableError(
+                f"the stream's worker died and no instance took it over within {self.wait_s:g} s"
+            )
 
     def _placeable(self) -> bool:
         r = self.registry

@@ -3,8 +3,8 @@
 `Orchestrator.run(job)` is an async generator of `Chunk`s (token ids; the last one
 carries the finish reason). Disaggregated, in three named steps:
 
-    _place_and_prefill   reserve KV on a decode (`_reserve`, which queues while every
-                         decode is full), pick a prefill, run Prefill (the KV is pushed
+    _place_and_prefill   reserve KV on a decode (`_reserve`, which waits for capacity
+                         while every decode is full), pick a prefill, run Prefill (the KV is pushed
                          to the ticket's decode) -> the first token; a failed prefill
                          releases its decode and retries elsewhere.
     (yield the first token at once)
@@ -16,14 +16,19 @@ without a ticket, so no decode is reserved and no KV is pushed.
 Colocated: one Generate stream (`_colocated`), retried elsewhere before its first chunk.
 
 Every instance a request touches is entered in its `RequestPlacement` (placement.py),
-the one owner of its tickets and registry charges; `run` closes it exactly once
-however the request ends (finished, failed, stop string, client cancel at any await),
-which aborts every instance still holding the request.
+the one owner of its tickets and registry charges; `_attempt` (one per placement: the
+request's, then one per migration) closes it exactly once however the attempt ends
+(finished, failed, stop string, client cancel at any await), which aborts every instance
+still holding the request.
+
+Once per client request, not per attempt: the length prediction (`run` takes it from the
+front door, which ordered the admission queue by it) and what the predictor learns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
@@ -46,10 +51,10 @@ from ..cluster.workers import (
     settle,
 )
 from ..job import Chunk, Deadlines, Job, add_stages
-from ..scheduling.length import LengthScheduling
+from ..scheduling.admission import Capacity
+from ..scheduling.length import LengthScheduling, Prediction
 from ..scheduling.policies import PlacementPolicy, RouteRequest
-from ..scheduling.predictor import OutputLengthPredictor
-from .kv_queue import KvQueue
+from ..scheduling.predictor import EwmaPredictor
 from .migration import Migrator, StreamLost
 from .placement import RequestPlacement
 
@@ -70,7 +75,6 @@ class Orchestrator:
         self,
         registry: Registry,
         policy: PlacementPolicy,
-        predictor: OutputLengthPredictor,
         workers: WorkerClients,
         deadlines: Deadlines,
         *,
@@ -84,12 +88,18 @@ class Orchestrator:
         max_migrations: int = 3,
         migration_wait_s: float = 10.0,
         on_migration: Callable[[str], None] | None = None,
+        capacity: Capacity | None = None,
     ) -> None:
-        self.registry, self.policy, self.predictor = registry, policy, predictor
-        # Prediction, queue, demand tracking and metrics around the lifecycle (length.py).
-        self.length = length if length is not None else LengthScheduling(predictor)
+        self.registry, self.policy = registry, policy
+        # Prediction, demand tracking and metrics around the lifecycle (length.py).
+        self.length = length if length is not None else LengthScheduling(EwmaPredictor())
+        # Wakes capacity waits (every decode full; nothing to migrate to) on cluster changes.
+        if capacity is None:
+            capacity = Capacity()
+            registry.on_change(capacity.changed)
+        self.capacity = capacity
         self.migrator = Migrator(
-            self._attempt, registry, max_migrations, migration_wait_s, on_migration
+            self._attempt, registry, max_migrations, migration_wait_s, on_migration, capacity
         )
         self.workers, self.deadlines = workers, deadlines
         self.aborter = Aborter(workers, deadlines.abort_s)
@@ -99,22 +109,38 @@ class Orchestrator:
         self.hasher = hasher
 
     # -------------------------------------------------------------- public
-    async def run(self, job: Job) -> AsyncIterator[Chunk]:
+    async def predict(self, job: Job) -> Prediction:
+        """The request's output-length prediction (once per request: before admission)."""
+        route = self._route(job)
+        return await self.length.predict(job, route, self._predictor_block_size())
+
+    async def run(self, job: Job, pred: Prediction | None = None) -> AsyncIterator[Chunk]:
         """The request's chunks. When its stream breaks after the client has seen tokens,
-        `Migrator` continues it on other instances (migration.py): one `_attempt` each."""
-        gen = self.migrator.run(job)
+        `Migrator` continues it on other instances (migration.py): one `_attempt` each,
+        all under the request's one prediction `pred` (made here when not given)."""
+        if pred is None:
+            pred = await self.predict(job)
+        gen = self.migrator.run(job, lambda part: self._attempt(part, pred))
+        finished = False
         try:
             async for chunk in gen:
+                finished = finished or bool(chunk.finish_reason)
                 yield chunk
         finally:
-            await gen.aclose()  # at once, not when collected: it aborts the workers
+            try:
+                await gen.aclose()  # at once, not when collected: it aborts the workers
+            finally:
+                # the whole request's length (all attempts), learned once
+                self.length.done(pred, len(job.output_token_ids), finished)
 
-    async def _attempt(self, job: Job) -> AsyncIterator[Chunk]:
-        """One placement of `job` (a client's job, or a migration's continuation)."""
-        route = RouteRequest(
+    def _route(self, job: Job) -> RouteRequest:
+        return RouteRequest(
             job.request_id, job.token_ids, session_id=job.session_id, hasher=self.hasher
         )
-        pred = await self.length.predict(job, route, self._predictor_block_size())
+
+    async def _attempt(self, job: Job, pred: Prediction) -> AsyncIterator[Chunk]:
+        """One placement of `job` (a client's job, or a migration's continuation)."""
+        route = self.length.route(pred, job, self._route(job))
         if self.registry.candidates(ROLE_PREFILL) and self.registry.candidates(ROLE_DECODE):
             lifecycle = self._disagg
         elif self.registry.candidates(ROLE_COLOCATED):
@@ -123,22 +149,19 @@ class Orchestrator:
             raise UnavailableError("no decode (or colocated) instance is available")
         else:
             raise UnavailableError("no prefill instance is available")
-        await self.length.admit(pred)  # the overload queue (no-op without a limit)
         placement = RequestPlacement(job.request_id, self.registry, self.aborter)
-        gen = lifecycle(job, route, placement)
-        finished = False
+        gen = lifecycle(job, route, placement, pred)
         try:
             async for chunk in gen:
                 job.output_token_ids.extend(chunk.token_ids)
                 self.length.progress(pred, len(chunk.token_ids))
-                finished = finished or bool(chunk.finish_reason)
                 yield chunk
         finally:
             try:
                 await gen.aclose()
             finally:
                 placement.close()  # the one place a request's footprint is released
-                self.length.done(pred, len(job.output_token_ids), finished)
+                self.length.left(pred)
 
     async def close(self) -> None:
         """Wait for pending background aborts."""
@@ -146,13 +169,13 @@ class Orchestrator:
 
     # -------------------------------------------------------- disaggregated
     async def _disagg(
-        self, job: Job, route: RouteRequest, placement: RequestPlacement
+        self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
     ) -> AsyncIterator[Chunk]:
         if job.params.max_tokens <= 1:
             first = await self._prefill_only(job, route, placement)
             yield Chunk([first], self._finish_after_first(job.params, first))
             return
-        first = await self._place_and_prefill(job, route, placement, job.token_ids)
+        first = await self._place_and_prefill(job, route, placement, pred)
         first_finish = self._finish_after_first(job.params, first)
         yield Chunk([first], first_finish)
         if first_finish:  # nothing left to decode: free the reserved blocks now
@@ -162,15 +185,16 @@ class Orchestrator:
             yield chunk
 
     async def _place_and_prefill(
-        self, job: Job, route: RouteRequest, placement: RequestPlacement, prompt: list[int]
+        self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
     ) -> int:
         """Reserve on a decode, prefill `prompt` on a prefill that pushes the KV to it,
         return the first token. On return `placement.decode`/`.ticket` hold the decode
         that will continue the request. A prefill failure releases the decode (it may be
         picked again) and retries on another prefill, up to max_prefill_attempts."""
         tried: set[str] = set()
+        prompt = job.token_ids
         while True:
-            decode = await self._reserve(job, route, placement, prompt)
+            decode = await self._reserve(job, route, placement, pred)
             prefill = self._pick(ROLE_PREFILL, route, exclude=tried, decode=decode)
             tried.add(prefill.instance_id)
             try:
@@ -296,21 +320,24 @@ class Orchestrator:
             raise self._failure(err, decode, "decode") from None
 
     async def _reserve(
-        self, job: Job, route: RouteRequest, placement: RequestPlacement, prompt: list[int]
+        self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
     ) -> Instance:
-        """Reserve on a decode instance; another one when it is dead or full; queue
-        (`KvQueue`) while every decode instance is full. Returns the decode, whose ticket
-        is then `placement.ticket`."""
+        """Reserve on a decode instance; another one when it is dead or full; wait for
+        capacity (the admission stage's `Capacity`: woken when the cluster changes) while
+        every decode instance is full, up to `kv_queue_s`. Returns the decode, whose
+        ticket is then `placement.ticket`."""
+        prompt = job.token_ids
         tried: set[str] = set()
         overloaded: OverloadedError | None = None
-        queue = KvQueue(self.deadlines.kv_queue_s)
+        deadline = time.monotonic() + self.deadlines.kv_queue_s
         while True:
             try:
                 decode = self._pick(ROLE_DECODE, route, exclude=tried)
             except UnavailableError:
                 if overloaded is None:
                     raise
-                await queue.wait(overloaded)
+                if not await self.capacity.wait(deadline):
+                    raise overloaded from None
                 tried, overloaded = set(), None
                 continue
             tried.add(decode.instance_id)
@@ -336,7 +363,7 @@ class Orchestrator:
                 continue
             job.decode_instance = decode.instance_id
             placement.reserved(decode, resp.ticket)
-            self.length.placed(job.request_id, decode.instance_id, len(prompt), route)
+            self.length.placed(pred, decode.instance_id, len(prompt), route)
             return decode
 
     def _reserve_request(
@@ -356,7 +383,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------ colocated
     async def _colocated(
-        self, job: Job, route: RouteRequest, placement: RequestPlacement
+        self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
     ) -> AsyncIterator[Chunk]:
         tried: set[str] = set()
         while True:

@@ -1,15 +1,20 @@
-"""Length-aware scheduling around a request's lifecycle (the orchestrator calls it):
+"""Length-aware scheduling around a request's lifecycle, once per client request (a
+migrated stream keeps its request's prediction; its continuations are not new requests):
 
 predict   -> a LengthQuery from what the router knows (prompt text or tokens,
              model, max_tokens, session, block-hash prefix; the true length only
-             in oracle mode), the predictor's p50/p90, the RouteRequest filled in:
-             predicted_tokens (p50: placement, queue order) and reserve_tokens
-             (decode KV headroom = min(p90, max_tokens, reserve_max_tokens))
-admit     -> the overload queue (SJF with aging, or FCFS), when configured
+             in oracle mode) and the predictor's p50/p90 -> a `Prediction`. Skipped
+             (no estimate, nothing learned) when nothing reads it (`needed=False`).
+route     -> an attempt's RouteRequest filled in: predicted_tokens (p50 minus the
+             tokens already streamed: placement, demand) and reserve_tokens (decode KV
+             headroom = min(p90 left, max_tokens left, reserve_max_tokens))
 placed    -> the decode's predicted demand (demand.DecodeDemand)
 progress  -> tokens streamed so far (the demand shrinks as the request runs)
-done      -> demand and queue slot released; a finished request's true length is
-             learned online and scored (metrics, running Kendall tau)
+left      -> an attempt ended: its demand leaves the decode
+done      -> the request ended: a finished request's whole output length is learned
+             online and scored (metrics, running Kendall tau)
+
+The admission queue that orders requests by the prediction is admission.py's.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from pdserve.logging import get_logger
 from pdserve.rpc.metrics import Metrics
 
 from .demand import DecodeDemand
-from .overload_queue import OverloadQueue
 from .policies import RouteRequest
 from .predictor import LengthEstimate, LengthQuery, OutputLengthPredictor
 from .predictor.stats import kendall_tau
@@ -38,7 +42,6 @@ log = get_logger("pdserve.router.scheduling.length")
 UNBOUNDED = 1 << 30
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _LOG2_ERR_BUCKETS = (-4, -3, -2, -1.5, -1, -0.5, -0.25, 0, 0.25, 0.5, 1, 1.5, 2, 3, 4)
-_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class LengthMetrics:
@@ -62,10 +65,6 @@ class LengthMetrics:
             "router_length_running_kendall_tau",
             "Kendall tau of predicted p50 vs actual over the recent window",
         )
-        self.queue_waiting = m.gauge("router_queue_waiting", "requests in the overload queue")
-        self.queue_wait = m.histogram(
-            "router_queue_wait_seconds", "time spent in the overload queue", buckets=_WAIT_BUCKETS
-        )
         self.predicted_kv = m.gauge(
             "router_decode_predicted_kv_tokens",
             "predicted peak KV tokens of what the router placed on a decode instance",
@@ -75,11 +74,15 @@ class LengthMetrics:
 
 @dataclass
 class Prediction:
-    request_id: str
+    """One client request's output-length prediction (made once, before admission)."""
+
+    request_id: str  # the client request's (worker) id; continuations keep it
     query: LengthQuery
     estimate: LengthEstimate
-    route: RouteRequest
-    admitted: bool = False
+    max_tokens: int  # the request's own max_tokens (a continuation's is what is left)
+    predicted_tokens: int  # p50, clamped: the admission queue's order, placement
+    predicted_p90: int
+    estimated: bool = True  # False: nothing reads predictions, none was made
     t0: float = field(default_factory=time.monotonic)
 
 
@@ -89,7 +92,7 @@ class LengthScheduling:
         predictor: OutputLengthPredictor,
         *,
         demand: DecodeDemand | None = None,
-        queue: OverloadQueue | None = None,
+        needed: bool = True,
         reserve_max_tokens: int = 0,
         oracle: bool = False,
         use_max_tokens: bool = True,
@@ -98,7 +101,9 @@ class LengthScheduling:
     ) -> None:
         self.predictor = predictor
         self.demand = demand if demand is not None else DecodeDemand()
-        self.queue = queue
+        # False: nothing reads predictions (FCFS or no queue, count placement, no KV
+        # headroom): skip the estimate (milliseconds of text featurizing) and the learning.
+        self.needed = needed
         self.reserve_max_tokens = reserve_max_tokens
         self.oracle = oracle
         # False: the predictor does not see max_tokens (benchmarks whose max_tokens is the
@@ -123,6 +128,10 @@ class LengthScheduling:
 
     async def predict(self, job: Job, route: RouteRequest, block_size: int) -> Prediction:
         q = self.query(job, route, block_size)
+        if not self.needed:
+            n = job.params.max_tokens
+            est = LengthEstimate(float(n), float(n), "unused")
+            return Prediction(job.request_id, q, est, n, n, n, estimated=False)
         try:
             if q.text:  # featurizing text takes milliseconds: off the event loop
                 est = await asyncio.to_thread(self.predictor.estimate, q)
@@ -132,41 +141,37 @@ class LengthScheduling:
             log.exception("length prediction failed")
             est = LengthEstimate(q.max_tokens, q.max_tokens, "error")
         est = est.clamp(q.max_tokens)
-        route.predicted_tokens = est.tokens(q.max_tokens)
-        route.predicted_p90 = max(route.predicted_tokens, math.ceil(est.p90))
+        p50 = est.tokens(q.max_tokens)
+        p90 = max(p50, math.ceil(est.p90))
+        return Prediction(job.request_id, q, est, job.params.max_tokens, p50, p90)
+
+    def route(self, pred: Prediction, job: Job, route: RouteRequest) -> RouteRequest:
+        """Fill in an attempt's route from the request's prediction. `job` is the request
+        or a continuation of it, which owes `job.params.max_tokens` of `pred.max_tokens`."""
+        done = max(0, pred.max_tokens - job.params.max_tokens)  # streamed before this attempt
+        route.predicted_tokens = max(1, pred.predicted_tokens - done)
+        route.predicted_p90 = max(route.predicted_tokens, pred.predicted_p90 - done)
         if self.reserve_max_tokens > 0:
             route.reserve_tokens = min(
                 route.predicted_p90, self.reserve_max_tokens, job.params.max_tokens
             )
-        return Prediction(job.request_id, q, est, route)
-
-    async def admit(self, pred: Prediction) -> None:
-        if self.queue is None:
-            return
-        if self.metrics is not None:
-            self.metrics.queue_waiting.set(self.queue.waiting + 1)
-        try:
-            waited = await self.queue.acquire(pred.route.predicted_tokens)
-        finally:
-            if self.metrics is not None:
-                self.metrics.queue_waiting.set(self.queue.waiting)
-        pred.admitted = True
-        if self.metrics is not None:
-            self.metrics.queue_wait.observe(waited)
+        return route
 
     # -- while it runs
-    def placed(self, request_id: str, instance_id: str, prompt_tokens: int, route: RouteRequest):
-        self.demand.add(request_id, instance_id, prompt_tokens, route.predicted_tokens)
+    def placed(self, pred: Prediction, instance_id: str, prompt_tokens: int, route: RouteRequest):
+        self.demand.add(pred.request_id, instance_id, prompt_tokens, route.predicted_tokens)
 
     def progress(self, pred: Prediction, new_tokens: int) -> None:
         self.demand.progress(pred.request_id, new_tokens)
 
-    def done(self, pred: Prediction, completion_tokens: int, finished: bool) -> None:
+    def left(self, pred: Prediction) -> None:
+        """An attempt ended: what it placed on its decode is gone from there."""
         self.demand.remove(pred.request_id)
-        if pred.admitted and self.queue is not None:
-            pred.admitted = False
-            self.queue.release()
-        if not finished or completion_tokens <= 0:
+
+    def done(self, pred: Prediction, completion_tokens: int, finished: bool) -> None:
+        """The request ended; `completion_tokens` counts all of its attempts."""
+        self.demand.remove(pred.request_id)
+        if not finished or completion_tokens <= 0 or not pred.estimated:
             return  # cancelled or failed: the length is unknown (censored)
         try:
             self.predictor.learn(pred.query, completion_tokens)

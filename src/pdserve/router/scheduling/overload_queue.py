@@ -1,5 +1,6 @@
-"""The router's overload queue: at most `limit()` requests run at once; the rest
-wait here and are let in as running ones finish.
+"""The ordering half of the router's admission stage (admission.py): at most `limit()`
+requests run at once; the rest wait here and are let in as running ones finish. Bounds
+(queue length, timeout) and metrics are the admission stage's.
 
 Order: `sjf` lets in the waiter with the smallest predicted length first, aged
 by its wait (score = predicted tokens - aging_tokens_per_s x waited seconds);
@@ -19,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 ORDERS = ("fcfs", "sjf")
+# A waiter this old goes before all others. Below the admission timeout (30 s by default),
+# so that it matters: an aged waiter is let in before it would time out.
+DEFAULT_MAX_WAIT_S = 20.0
 
 
 @dataclass
@@ -37,7 +41,7 @@ class OverloadQueue:
         limit: Callable[[], int],
         order: Literal["fcfs", "sjf"] = "sjf",
         aging_tokens_per_s: float = 64.0,
-        max_wait_s: float = 30.0,
+        max_wait_s: float = DEFAULT_MAX_WAIT_S,
         max_bypass: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -57,6 +61,10 @@ class OverloadQueue:
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    def has_room(self) -> bool:
+        """Whether one more request may run now."""
+        return self._open()
 
     def _open(self) -> bool:
         n = self.limit()
