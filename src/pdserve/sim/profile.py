@@ -87,6 +87,7 @@ def profile_engine(
     counter = iter(range(1 << 30))
 
     def add(n: int, out: int) -> None:
+        n = min(n, engine.max_model_len - out)  # a short-context model: the longest it takes
         ids = rng.integers(10, vocab, size=n).tolist()
         engine.add_request(
             f"p{next(counter)}",
@@ -169,17 +170,28 @@ def profile_kvstore(block_bytes: int, blocks: list[int], repeats: int = 3) -> di
     import signal
     import subprocess
     import sys
+    import tempfile
 
     from pdserve.kv.hashing import block_hashes
     from pdserve.kv.store_client import KVStoreClient
     from pdserve.kv.transfer import UcxTransport
+    from pdserve.rpc.certs import make_dev_pki
     from pdserve.rpc.ready import parse_ready_line
+    from pdserve.rpc.tls import TlsFiles, client_credentials, configure_client
 
     cap = max(64 * MIB, 4 * max(blocks) * block_bytes * (repeats + 1))
+    # The kvstore runs as in a cluster: mutual TLS (the default), with a throw-away CA and
+    # certificates; this process calls it as a worker. Plaintext is not measured.
+    certs = tempfile.TemporaryDirectory(prefix="pdserve-profile-certs-")
+    make_dev_pki(certs.name, [("kvstore", "kvstore"), ("worker", "profile")])
     argv = [sys.executable, "-m", "pdserve.kvstore", "--port", "0", "--log-format", "console",
-            "--capacity-bytes", str(cap)]  # fmt: skip
+            "--capacity-bytes", str(cap), "--no-insecure", "--tls-dir", certs.name,
+            "--tls-name", "kvstore"]  # fmt: skip
+    saved_creds = client_credentials()
+    errlog = tempfile.TemporaryFile(mode="w+")
+    configure_client(TlsFiles.in_dir(certs.name, "profile"))
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        argv, stdout=subprocess.PIPE, stderr=errlog, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     try:
@@ -194,7 +206,9 @@ def profile_kvstore(block_bytes: int, blocks: list[int], repeats: int = 3) -> di
             if info is not None:
                 addr = f"127.0.0.1:{info['port']}"
         if addr is None:
-            raise RuntimeError("kvstore did not start")
+            errlog.seek(0)
+            tail = errlog.read()[-2000:]
+            raise RuntimeError(f"kvstore did not start: {tail}")
 
         async def go() -> dict[str, Any]:
             transport = await UcxTransport.create()
@@ -238,12 +252,21 @@ def profile_kvstore(block_bytes: int, blocks: list[int], repeats: int = 3) -> di
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+        _restore_client_credentials(saved_creds)
+        errlog.close()
+        certs.cleanup()
     return {
         "publish": LinkCost.fit([b for b, _ in res["put"]], [s for _, s in res["put"]]),
         "fetch": LinkCost.fit([b for b, _ in res["fetch"]], [s for _, s in res["fetch"]]),
         "rpc_rtt_s": res["rpc_rtt_s"],
         "samples": {"put": res["put"], "fetch": res["fetch"]},
     }
+
+
+def _restore_client_credentials(creds: Any) -> None:
+    from pdserve.rpc import tls
+
+    tls._client_credentials = creds  # configure_client takes files, not credentials
 
 
 def profile_router_decision(n_instances: int = 2, iters: int = 2000) -> float:
