@@ -115,7 +115,7 @@ def _prefill_then_decode(corrupt: bool = False) -> list[int]:
 def test_kv_moves_between_emulated_engines_and_is_checked():
     colocated = _engine().generate([_prompt(50, 3)], GREEDY)[0]
     assert _prefill_then_decode() == colocated
-    with pytest.raises(KVMismatchError, match="16 of 50|differ"):
+    with pytest.raises(KVMismatchError, match="1 of 50 positions differ"):
         _prefill_then_decode(corrupt=True)
 
 
