@@ -30,3 +30,9 @@ def test_profile_runs_under_default_tls(serving_model_dir, tmp_path):
     assert costs["kvstore_fetch"]["latency_s"] >= 0 and costs["router_overhead_s"] > 0
     assert data["engine"]["samples"], "no engine step timed"
     assert "kvstore_publish" in proc.stdout
+    # the serving stack's cost per streamed token, from a real router + worker (under TLS)
+    serving = data["serving"]
+    assert [p["streams"] for p in serving["samples"]] == [1, 4, 16]
+    assert all(p["tpot_s"] > 0 for p in serving["samples"])
+    assert costs["stream_token_s"] == serving["stream_token_s"] >= 0
+    assert "per streamed sequence per step" in proc.stdout

@@ -45,13 +45,16 @@ def _prompt(n: int, seed: int) -> list[int]:
 def test_step_durations_follow_the_cost_model_with_a_fake_clock():
     clock = FakeClock()
     eng = _engine(clock, time_scale=3.0)
-    cost = eng.backend.costs.step
+    costs = eng.backend.costs
+    costs.stream_token_s = 0.0004  # a measured serving cost per stream per step, if any
     plans: list[list[tuple[int, int]]] = []
+    sampled: list[int] = []
     orig = eng.scheduler.schedule
 
     def schedule():
         plan = orig()
         plans.append([(e.start, e.num_new_tokens) for e in plan.scheduled])
+        sampled.append(sum(1 for e in plan.scheduled if e.sample))
         return plan
 
     eng.scheduler.schedule = schedule
@@ -63,10 +66,13 @@ def test_step_durations_follow_the_cost_model_with_a_fake_clock():
         eng.step()
         durations.append(clock.now() - t0)
     assert len(durations) == len(plans) > 12
-    for batch, wall in zip(plans, durations, strict=True):
-        assert wall == pytest.approx(3.0 * cost.step_s(batch), rel=1e-9)
+    cost = costs.step  # the H100 roofline of llama3-8b
+    for batch, n, wall in zip(plans, sampled, durations, strict=True):
+        assert wall == pytest.approx(3.0 * (cost.step_s(batch) + 0.0004 * n), rel=1e-9)
+    assert sampled[0] == 0 and sampled[-1] == 3  # a prefill chunk samples nothing
     runner = eng.runner
-    assert runner.modelled_s == pytest.approx(sum(cost.step_s(b) for b in plans))
+    modelled = sum(costs.step_time_s(b, n) for b, n in zip(plans, sampled, strict=True))
+    assert runner.modelled_s == pytest.approx(modelled)
     assert runner.lag_s == 0.0  # a fake clock never wakes late
     # the roofline's shape: a 256-token prefill chunk costs more than a 3-sequence decode
     assert cost.step_s([(0, 256)]) > cost.step_s([(100, 1)] * 3) > 0

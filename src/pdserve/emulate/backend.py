@@ -129,7 +129,7 @@ class EmulatedBackend:
 
     def make_runner(self, spec: KVSpec, num_blocks: int, config: EngineConfig) -> EmulatedRunner:
         self.runner = EmulatedRunner(
-            self.costs.step,
+            self.costs,
             self.config.vocab_size,
             num_blocks,
             spec.block_size,

@@ -1,6 +1,6 @@
 """EmulatedRunner: the engine's `Runner` with the forward pass replaced by a timed step.
 
-A step lasts `cost.step_s(batch) * time_scale` seconds of wall time (batch = the plan's
+A step lasts `cost.step_time_s(batch, sampled) * time_scale` seconds of wall time (batch = the plan's
 (start, new tokens) entries, as the simulator charges it). Back-to-back steps chain on their
 deadlines (the engine's own Python work between two steps is part of the modelled per-step
 overhead), so modelled time keeps pace with wall time while the engine is busy; what is left
@@ -28,8 +28,8 @@ _MOD = 2039  # prime < 2048: every value is exact in float16
 KV_DTYPE = np.float16
 
 
-class StepModel(Protocol):
-    def step_s(self, batch: Sequence[tuple[int, int]]) -> float: ...
+class StepModel(Protocol):  # sim.costs.CostModel
+    def step_time_s(self, batch: Sequence[tuple[int, int]], num_streamed: int) -> float: ...
 
 
 class Clock(Protocol):
@@ -88,7 +88,7 @@ class EmulatedRunner:
     ) -> dict[str, int]:
         t0 = self.clock.now()
         batch = [(e.start, e.num_new_tokens) for e in plan.scheduled]
-        modelled = self.cost.step_s(batch)
+        modelled = self.cost.step_time_s(batch, sum(1 for e in plan.scheduled if e.sample))
         begin = self._last_deadline if 0 <= t0 - self._last_deadline < self.chain_gap_s else t0
         deadline = begin + modelled * self.time_scale
         sampled: dict[str, int] = {}

@@ -289,6 +289,55 @@ def profile_router_decision(n_instances: int = 2, iters: int = 2000) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+# ---------------------------------------------------------------------------- serving
+def profile_serving(
+    model_dir: str,
+    dtype: str,
+    threads: int,
+    step: StepCost,
+    batches: tuple[int, ...] = (1, 4, 16),
+    prompt_len: int = 64,
+    max_tokens: int = 48,
+) -> dict[str, Any]:
+    """The serving stack's cost per streamed token: a real colocated worker behind a real
+    router (`Cluster`, mutual TLS), B concurrent greedy streams; served TPOT minus the
+    engine-only step of B decodes (the fitted `step`), divided by B, fitted over B by least
+    squares through 0: seconds per sampled sequence per step (`CostModel.stream_token_s`)."""
+    from pdserve.client import AsyncClient
+    from pdserve.launcher import Cluster, ClusterConfig
+
+    cluster = Cluster(ClusterConfig(
+        model=model_dir, mode="colocated", colocated=1, port=0,
+        worker_args=["--threads", str(threads), "--dtype", dtype],
+    ))  # fmt: skip
+    cluster.start(timeout=300.0)
+    rng = np.random.default_rng(1)
+    try:
+
+        async def streams(b: int) -> list[float]:
+            async with AsyncClient(cluster.addr, timeout=300.0) as client:
+                rs = await asyncio.gather(*(
+                    client.generate(token_ids=rng.integers(10, 200, prompt_len).tolist(),
+                                    max_tokens=max_tokens, ignore_eos=True)
+                    for _ in range(b)
+                ))  # fmt: skip
+            return [r.tpot_ms / 1e3 for r in rs]
+
+        asyncio.run(streams(2))  # warm-up
+        points = []
+        for b in batches:
+            tpot = float(np.median(asyncio.run(streams(b))))
+            ctx = prompt_len + max_tokens // 2
+            engine_s = step.step_s([(ctx, 1)] * b)
+            points.append({"streams": b, "tpot_s": tpot, "engine_step_s": engine_s})
+    finally:
+        cluster.stop()
+    x = np.array([p["streams"] for p in points], dtype=float)
+    y = np.array([p["tpot_s"] - p["engine_step_s"] for p in points])
+    per_stream = max(0.0, float(x @ y / (x @ x)))
+    return {"stream_token_s": per_stream, "samples": points}
+
+
 # ---------------------------------------------------------------------------- limits
 def limits_call_site(dtype: str, threads: int) -> dict[str, Any] | None:
     """Machine limits (memory read bandwidth, GEMM peak in `dtype`) from
@@ -355,6 +404,12 @@ def run_profile(
         log("profiling kvstore publish/fetch ...")
         kvstore = profile_kvstore(block_bytes, [1, 8, 32])
         costs.kvstore_fetch, costs.kvstore_publish = kvstore["fetch"], kvstore["publish"]
+    serving = None
+    if not skip_transport:
+        log("profiling the serving stack (router + worker, streamed tokens) ...")
+        serving = profile_serving(model_dir, dtype, threads, eng["step"])
+        costs.stream_token_s = serving["stream_token_s"]
+        log(f"  {costs.stream_token_s * 1e3:.3f} ms per streamed sequence per step")
     decision_s = profile_router_decision()
     rtt = kvstore["rpc_rtt_s"] if kvstore else 0.0
     costs.router_overhead_s = 2 * rtt + decision_s
@@ -377,6 +432,7 @@ def run_profile(
         if kvstore is None
         else {"samples": kvstore["samples"], "rpc_rtt_s": kvstore["rpc_rtt_s"]},
         "router": {"decision_s": decision_s, "rpc_rtt_s": rtt},
+        "serving": serving,
         "limits": limits,
         "achieved": achieved_fractions(eng, limits),
         "profile_s": time.perf_counter() - started,
