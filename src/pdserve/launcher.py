@@ -164,6 +164,8 @@ class ClusterConfig:
     emulate_profile: str | None = None
     time_scale: float = 1.0
     tokenizer: str | None = None
+    # interpreter flags before the router's `-m pdserve.router` (e.g. -m cProfile -o FILE)
+    router_python_args: list[str] = field(default_factory=list)
 
 
 class Cluster:
@@ -445,7 +447,8 @@ class Cluster:
     def _router_argv(self, port: int | None = None, internal_port: int = 0) -> list[str]:
         port = self.config.port if port is None else port
         argv = [
-            sys.executable, "-m", "pdserve.router", "--port", str(port),
+            sys.executable, *self.config.router_python_args, "-m", "pdserve.router",
+            "--port", str(port),
             "--internal-port", str(internal_port), "--model", self.model_dir,
             *self._tls_argv("router"),
         ]  # fmt: skip

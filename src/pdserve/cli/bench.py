@@ -18,6 +18,7 @@ TOOLS = (
     "frontdoor",
     "tls",
     "emulated_lag",
+    "router_saturation",
 )
 
 
