@@ -33,6 +33,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--streams-per-worker", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=10.0,
+        help="router's heartbeat timeout (a shared 2-core machine under load delays "
+        "heartbeats: at the default 3 s, 64 workers were expired mid-stream)",
+    )
     p.add_argument("--out", default="results/emulated_lag.json")
     p.set_defaults(func=main)
 
@@ -92,6 +99,7 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
         emulate=args.emulate, model_config=args.model_config, time_scale=args.time_scale,
         mode="colocated", colocated=n, port=0,
         worker_args=["--max-num-batched-tokens", "2048", "--max-num-seqs", "128"],
+        router_args=["--heartbeat-timeout-s", str(args.heartbeat_timeout_s)],
     )  # fmt: skip
     cluster = Cluster(cfg)
     t_start = time.monotonic()
