@@ -42,6 +42,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = None  # generator for unseeded random sampling
+    batch_invariant: bool = True  # tokens independent of batch/chunking/path (runner doc)
 
 
 class LLMEngine:
@@ -77,7 +78,12 @@ class LLMEngine:
             mc, self.num_blocks, config.block_size, self.spec.dtype, config.device
         )
         self.runner = ModelRunner(
-            loaded.model, self.kv_caches, config.block_size, config.device, Sampler(gen)
+            loaded.model,
+            self.kv_caches,
+            config.block_size,
+            config.device,
+            Sampler(gen),
+            batch_invariant=config.batch_invariant,
         )
         self._seqs: dict[str, Seq] = {}
         self._arrival = itertools.count()

@@ -9,6 +9,10 @@ is `b * 2 * block_size + o` and its V row is that plus `block_size`. Every layer
     kv head act as the query axis, so GQA needs no repeat of K/V,
   - runs each prefill chunk with one SDPA against its context (fresh k/v directly when the
     chunk is the whole context, else the gathered cache) under a causal-with-offset mask.
+
+`batch_invariant` (the default) swaps both SDPA calls for `fixed.attend`, whose result for a
+query does not depend on the batch, the chunking or decode-vs-prefill (see that module); the
+SDPA path stays as the faster, batch-variant alternative (`--no-batch-invariant`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.attention import fixed
 from pdserve.model.attention.base import AttentionBackend
 from pdserve.model.attention.metadata import AttentionMetadata
 
@@ -54,6 +59,7 @@ def _rows(table: list[int], n: int, bs: int) -> torch.Tensor:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    batch_invariant = True  # set per instance by the runner (EngineConfig.batch_invariant)
 
     def prepare(self, meta: AttentionMetadata) -> TorchPlan:
         bs = meta.block_size
@@ -74,6 +80,8 @@ class TorchAttentionBackend(AttentionBackend):
         if dec_idx:
             lens = [meta.seq_lens_cpu[i] for i in dec_idx]
             s_max = max(lens)
+            if self.batch_invariant:  # whole key tiles; padding rows are masked
+                s_max = fixed.padded_len(s_max)
             n_blk = -(-s_max // bs)
             table = torch.zeros(len(dec_idx), n_blk, dtype=torch.int64)
             for r, i in enumerate(dec_idx):
@@ -119,6 +127,8 @@ class TorchAttentionBackend(AttentionBackend):
         bd = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         assert plan.dec_rows is not None and plan.dec_lens is not None
+        if self.batch_invariant:
+            return self._decode_fixed(plan, q, flat, window)
         mask = plan.dec_masks.get(window)
         if mask is None:
             j = torch.arange(plan.dec_rows.shape[1], device=q.device)
@@ -136,6 +146,27 @@ class TorchAttentionBackend(AttentionBackend):
         o = F.scaled_dot_product_attention(qg, ck, cv, attn_mask=mask, scale=self.scale)
         return o.reshape(bd, -1, d)  # [Bd, H, D]
 
+    def _decode_fixed(
+        self, plan: TorchPlan, q: torch.Tensor, flat: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        bd = q.shape[0]
+        hkv, d = self.num_kv_heads, self.head_dim
+        assert plan.dec_rows is not None and plan.dec_lens is not None
+        s = plan.dec_rows.shape[1]
+        vis = plan.dec_masks.get(window)
+        if vis is None:
+            j = torch.arange(s, device=q.device)[None, :]
+            lens = plan.dec_lens[:, None]
+            m = j < lens
+            if window is not None:
+                m &= j > lens - 1 - window
+            vis = plan.dec_masks[window] = m[:, None, None, None, :]  # [Bd, 1, 1, 1, S]
+        ckv = flat.index_select(0, plan.dec_kv_rows).view(2, bd, s, hkv, d)
+        ck, cv = ckv[0].transpose(1, 2), ckv[1].transpose(1, 2)  # [Bd, Hkv, S, D]
+        qg = q.view(bd, hkv, 1, -1, d)
+        o = fixed.attend(qg, ck, cv, vis, self.scale)
+        return o.reshape(bd, -1, d).to(q.dtype)  # [Bd, H, D]
+
     def _prefill(
         self,
         p: _Prefill,
@@ -147,6 +178,12 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
     ) -> torch.Tensor:
         tq = q.shape[0]
+        if self.batch_invariant:
+            if p.rows is None:  # [S, Hkv, D]: the fresh k/v are the cached values
+                ck, cv = k[p.start : p.end], v[p.start : p.end]
+            else:
+                ck, cv = flat.index_select(0, p.rows), flat.index_select(0, p.rows + bs)
+            return fixed.attend_sequence(q, ck, cv, window, self.scale)
         if p.rows is None:  # the chunk is the whole context: use fresh k/v
             ck = k[p.start : p.end].transpose(0, 1)  # [Hkv, S, D]
             cv = v[p.start : p.end].transpose(0, 1)
