@@ -114,8 +114,13 @@ def pack_linears(
         and child.weight.device.type == "cpu"
         and packing_supported(child.weight.dtype)
     ]
+
+    def rows(dtype: torch.dtype) -> int:
+        return 2 if batch_invariant and dtype == torch.float32 else 1
+
+    for module in model.modules():  # already packed (a model shared by engines): re-set
+        if isinstance(module, PackedLinear):
+            module.min_rows = rows(module.dtype)
     for parent, name, child in targets:
-        fp32 = child.weight.dtype == torch.float32
-        rows = 2 if batch_invariant and fp32 else 1
-        setattr(parent, name, PackedLinear(child, batch_hint, rows))
+        setattr(parent, name, PackedLinear(child, batch_hint, rows(child.weight.dtype)))
     return len(targets)

@@ -14,9 +14,10 @@ different bits, in fp32 and bf16 alike.
   - keys are laid out in tiles of KV_TILE positions counted from position 0 of the sequence,
     padded with masked keys. Padding only ever adds whole tiles or masked slots whose
     probability is exactly 0, and adding an exact 0 changes no sum;
-  - the softmax max is exact; the normaliser sums each tile (fixed length), then adds the tile
-    sums in order (cumsum, sequential); the P @ V product is one GEMM per tile (reduction
-    length KV_TILE) whose partial outputs are added in tile order the same way.
+  - scores are computed tile by tile ([rows, D] @ [D, KV_TILE], one batched GEMM) and masked
+    by adding a 0 / -inf bias; the softmax max is exact; the normaliser sums each tile (fixed
+    length), then adds the tile sums in order (cumsum, sequential); P @ V is one GEMM per tile
+    (reduction length KV_TILE) whose partial outputs are added in tile order the same way.
 Query rows are independent, so long prefills are cut into row blocks (Q_BLOCK tokens) without
 changing any result, and each block only reads the key tiles its causal horizon reaches.
 """
@@ -37,46 +38,48 @@ def padded_len(n: int) -> int:
 
 def attend(
     q: torch.Tensor,  # [B, Hkv, Tq, G, D] (G query heads per kv head)
-    k: torch.Tensor,  # [B, Hkv, S, D], S % KV_TILE == 0 (any strides)
+    k: torch.Tensor,  # [B, Hkv, S, D], S % KV_TILE == 0 (any strides and float dtype)
     v: torch.Tensor,  # [B, Hkv, S, D]
-    visible: torch.Tensor,  # bool, broadcastable to [B, 1, Tq, 1, S]; True = attend
+    bias: torch.Tensor,  # float32 0 / -inf, broadcastable to [B, 1, nt, Tq, 1, KV_TILE]
     scale: float,
 ) -> torch.Tensor:  # [B, Hkv, Tq, G, D] float32
+    """Scores, probabilities and partial outputs live in key tiles: [B, Hkv, nt, rows, T]."""
     b, hkv, tq, g, d = q.shape
     s = k.shape[2]
     assert s % KV_TILE == 0, "pad keys to whole tiles (padded_len)"
-    nt = s // KV_TILE
-    m = tq * g
-    f32 = torch.float32
-    qf = (q.to(f32) * scale).reshape(b, hkv, m, d)
-    if m < MIN_ROWS:  # same GEMM kernel as for many rows
-        qf = torch.cat([qf, qf.new_zeros(b, hkv, MIN_ROWS - m, d)], 2)
-    kf = k.to(f32, memory_format=torch.contiguous_format)
-    vf = v.to(f32, memory_format=torch.contiguous_format)
-    scores = torch.matmul(qf, kf.transpose(-1, -2))[:, :, :m]  # [B, Hkv, M, S]
-    scores = scores.view(b, hkv, tq, g, s).masked_fill(~visible, float("-inf"))
-    p = torch.exp(scores - scores.amax(-1, keepdim=True)).view(b, hkv, m, nt, KV_TILE)
-    denom = p.sum(-1).cumsum(-1)[..., -1:]  # [B, Hkv, M, 1]: tile sums added in order
-    pt = p.transpose(2, 3)  # [B, Hkv, nt, M, T]
+    nt, m, f32 = s // KV_TILE, tq * g, torch.float32
+    qf = q.reshape(b, hkv, 1, m, d).to(f32) * scale
+    if m < MIN_ROWS:  # the GEMM kernel of many rows, for few rows too
+        qf = torch.cat([qf, qf.new_zeros(b, hkv, 1, MIN_ROWS - m, d)], 3)
+    kf = k.to(f32, memory_format=torch.contiguous_format).view(b, hkv, nt, KV_TILE, d)
+    vf = v.to(f32, memory_format=torch.contiguous_format).view(b, hkv, nt, KV_TILE, d)
+    scores = torch.matmul(qf, kf.transpose(-1, -2))[:, :, :, :m]  # [B, Hkv, nt, M, T]
+    scores = scores.reshape(b, hkv, nt, tq, g, KV_TILE) + bias
+    p = torch.exp(scores - scores.amax(dim=(2, 5), keepdim=True))  # exact max, exact exps
+    denom = p.sum(-1).cumsum(2)[:, :, -1]  # [B, Hkv, Tq, G]: tile sums added in tile order
+    pm = p.view(b, hkv, nt, m, KV_TILE)
     if m < MIN_ROWS:
-        pt = torch.cat([pt, pt.new_zeros(b, hkv, nt, MIN_ROWS - m, KV_TILE)], 3)
-    part = torch.matmul(pt, vf.view(b, hkv, nt, KV_TILE, d))[:, :, :, :m]  # [B, Hkv, nt, M, D]
-    out = part.cumsum(2)[:, :, -1] / denom  # tile partials added in order
-    return out.view(b, hkv, tq, g, d)
+        pm = torch.cat([pm, pm.new_zeros(b, hkv, nt, MIN_ROWS - m, KV_TILE)], 3)
+    part = torch.matmul(pm, vf)[:, :, :, :m]  # [B, Hkv, nt, M, D], one GEMM per tile
+    out = part.cumsum(2)[:, :, -1].view(b, hkv, tq, g, d)  # tile partials added in order
+    return out / denom[..., None]
 
 
-def causal_visible(
-    q_pos: torch.Tensor,  # [Tq] int64 absolute positions of the queries
-    s: int,  # padded key length
-    ctx_len: int,  # real keys (positions 0 .. ctx_len - 1)
+def tile_bias(
+    q_pos: torch.Tensor,  # [Tq] (or [B, Tq]) int64 absolute positions of the queries
+    s: int,  # padded key length (whole tiles)
+    ctx_len: torch.Tensor | int,  # real keys: 0 .. ctx_len - 1 (int, or [B] per row)
     window: int | None,
-) -> torch.Tensor:  # [1, 1, Tq, 1, S] bool
-    kpos = torch.arange(s, device=q_pos.device)[None, :]
-    qp = q_pos[:, None]
-    m = (kpos <= qp) & (kpos < ctx_len)
+) -> torch.Tensor:  # [B or 1, 1, nt, Tq, 1, T] float32: 0 visible, -inf masked
+    qp = q_pos if q_pos.dim() == 2 else q_pos[None]  # [B, Tq]
+    kpos = torch.arange(s, device=qp.device)
+    ctx = torch.as_tensor(ctx_len, device=qp.device).reshape(-1, 1, 1)
+    m = (kpos <= qp[..., None]) & (kpos < ctx)  # [B, Tq, S]
     if window is not None:
-        m &= kpos > qp - window
-    return m[None, None, :, None, :]
+        m &= kpos > qp[..., None] - window
+    bias = torch.zeros(m.shape).masked_fill_(~m, float("-inf"))
+    nb, tq = bias.shape[:2]
+    return bias.view(nb, tq, s // KV_TILE, KV_TILE).transpose(1, 2)[:, None, :, :, None, :]
 
 
 def attend_sequence(
@@ -85,28 +88,32 @@ def attend_sequence(
     v: torch.Tensor,
     window: int | None,
     scale: float,
+    biases: dict | None = None,  # cache of tile_bias per (query block, window), per step
 ) -> torch.Tensor:  # [Tq, H, D] in q's dtype
     tq, h, d = q.shape
     ctx, hkv = k.shape[0], k.shape[1]
     g = h // hkv
     out = torch.empty_like(q)
     first = ctx - tq
+    biases = {} if biases is None else biases
     for a in range(0, tq, Q_BLOCK):
         e = min(tq, a + Q_BLOCK)
         horizon = first + e  # keys this block can see: 0 .. horizon - 1
         s = padded_len(horizon)
-        kb, vb = _pad_keys(k[:horizon], s), _pad_keys(v[:horizon], s)
+        bias = biases.get((a, window))
+        if bias is None:
+            pos = torch.arange(first + a, first + e, device=q.device)
+            bias = biases[(a, window)] = tile_bias(pos, s, horizon, window)
+        kb, vb = _pad_keys(k[:horizon], s), _pad_keys(v[:horizon], s)  # [Hkv, S, D] fp32
         qb = q[a:e].view(e - a, hkv, g, d).transpose(0, 1)[None]  # [1, Hkv, Tb, G, D]
-        pos = torch.arange(first + a, first + e, device=q.device)
-        vis = causal_visible(pos, s, horizon, window)
-        o = attend(qb, kb.transpose(0, 1)[None], vb.transpose(0, 1)[None], vis, scale)
+        o = attend(qb, kb[None], vb[None], bias, scale)
         out[a:e] = o[0].transpose(0, 1).reshape(e - a, h, d).to(q.dtype)
     return out
 
 
 def _pad_keys(x: torch.Tensor, s: int) -> torch.Tensor:
-    """[n, Hkv, D] -> [s, Hkv, D] with zero rows appended (masked, so never weighted)."""
-    n = x.shape[0]
-    if n == s:
-        return x
-    return torch.cat([x, x.new_zeros(s - n, *x.shape[1:])])
+    """[n, Hkv, D] -> [Hkv, s, D] float32, zero rows appended (masked, so never weighted)."""
+    n, hkv, d = x.shape
+    out = torch.zeros(hkv, s, d)
+    out[:, :n] = x.transpose(0, 1)
+    return out

@@ -34,6 +34,7 @@ class _Prefill:
     seq_len: int
     rows: torch.Tensor | None  # [S] K rows of the whole context; None when context == chunk
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    biases: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)  # fixed.*
 
 
 @dataclass
@@ -47,7 +48,8 @@ class TorchPlan:
     v_rows: torch.Tensor | None = None  # [T] k_rows + block_size (once per step, not per layer)
     # [2 * Bd * S_max] K rows of the decode contexts, then their V rows: one gather per layer
     dec_kv_rows: torch.Tensor | None = None
-    dec_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # [Bd,1,1,S_max]
+    # per window: [Bd,1,1,S_max] bool (SDPA), or fixed.tile_bias [Bd,1,nt,1,1,T] (invariant)
+    dec_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     prefills: list[_Prefill] = field(default_factory=list)
 
 
@@ -153,18 +155,14 @@ class TorchAttentionBackend(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_dim
         assert plan.dec_rows is not None and plan.dec_lens is not None
         s = plan.dec_rows.shape[1]
-        vis = plan.dec_masks.get(window)
-        if vis is None:
-            j = torch.arange(s, device=q.device)[None, :]
-            lens = plan.dec_lens[:, None]
-            m = j < lens
-            if window is not None:
-                m &= j > lens - 1 - window
-            vis = plan.dec_masks[window] = m[:, None, None, None, :]  # [Bd, 1, 1, 1, S]
+        bias = plan.dec_masks.get(window)
+        if bias is None:  # [Bd, 1, nt, 1, 1, T]
+            pos = (plan.dec_lens - 1)[:, None]
+            bias = plan.dec_masks[window] = fixed.tile_bias(pos, s, plan.dec_lens, window)
         ckv = flat.index_select(0, plan.dec_kv_rows).view(2, bd, s, hkv, d)
-        ck, cv = ckv[0].transpose(1, 2), ckv[1].transpose(1, 2)  # [Bd, Hkv, S, D]
-        qg = q.view(bd, hkv, 1, -1, d)
-        o = fixed.attend(qg, ck, cv, vis, self.scale)
+        # one copy: [2, Bd, Hkv, S, D] float32 (attend's layout)
+        ckv = ckv.permute(0, 1, 3, 2, 4).to(torch.float32, memory_format=torch.contiguous_format)
+        o = fixed.attend(q.view(bd, hkv, 1, -1, d), ckv[0], ckv[1], bias, self.scale)
         return o.reshape(bd, -1, d).to(q.dtype)  # [Bd, H, D]
 
     def _prefill(
@@ -183,7 +181,7 @@ class TorchAttentionBackend(AttentionBackend):
                 ck, cv = k[p.start : p.end], v[p.start : p.end]
             else:
                 ck, cv = flat.index_select(0, p.rows), flat.index_select(0, p.rows + bs)
-            return fixed.attend_sequence(q, ck, cv, window, self.scale)
+            return fixed.attend_sequence(q, ck, cv, window, self.scale, p.biases)
         if p.rows is None:  # the chunk is the whole context: use fresh k/v
             ck = k[p.start : p.end].transpose(0, 1)  # [Hkv, S, D]
             cv = v[p.start : p.end].transpose(0, 1)
