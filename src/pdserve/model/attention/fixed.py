@@ -10,14 +10,15 @@ different bits, in fp32 and bf16 alike.
   - math in float32 (a bf16 cache is upcast; scores and probabilities stay fp32);
   - scores = q @ k^T by a float32 batched GEMM whose reduction axis is head_dim (fixed). The
     GEMM's per-element result depends on the row count only below MIN_ROWS rows (MKL takes
-    another kernel for 1-3 rows), so query rows are padded to at least MIN_ROWS;
+    another kernel for 1-3 rows), so query rows are padded to at least MIN_ROWS; it does not
+    depend on the key count (measured for every multiple of 64 up to 4096);
   - keys are laid out in tiles of KV_TILE positions counted from position 0 of the sequence,
     padded with masked keys. Padding only ever adds whole tiles or masked slots whose
     probability is exactly 0, and adding an exact 0 changes no sum;
-  - scores are computed tile by tile ([rows, D] @ [D, KV_TILE], one batched GEMM) and masked
-    by adding a 0 / -inf bias; the softmax max is exact; the normaliser sums each tile (fixed
-    length), then adds the tile sums in order (cumsum, sequential); P @ V is one GEMM per tile
-    (reduction length KV_TILE) whose partial outputs are added in tile order the same way.
+  - masking adds a 0 / -inf bias; the softmax max is exact; the normaliser sums each tile
+    (fixed length), then adds the tile sums in order (cumsum, sequential); P @ V is one GEMM
+    per tile (reduction length KV_TILE: MKL's result for a longer reduction changes with its
+    length, zeros or not) whose partial outputs are added in tile order the same way.
 Query rows are independent, so long prefills are cut into row blocks (Q_BLOCK tokens) without
 changing any result, and each block only reads the key tiles its causal horizon reaches.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-KV_TILE = 64  # keys per reduction tile (>= 16: MKL's GEMM result is column-count invariant)
+KV_TILE = 128  # keys per reduction tile of the P @ V GEMM and of the softmax normaliser
 MIN_ROWS = 4  # MKL's float32 GEMM takes another kernel below 4 rows
 Q_BLOCK = 256  # query tokens per block of a long prefill (bounds the [rows, S] score memory)
 
@@ -40,29 +41,34 @@ def attend(
     q: torch.Tensor,  # [B, Hkv, Tq, G, D] (G query heads per kv head)
     k: torch.Tensor,  # [B, Hkv, S, D], S % KV_TILE == 0 (any strides and float dtype)
     v: torch.Tensor,  # [B, Hkv, S, D]
-    bias: torch.Tensor,  # float32 0 / -inf, broadcastable to [B, 1, nt, Tq, 1, KV_TILE]
+    bias: torch.Tensor,  # float32 0 / -inf, broadcastable to [B, 1, Tq, 1, S]
     scale: float,
 ) -> torch.Tensor:  # [B, Hkv, Tq, G, D] float32
-    """Scores, probabilities and partial outputs live in key tiles: [B, Hkv, nt, rows, T]."""
     b, hkv, tq, g, d = q.shape
     s = k.shape[2]
     assert s % KV_TILE == 0, "pad keys to whole tiles (padded_len)"
     nt, m, f32 = s // KV_TILE, tq * g, torch.float32
-    qf = q.reshape(b, hkv, 1, m, d).to(f32) * scale
+    qf = q.reshape(b, hkv, m, d).to(f32) * scale
     if m < MIN_ROWS:  # the GEMM kernel of many rows, for few rows too
-        qf = torch.cat([qf, qf.new_zeros(b, hkv, 1, MIN_ROWS - m, d)], 3)
-    kf = k.to(f32, memory_format=torch.contiguous_format).view(b, hkv, nt, KV_TILE, d)
-    vf = v.to(f32, memory_format=torch.contiguous_format).view(b, hkv, nt, KV_TILE, d)
-    scores = torch.matmul(qf, kf.transpose(-1, -2))[:, :, :, :m]  # [B, Hkv, nt, M, T]
-    scores = scores.reshape(b, hkv, nt, tq, g, KV_TILE) + bias
-    p = torch.exp(scores - scores.amax(dim=(2, 5), keepdim=True))  # exact max, exact exps
-    denom = p.sum(-1).cumsum(2)[:, :, -1]  # [B, Hkv, Tq, G]: tile sums added in tile order
-    pm = p.view(b, hkv, nt, m, KV_TILE)
+        qf = torch.cat([qf, qf.new_zeros(b, hkv, MIN_ROWS - m, d)], 2)
+    kf = k.to(f32, memory_format=torch.contiguous_format)
+    vf = v.to(f32, memory_format=torch.contiguous_format)
+    scores = torch.matmul(qf, kf.transpose(-1, -2))  # [B, Hkv, M, S]; reduction over D only
     if m < MIN_ROWS:
-        pm = torch.cat([pm, pm.new_zeros(b, hkv, nt, MIN_ROWS - m, KV_TILE)], 3)
-    part = torch.matmul(pm, vf)[:, :, :, :m]  # [B, Hkv, nt, M, D], one GEMM per tile
-    out = part.cumsum(2)[:, :, -1].view(b, hkv, tq, g, d)  # tile partials added in order
-    return out / denom[..., None]
+        scores = scores[:, :, :m]
+    scores = scores.reshape(b, hkv, tq, g, s) + bias
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))  # exact max, exact exps
+    tile_sums = p.view(b, hkv, m, nt, KV_TILE).sum(-1)  # [B, Hkv, M, nt]
+    # one tile: no adds across tiles (and + 0.0 from padding tiles would change nothing)
+    denom = tile_sums[..., :1] if nt == 1 else tile_sums.cumsum(-1)[..., -1:]
+    pt = p.view(b, hkv, m, nt, KV_TILE).transpose(2, 3)  # [B, Hkv, nt, M, T]
+    if m < MIN_ROWS:
+        pt = torch.cat([pt, pt.new_zeros(b, hkv, nt, MIN_ROWS - m, KV_TILE)], 3)
+    part = torch.matmul(pt, vf.view(b, hkv, nt, KV_TILE, d))  # [B, Hkv, nt, M4, D]
+    out = part[:, :, 0] if nt == 1 else part.cumsum(2)[:, :, -1]  # tiles added in order
+    if m < MIN_ROWS:
+        out = out[:, :, :m]
+    return (out / denom).view(b, hkv, tq, g, d)
 
 
 def tile_bias(
@@ -70,7 +76,7 @@ def tile_bias(
     s: int,  # padded key length (whole tiles)
     ctx_len: torch.Tensor | int,  # real keys: 0 .. ctx_len - 1 (int, or [B] per row)
     window: int | None,
-) -> torch.Tensor:  # [B or 1, 1, nt, Tq, 1, T] float32: 0 visible, -inf masked
+) -> torch.Tensor:  # [B or 1, 1, Tq, 1, S] float32: 0 visible, -inf masked
     qp = q_pos if q_pos.dim() == 2 else q_pos[None]  # [B, Tq]
     kpos = torch.arange(s, device=qp.device)
     ctx = torch.as_tensor(ctx_len, device=qp.device).reshape(-1, 1, 1)
@@ -78,8 +84,7 @@ def tile_bias(
     if window is not None:
         m &= kpos > qp[..., None] - window
     bias = torch.zeros(m.shape).masked_fill_(~m, float("-inf"))
-    nb, tq = bias.shape[:2]
-    return bias.view(nb, tq, s // KV_TILE, KV_TILE).transpose(1, 2)[:, None, :, :, None, :]
+    return bias[:, None, :, None, :]
 
 
 def attend_sequence(
