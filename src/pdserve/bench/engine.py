@@ -12,6 +12,8 @@ Runs of ours and transformers alternate; each phase reports the best of --repeat
 
 --dtype takes a comma list (e.g. float32,bfloat16): each dtype gets its own engine and its own
 transformers model in that dtype, measured in the same run (the bf16/fp32 ratio is printed).
+--compare-variant adds, per dtype, an engine with batch_invariant=False; its runs alternate with
+the invariant engine's (same prompts, same repeat), so both see the same machine load.
 --limits also measures this machine's read bandwidth and GEMM peak per dtype
 (pdserve.bench.limits) and prints the engine's achieved fraction of them: prefill FLOP/s /
 GEMM peak and decode weight+KV bytes/s / bandwidth.
@@ -45,6 +47,12 @@ def add_parser(subparsers: Any) -> None:
         "--compare-unpacked",
         action="store_true",
         help="also run each dtype with plain (not oneDNN-prepacked) weights, the old path",
+    )
+    p.add_argument(
+        "--compare-variant",
+        action="store_true",
+        help="also run each dtype with batch_invariant=False (SDPA attention), alternating "
+        "with the default invariant engine run by run: the cost of batch invariance",
     )
     p.add_argument(
         "--limits",
@@ -216,7 +224,9 @@ def bench_dtype(
     packed: bool = True,
 ) -> list[dict[str, Any]]:
     """Rows of one dtype: ours and transformers in `dtype`, interleaved per repeat. packed=False
-    builds the engine with PDSERVE_PACK_WEIGHTS=0 (plain F.linear weights)."""
+    builds the engine with PDSERVE_PACK_WEIGHTS=0 (plain F.linear weights). With
+    args.compare_variant a batch-variant engine runs in the same loop (rows marked
+    invariant=False)."""
     import os
 
     import torch
@@ -225,13 +235,15 @@ def bench_dtype(
     old = os.environ.get("PDSERVE_PACK_WEIGHTS")
     os.environ["PDSERVE_PACK_WEIGHTS"] = "1" if packed else "0"
     try:
-        engine = _engine(model_dir, dtype, max_b, plen, glen)
+        engines = {True: _engine(model_dir, dtype, max_b, plen, glen)}
+        if getattr(args, "compare_variant", False):
+            engines[False] = _engine(model_dir, dtype, max_b, plen, glen, invariant=False)
     finally:
         if old is None:
             del os.environ["PDSERVE_PACK_WEIGHTS"]
         else:
             os.environ["PDSERVE_PACK_WEIGHTS"] = old
-    vocab = engine.vocab_size
+    vocab = engines[True].vocab_size
     hf = None
     if not args.no_hf:
         import transformers
@@ -240,41 +252,51 @@ def bench_dtype(
             model_dir, dtype=getattr(torch, dtype)
         ).eval()
     warm = _prompts(2, 16, vocab, seed=99)
-    bench_ours(engine, warm, 4)
+    for engine in engines.values():
+        bench_ours(engine, warm, 4)
     if hf is not None:
         bench_hf(hf, warm, 4)
 
     rows = []
     for b in batches:
         prompts = _prompts(b, plen, vocab, seed=b)
-        ours, ref = [], []
-        for _ in range(args.repeats):  # interleaved, so both see the same machine load
-            ours.append(bench_ours(engine, prompts, glen, clock))
+        ours: dict[bool, list[tuple[float, float]]] = {k: [] for k in engines}
+        ref = []
+        for _ in range(args.repeats):  # interleaved, so all see the same machine load
+            for inv, engine in engines.items():
+                ours[inv].append(bench_ours(engine, prompts, glen, clock))
             if hf is not None:
                 ref.append(bench_hf(hf, prompts, glen, clock))
-        # best of N per phase: the least disturbed run on a shared machine
-        row: dict[str, Any] = {
-            "dtype": dtype,
-            "packed": packed,
-            "batch": b,
-            "ours_prefill_tok_s": b * plen / min(t[0] for t in ours),
-            "ours_decode_tok_s": b * (glen - 1) / min(t[1] for t in ours),
-        }
-        if ref:
-            row["hf_prefill_tok_s"] = b * plen / min(t[0] for t in ref)
-            decodes = [t[1] for t in ref if t[1] == t[1]]  # drop NaN (not measurable)
-            if decodes:
-                row["hf_decode_tok_s"] = b * (glen - 1) / min(decodes)
-        rows.append(row)
-        print(f"  {_label(row)} batch {b}: done", flush=True)
+        for inv, times in ours.items():
+            # best of N per phase: the least disturbed run on a shared machine
+            row: dict[str, Any] = {
+                "dtype": dtype,
+                "packed": packed,
+                "invariant": inv,
+                "batch": b,
+                "ours_prefill_tok_s": b * plen / min(t[0] for t in times),
+                "ours_decode_tok_s": b * (glen - 1) / min(t[1] for t in times),
+                "ours_prefill_s_all": [t[0] for t in times],
+                "ours_decode_s_all": [t[1] for t in times],
+            }
+            if ref:
+                row["hf_prefill_tok_s"] = b * plen / min(t[0] for t in ref)
+                decodes = [t[1] for t in ref if t[1] == t[1]]  # drop NaN (not measurable)
+                if decodes:
+                    row["hf_decode_tok_s"] = b * (glen - 1) / min(decodes)
+            rows.append(row)
+            print(f"  {_label(row)} batch {b}: done", flush=True)
     return rows
 
 
 def _label(row: dict[str, Any]) -> str:
-    return row["dtype"] + ("" if row.get("packed", True) else "/plain")
+    label = row["dtype"] + ("" if row.get("packed", True) else "/plain")
+    return label + ("" if row.get("invariant", True) else "/variant")
 
 
-def _engine(model_dir: Path, dtype: str, max_b: int, plen: int, glen: int) -> Any:
+def _engine(
+    model_dir: Path, dtype: str, max_b: int, plen: int, glen: int, invariant: bool = True
+) -> Any:
     from pdserve.engine.engine import EngineConfig, LLMEngine
 
     return LLMEngine(
@@ -285,6 +307,7 @@ def _engine(model_dir: Path, dtype: str, max_b: int, plen: int, glen: int) -> An
             max_num_batched_tokens=max(2048, max_b * plen),
             max_num_seqs=max_b,
             enable_prefix_caching=False,  # every run recomputes its prompts
+            batch_invariant=invariant,
         )
     )
 
@@ -352,7 +375,9 @@ def print_table(
         for lab, b in by
         if not lab.startswith("float32")
     ]
-    pairs += [((lab, b), (lab + "/plain", b)) for lab, b in by if not lab.endswith("/plain")]
+    pairs += [((lab, b), (lab + "/plain", b)) for lab, b in by if "/" not in lab]
+    # the cost of batch invariance: invariant (default) vs variant, same dtype and weights
+    pairs += [((lab, b), (lab + "/variant", b)) for lab, b in by if not lab.endswith("/variant")]
     for key, base_key in pairs:
         r, base = by[key], by.get(base_key)
         if base is None:

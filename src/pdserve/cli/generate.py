@@ -40,6 +40,12 @@ def add_parser(subparsers: Any) -> None:
         choices=["auto", "float32", "bfloat16"],
         help="weights/KV dtype (default: $PDSERVE_DTYPE, else auto = bfloat16 where faster)",
     )
+    p.add_argument(
+        "--no-batch-invariant",
+        dest="batch_invariant",
+        action="store_false",
+        help="with --model: the faster batch-variant attention (see docs/BENCHMARKS.md)",
+    )
     p.set_defaults(func=run)
 
 
@@ -98,7 +104,10 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
     )
     validate_params(params)  # before the (slow) model load
     prompt_ids = parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
-    engine = LLMEngine(EngineConfig(args.model, dtype=args.dtype, max_num_seqs=1))
+    invariant = getattr(args, "batch_invariant", True)
+    engine = LLMEngine(
+        EngineConfig(args.model, dtype=args.dtype, max_num_seqs=1, batch_invariant=invariant)
+    )
     tokenizer = _tokenizer(engine)
     if prompt_ids is None:
         if tokenizer is None:

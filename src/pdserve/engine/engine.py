@@ -37,6 +37,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = None  # generator for unseeded random sampling
+    batch_invariant: bool = True  # tokens independent of batch/chunking/path (runner doc)
 
 
 class LLMEngine:

@@ -26,17 +26,25 @@ class ModelRunner:
         device: str = "cpu",
         sampler: Sampler | None = None,
         pack_weights: bool | None = None,
+        batch_invariant: bool = True,
     ) -> None:
         """pack_weights: on CPU, swap the model's linears for oneDNN-prepacked ones (in place;
         see pdserve.model.cpu_linear): ~2x faster bf16 decode, ~1.3x fp32 prefill. None = yes
         unless the environment sets PDSERVE_PACK_WEIGHTS=0 (an escape hatch, and the
-        baseline of `pdserve bench engine --compare-unpacked`)."""
+        baseline of `pdserve bench engine --compare-unpacked`).
+        batch_invariant: a request's tokens do not depend on the rest of the batch, its chunking
+        or the path it took (attention.fixed, cpu_linear); False = the faster SDPA attention.
+        Invariance needs the packed linears on CPU (plain F.linear is not row-invariant)."""
         if pack_weights is None:
             pack_weights = os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0"
         if pack_weights and torch.device(device).type == "cpu":
             from pdserve.model.cpu_linear import pack_linears
 
-            pack_linears(model)
+            pack_linears(model, batch_invariant=batch_invariant)
+        backend = getattr(model, "attn_backend", None)
+        if backend is not None and hasattr(backend, "batch_invariant"):
+            backend.batch_invariant = batch_invariant
+        self.batch_invariant = batch_invariant
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size

@@ -37,5 +37,10 @@ class TorchBackend:
             self.config, num_blocks, config.block_size, spec.dtype, config.device
         )
         return ModelRunner(
-            self.loaded.model, kv_caches, config.block_size, config.device, Sampler(gen)
+            self.loaded.model,
+            kv_caches,
+            config.block_size,
+            config.device,
+            Sampler(gen),
+            batch_invariant=config.batch_invariant,
         )

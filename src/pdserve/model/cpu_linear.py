@@ -13,6 +13,13 @@ parameters, same dtype; the plain weight is dropped, so memory does not grow). T
 weight is an opaque mkldnn tensor: packed modules are for inference only and do not appear in
 `state_dict()`. Numerics: the same products, summed in oneDNN's order instead of MKL's; fp32
 results differ from `F.linear` by float rounding only (~1e-6 relative).
+
+Batch invariance (measured, `tests/unit/test_batch_invariant_ops.py`): a packed bf16 linear
+gives a row the same bits for any row count, row position and thread count. In fp32, oneDNN
+takes a matrix-vector kernel for ONE row when in_features >= ~2048, which sums in another
+order; `min_rows=2` (what `pack_linears(batch_invariant=True)` sets for fp32) pads a single
+row to two so every row count runs the same kernel. Plain `F.linear` in fp32 (MKL) has three
+row-count classes (1, 2-3, >= 4): `linear_rows` pads to MIN_MKL_ROWS for the tied lm_head.
 """
 
 from __future__ import annotations
@@ -20,10 +27,24 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # the batch size oneDNN tunes the packed layout for; any row count works at run time
 BATCH_HINT = 64
+MIN_MKL_ROWS = 4  # MKL's fp32 GEMM: one kernel for >= 4 rows, others below
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [M, K] with zero rows appended up to `rows` (unchanged when M >= rows)."""
+    m = x.shape[0]
+    return x if m >= rows else torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x [M, K], weight) computed with at least MIN_MKL_ROWS rows (batch-invariant)."""
+    m = x.shape[0]
+    return F.linear(pad_rows(x, MIN_MKL_ROWS), weight)[:m]
 
 
 @functools.cache
@@ -52,8 +73,9 @@ def cpu_has_native_bf16() -> bool:
 class PackedLinear(nn.Module):
     """y = x @ W.T + b with W prepacked for oneDNN. x: [..., in_features] on CPU."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT, min_rows: int = 1) -> None:
         super().__init__()
+        self.min_rows = min_rows  # run at least this many rows (2 in fp32: batch invariance)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
@@ -66,17 +88,23 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
+        m = x2.shape[0]
+        if m < self.min_rows:
+            x2 = pad_rows(x2, self.min_rows)
         y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
-        return y.view(*lead, self.out_features)
+        return y[:m].view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
-def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT) -> int:
+def pack_linears(
+    model: nn.Module, batch_hint: int = BATCH_HINT, batch_invariant: bool = True
+) -> int:
     """Replace every CPU `nn.Linear` of `model` (in a dtype oneDNN packs) by a PackedLinear, in
     place. Returns how many were packed; 0 when unsupported (the model is left as it was).
+    batch_invariant: fp32 layers run single rows padded to two (see the module doc).
     Idempotent."""
     targets = [
         (parent, name, child)
@@ -86,6 +114,13 @@ def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT) -> int:
         and child.weight.device.type == "cpu"
         and packing_supported(child.weight.dtype)
     ]
+
+    def rows(dtype: torch.dtype) -> int:
+        return 2 if batch_invariant and dtype == torch.float32 else 1
+
+    for module in model.modules():  # already packed (a model shared by engines): re-set
+        if isinstance(module, PackedLinear):
+            module.min_rows = rows(module.dtype)
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, batch_hint))
+        setattr(parent, name, PackedLinear(child, batch_hint, rows(child.weight.dtype)))
     return len(targets)

@@ -22,6 +22,7 @@ from torch import nn
 
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, select_backend
 from pdserve.model.config import ModelConfig
+from pdserve.model.cpu_linear import linear_rows
 
 
 class RMSNorm(nn.Module):
@@ -174,6 +175,6 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] float32
-        if self.lm_head is None:  # tied to the embedding
-            return F.linear(hidden, self.embed_tokens.weight).float()
+        if self.lm_head is None:  # tied to the embedding; >= 4 rows: batch-invariant in MKL
+            return linear_rows(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()  # a module call: lm_head may be packed (cpu_linear)

@@ -115,6 +115,7 @@ class WorkerCore:
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_num_seqs=s.max_num_seqs,
             enable_prefix_caching=s.enable_prefix_caching,
+            batch_invariant=s.batch_invariant,
         )
 
     def attach_kvstore(self, addr: str) -> None:

@@ -25,6 +25,11 @@ class WorkerSettings(ServiceSettings):
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one batch")
     enable_prefix_caching: bool = Field(True, description="reuse full blocks across requests")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default)")
+    batch_invariant: bool = Field(
+        True,
+        description="a request's tokens do not depend on its batch, chunking or path; "
+        "--no-batch-invariant: faster SDPA attention, tokens may change with the batch",
+    )
     advertise_host: str | None = Field(
         None, description="host the router should dial (default: host, or this host's IP)"
     )

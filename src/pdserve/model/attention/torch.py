@@ -9,6 +9,10 @@ is `b * 2 * block_size + o` and its V row is that plus `block_size`. Every layer
     kv head act as the query axis, so GQA needs no repeat of K/V,
   - runs each prefill chunk with one SDPA against its context (fresh k/v directly when the
     chunk is the whole context, else the gathered cache) under a causal-with-offset mask.
+
+`batch_invariant` (the default) swaps both SDPA calls for `fixed.attend`, whose result for a
+query does not depend on the batch, the chunking or decode-vs-prefill (see that module); the
+SDPA path stays as the faster, batch-variant alternative (`--no-batch-invariant`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.attention import fixed
 from pdserve.model.attention.base import AttentionBackend
 from pdserve.model.attention.metadata import AttentionMetadata
 
@@ -29,6 +34,7 @@ class _Prefill:
     seq_len: int
     rows: torch.Tensor | None  # [S] K rows of the whole context; None when context == chunk
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    biases: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)  # fixed.*
 
 
 @dataclass
@@ -42,7 +48,8 @@ class TorchPlan:
     v_rows: torch.Tensor | None = None  # [T] k_rows + block_size (once per step, not per layer)
     # [2 * Bd * S_max] K rows of the decode contexts, then their V rows: one gather per layer
     dec_kv_rows: torch.Tensor | None = None
-    dec_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # [Bd,1,1,S_max]
+    # per window: [Bd,1,1,S_max] bool (SDPA), or fixed.tile_bias [Bd,1,nt,1,1,T] (invariant)
+    dec_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     prefills: list[_Prefill] = field(default_factory=list)
 
 
@@ -54,6 +61,7 @@ def _rows(table: list[int], n: int, bs: int) -> torch.Tensor:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    batch_invariant = True  # set per instance by the runner (EngineConfig.batch_invariant)
 
     def prepare(self, meta: AttentionMetadata) -> TorchPlan:
         bs = meta.block_size
@@ -74,6 +82,8 @@ class TorchAttentionBackend(AttentionBackend):
         if dec_idx:
             lens = [meta.seq_lens_cpu[i] for i in dec_idx]
             s_max = max(lens)
+            if self.batch_invariant:  # whole key tiles; padding rows are masked
+                s_max = fixed.padded_len(s_max)
             n_blk = -(-s_max // bs)
             table = torch.zeros(len(dec_idx), n_blk, dtype=torch.int64)
             for r, i in enumerate(dec_idx):
@@ -119,6 +129,8 @@ class TorchAttentionBackend(AttentionBackend):
         bd = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         assert plan.dec_rows is not None and plan.dec_lens is not None
+        if self.batch_invariant:
+            return self._decode_fixed(plan, q, flat, window)
         mask = plan.dec_masks.get(window)
         if mask is None:
             j = torch.arange(plan.dec_rows.shape[1], device=q.device)
@@ -136,6 +148,23 @@ class TorchAttentionBackend(AttentionBackend):
         o = F.scaled_dot_product_attention(qg, ck, cv, attn_mask=mask, scale=self.scale)
         return o.reshape(bd, -1, d)  # [Bd, H, D]
 
+    def _decode_fixed(
+        self, plan: TorchPlan, q: torch.Tensor, flat: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        bd = q.shape[0]
+        hkv, d = self.num_kv_heads, self.head_dim
+        assert plan.dec_rows is not None and plan.dec_lens is not None
+        s = plan.dec_rows.shape[1]
+        bias = plan.dec_masks.get(window)
+        if bias is None:  # [Bd, 1, nt, 1, 1, T]
+            pos = (plan.dec_lens - 1)[:, None]
+            bias = plan.dec_masks[window] = fixed.tile_bias(pos, s, plan.dec_lens, window)
+        ckv = flat.index_select(0, plan.dec_kv_rows).view(2, bd, s, hkv, d)
+        # one copy: [2, Bd, Hkv, S, D] float32 (attend's layout)
+        ckv = ckv.permute(0, 1, 3, 2, 4).to(torch.float32, memory_format=torch.contiguous_format)
+        o = fixed.attend(q.view(bd, hkv, 1, -1, d), ckv[0], ckv[1], bias, self.scale)
+        return o.reshape(bd, -1, d).to(q.dtype)  # [Bd, H, D]
+
     def _prefill(
         self,
         p: _Prefill,
@@ -147,6 +176,12 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
     ) -> torch.Tensor:
         tq = q.shape[0]
+        if self.batch_invariant:
+            if p.rows is None:  # [S, Hkv, D]: the fresh k/v are the cached values
+                ck, cv = k[p.start : p.end], v[p.start : p.end]
+            else:
+                ck, cv = flat.index_select(0, p.rows), flat.index_select(0, p.rows + bs)
+            return fixed.attend_sequence(q, ck, cv, window, self.scale, p.biases)
         if p.rows is None:  # the chunk is the whole context: use fresh k/v
             ck = k[p.start : p.end].transpose(0, 1)  # [Hkv, S, D]
             cv = v[p.start : p.end].transpose(0, 1)
