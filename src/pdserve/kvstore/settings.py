@@ -27,6 +27,15 @@ class KVStoreSettings(ServiceSettings):
         0, ge=0, validation_alias=_env("block_bytes"),
         description="bytes per block (0 = any size, arenas per size carved from the budget)",
     )  # fmt: skip
+    disk_dir: str | None = Field(
+        None, validation_alias=_env("disk_dir"),
+        description="disk tier: a directory for block files (none = RAM only); blocks are "
+        "written through to it, read back (verified) on a hit, and found again after a restart",
+    )  # fmt: skip
+    disk_bytes: int = Field(
+        16 << 30, ge=0, validation_alias=_env("disk_bytes"),
+        description="disk tier budget in block bytes (each file adds a ~300 B header)",
+    )  # fmt: skip
     staging_bytes: int = Field(
         256 << 20, gt=0, validation_alias=_env("staging_bytes"),
         description="most bytes in flight in put/fetch staging buffers (beyond capacity)",
