@@ -4,8 +4,9 @@ Modes:
   --addr A                           concurrent chat sessions against a running router
   --compare-kvstore                  the same sessions on two fresh clusters (--kvstore and
                                      --no-kvstore), back to back; prints the ratios
-  --trace T --capacity-curve C1,...  simulation (no cluster): hit rate of an LRU-from-chain-tail
-                                     block cache per capacity vs the unlimited best case
+  --trace T --capacity-curve C1,...  simulation (no cluster): hit rate of the kvstore's own
+                                     BlockStore per capacity vs the unlimited best case; a
+                                     capacity RAM+DISK (1GiB+16GiB) adds a disk tier
   --trace T --replay N --addr A      the first N trace requests against a real cluster
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench import arrivals
-from pdserve.bench.cachesim import parse_capacity, simulate
+from pdserve.bench.cachesim import parse_tiers, simulate
 from pdserve.bench.cluster import UpProcess
 from pdserve.bench.loadgen import open_client, run_load
 from pdserve.bench.metrics import summarize
@@ -57,7 +58,10 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--up-args", default="", help="extra `pdserve up` flags (--compare-kvstore)")
     p.add_argument("--trace", help="Mooncake JSONL trace")
-    p.add_argument("--capacity-curve", help="e.g. 64MiB,256MiB,1GiB,unlimited (simulation)")
+    p.add_argument(
+        "--capacity-curve",
+        help="e.g. 64MiB,256MiB,1GiB,1GiB+16GiB,unlimited (simulation; RAM+DISK = disk tier)",
+    )
     p.add_argument(
         "--kv-bytes-per-token",
         type=int,
@@ -103,18 +107,22 @@ def capacity_curve(args: argparse.Namespace) -> dict[str, Any]:
     per_tok = kv_bytes_per_token(args)
     block_bytes = max(1, round(MOONCAKE_BLOCK_TOKENS * args.length_scale)) * per_tok
     specs = [s.strip() for s in args.capacity_curve.split(",") if s.strip()]
-    caps = [parse_capacity(s) for s in specs]
+    caps = [parse_tiers(s) for s in specs]
     best = simulate(records, None, block_bytes)
     rows = []
-    for spec, cap in zip(specs, caps, strict=True):
-        res = best if cap is None else simulate(records, cap, block_bytes)
+    for spec, (cap, disk) in zip(specs, caps, strict=True):
+        res = best if cap is None else simulate(records, cap, block_bytes, disk)
         rows.append(
             {
                 "capacity": spec,
                 "capacity_bytes": cap,
+                "disk_bytes": disk,
                 "capacity_blocks": res.capacity_blocks,
                 "hit_rate": res.hit_rate,
                 "of_best": res.hit_rate / best.hit_rate if best.hit_rate else None,
+                "disk_share_of_hits": res.disk_hit_tokens / res.hit_tokens
+                if res.hit_tokens
+                else 0.0,
                 "evictions": res.evictions,
             }
         )
@@ -122,11 +130,14 @@ def capacity_curve(args: argparse.Namespace) -> dict[str, Any]:
         f"{len(records)} requests, block = {block_bytes / 2**20:.2f} MiB "
         f"({per_tok} B/token), best-case hit rate {best.hit_rate:.1%}"
     )
-    print(f"{'capacity':>12}{'blocks':>10}{'hit rate':>10}{'of best':>10}")
+    print(f"{'capacity':>14}{'RAM blocks':>12}{'hit rate':>10}{'of best':>10}{'from disk':>11}")
     for r in rows:
         of_best = f"{r['of_best']:.1%}" if r["of_best"] is not None else "-"
         blocks = r["capacity_blocks"] if r["capacity_blocks"] is not None else "all"
-        print(f"{r['capacity']:>12}{blocks!s:>10}{r['hit_rate']:>10.1%}{of_best:>10}")
+        disk = f"{r['disk_share_of_hits']:.1%}" if r["disk_bytes"] else "-"
+        print(
+            f"{r['capacity']:>14}{blocks!s:>12}{r['hit_rate']:>10.1%}{of_best:>10}{disk:>11}"
+        )
     png = plot_capacity_curve(
         specs, [r["hit_rate"] for r in rows], best.hit_rate, Path(args.out).with_suffix(".png")
     )

@@ -21,13 +21,20 @@ if TYPE_CHECKING:
 
 class TierMixin:
     def _disk_room(self: BlockStore, nbytes: int) -> bool:
-        """Make room for `nbytes` on disk by evicting LRU leaves that are on disk."""
+        """Make room for `nbytes` on disk: the LRU leaf on disk loses its file, and leaves the
+        store unless it also has a RAM copy (then it stays, in RAM only)."""
         while self.disk_used + nbytes > self.disk_capacity:
             blk = self._pop(self._disk_lru, self._disk_ok)
             if blk is None:
                 return False
-            self._remove(blk)
-            self.stats.evictions += 1
+            if blk.slot is None:
+                self._remove(blk)
+                self.stats.evictions += 1
+            else:
+                blk.on_disk = False
+                self.disk_used -= blk.nbytes
+                self._unlinks.append(blk.disk_name)
+                self._maybe_evictable(blk)
         return True
 
     def take_writes(self: BlockStore, max_bytes: int) -> list[Block]:
