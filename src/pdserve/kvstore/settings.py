@@ -18,6 +18,10 @@ class KVStoreSettings(ServiceSettings):
     # populate_by_name: flags arrive as field names, the environment through the aliases
     model_config = {**ServiceSettings.model_config, "populate_by_name": True}
 
+    metrics_port: int = Field(
+        0, ge=0, le=65535, validation_alias=_env("metrics_port"),
+        description="Prometheus /metrics HTTP port (0 = off)",
+    )  # fmt: skip
     port: int = Field(50060, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
     capacity_bytes: int = Field(
         1 << 30, gt=0, validation_alias=_env("capacity_bytes"),
