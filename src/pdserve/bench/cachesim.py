@@ -70,7 +70,9 @@ class StoreCache:
     """A `BlockStore` of `capacity_blocks` one-byte blocks (None = never evicts), driven the
     way the workers drive the kvstore: look the chain up, then publish what is missing."""
 
-    def __init__(self, capacity_blocks: int | None, universe: int = 0, disk_blocks: int = 0) -> None:
+    def __init__(
+        self, capacity_blocks: int | None, universe: int = 0, disk_blocks: int = 0
+    ) -> None:
         cap = capacity_blocks if capacity_blocks is not None else max(1, universe)
         self.capacity = capacity_blocks
         self.store: BlockStore | None = (
@@ -156,4 +158,6 @@ def simulate(
         hits += cache.lookup(chain) * MOONCAKE_BLOCK_TOKENS
         cache.insert(chain)
     disk_hits = cache.disk_hits * MOONCAKE_BLOCK_TOKENS
-    return SimResult(capacity_bytes, cap_blocks, prompt, hits, cache.evictions, disk_bytes, disk_hits)
+    return SimResult(
+        capacity_bytes, cap_blocks, prompt, hits, cache.evictions, disk_bytes, disk_hits
+    )

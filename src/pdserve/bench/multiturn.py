@@ -135,9 +135,7 @@ def capacity_curve(args: argparse.Namespace) -> dict[str, Any]:
         of_best = f"{r['of_best']:.1%}" if r["of_best"] is not None else "-"
         blocks = r["capacity_blocks"] if r["capacity_blocks"] is not None else "all"
         disk = f"{r['disk_share_of_hits']:.1%}" if r["disk_bytes"] else "-"
-        print(
-            f"{r['capacity']:>14}{blocks!s:>12}{r['hit_rate']:>10.1%}{of_best:>10}{disk:>11}"
-        )
+        print(f"{r['capacity']:>14}{blocks!s:>12}{r['hit_rate']:>10.1%}{of_best:>10}{disk:>11}")
     png = plot_capacity_curve(
         specs, [r["hit_rate"] for r in rows], best.hit_rate, Path(args.out).with_suffix(".png")
     )

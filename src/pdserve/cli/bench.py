@@ -17,6 +17,7 @@ TOOLS = (
     "rescore",
     "frontdoor",
     "tls",
+    "kvquant",
 )
 
 

@@ -42,6 +42,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = None  # generator for unseeded random sampling
+    kv_dtype: str | None = None  # None = the weights' dtype; "int8" | "fp8_e4m3": kv/quant.py
 
 
 class LLMEngine:
@@ -64,8 +65,10 @@ class LLMEngine:
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             block_size=config.block_size,
-            dtype=str(loaded.dtype).removeprefix("torch."),
+            dtype=config.kv_dtype or str(loaded.dtype).removeprefix("torch."),
         )
+        if self.spec.quantized and torch.device(config.device).type != "cpu":
+            raise ValueError(f"kv_dtype {config.kv_dtype}: only the torch (CPU) backend reads it")
         self.kv_fingerprint = self.spec.kv_fingerprint(loaded.fingerprint)
         self.num_blocks = self._num_blocks(config)
         self.kv = KVCacheManager(
