@@ -53,7 +53,7 @@ def test_token_by_token_writes_grow_the_scale_and_stay_accurate(kind: str) -> No
     # each re-scale rounds again: allow one extra rounding per growth (at most bs of them)
     tol = (bs + 1) * REL_TOL[kind] * amax[None, :, None]
     assert ((back - toks).abs() <= tol).all()
-    data, scales = quant.views(raw, bs, hkv, d)
+    _, scales = quant.views(raw, bs, hkv, d)
     assert torch.allclose(scales[block, 0], amax / quant.QMAX[kind])
     # a whole-block write in one step (a prefill chunk) is as exact as quantize_blocks
     rows.index_copy_(0, 1 * 2 * bs + bs + torch.arange(bs), toks)  # block 1, V
