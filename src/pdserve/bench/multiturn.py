@@ -8,6 +8,8 @@ Modes:
                                      BlockStore per capacity vs the unlimited best case; a
                                      capacity RAM+DISK (1GiB+16GiB) adds a disk tier
   --trace T --replay N --addr A      the first N trace requests against a real cluster
+  --trace T --store-replay N         the first N requests' KV traffic against real kvstore
+                                     processes, one per --store-capacities arm (storereplay.py)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pdserve.bench.report import latency_arrays, write_json
 from pdserve.bench.sessions import SessionPlan, run_sessions, turn_report
 from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, read_mooncake_jsonl
 from pdserve.bench.workload import trace_requests
+from pdserve.kv.spec import QUANT_KV_DTYPES, KVSpec
 from pdserve.model.dtypes import ITEMSIZE
 
 DEFAULT_KV_BYTES_PER_TOKEN = 8192  # bench50m: K,V x 8 layers x 2 kv heads x 64 dims x fp32
@@ -69,7 +72,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--kv-dtype",
-        choices=sorted(ITEMSIZE),
+        choices=[*sorted(ITEMSIZE), *QUANT_KV_DTYPES],
         help="the workers' KV dtype, for the KV bytes per token of --model (default: the "
         "checkpoint's torch_dtype; workers under --dtype auto serve bfloat16 on CPUs with "
         "AMX or AVX512-BF16 and on GPUs)",
@@ -78,6 +81,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--replay", type=int, help="replay the first N trace requests on --addr")
     p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--store-replay", type=int, help="replay N requests on real kvstores")
+    p.add_argument(
+        "--store-capacities",
+        default="16MiB,16MiB+256MiB",
+        help="--store-replay arms: RAM or RAM+DISK each (a fresh store per arm)",
+    )
     p.add_argument("--limit", type=int, help="read only the first N trace lines (simulation)")
     p.add_argument("--out", default="results/multiturn.json")
     p.add_argument("--no-progress", action="store_true")
@@ -98,8 +107,10 @@ def kv_bytes_per_token(args: argparse.Namespace) -> int:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     kv_heads = cfg.get("num_key_value_heads", heads)
     dtype = args.kv_dtype or str(cfg.get("torch_dtype", "float32"))
-    itemsize = ITEMSIZE.get(dtype, 4)
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * itemsize
+    if dtype not in ITEMSIZE and dtype not in QUANT_KV_DTYPES:
+        dtype = "float32"
+    spec = KVSpec(cfg["num_hidden_layers"], kv_heads, head_dim, args.block_size, dtype)
+    return spec.bytes_per_block // args.block_size  # quantized: scales included
 
 
 def capacity_curve(args: argparse.Namespace) -> dict[str, Any]:
@@ -258,6 +269,14 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.trace and args.capacity_curve:
             result = capacity_curve(args)
+        elif args.trace and args.store_replay:
+            from pdserve.bench.storereplay import store_replay
+
+            records = read_mooncake_jsonl(args.trace, args.store_replay)
+            per_tok = kv_bytes_per_token(args)
+            bpb = max(1, round(MOONCAKE_BLOCK_TOKENS * args.length_scale)) * per_tok
+            specs = [s.strip() for s in args.store_capacities.split(",") if s.strip()]
+            result = store_replay(records, specs, bpb)
         elif args.trace and args.replay:
             result = replay(args)
         elif args.trace:
