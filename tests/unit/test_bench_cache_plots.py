@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from pdserve.bench import compare, multiturn
-from pdserve.bench.cachesim import StoreCache, parse_capacity, simulate
+from pdserve.bench.cachesim import StoreCache, parse_capacity, parse_tiers, simulate
 from pdserve.bench.cluster import ClusterError, UpProcess
 from pdserve.bench.plots import plot_attainment, plot_capacity_curve, plot_latency_cdfs
 from pdserve.bench.report import format_ratio_table, ratio_table
@@ -76,6 +76,25 @@ def test_simulate_hit_rates_and_best_case():
     tiny = simulate(recs, 200, block_bytes=100)  # 2 blocks: block 9 pushes out block 1
     assert tiny.capacity_blocks == 2 and tiny.hit_tokens == 1024 + 512
     assert simulate(recs, 99, block_bytes=100).hit_tokens == 0
+
+
+def test_simulate_with_a_disk_tier():
+    recs = [
+        TraceRecord(0, 1100, 1, (0, 1, 2)),
+        TraceRecord(1, 1100, 1, (0, 1, 3)),
+        TraceRecord(2, 512, 1, (9,)),
+        TraceRecord(3, 1100, 1, (0, 1, 4)),
+    ]
+    # RAM of 2 blocks + disk of 4: nothing is lost, the last hit comes from disk in part
+    two = simulate(recs, 200, block_bytes=100, disk_bytes=400)
+    assert two.hit_tokens == simulate(recs, None, block_bytes=100).hit_tokens
+    assert 0 < two.disk_hit_tokens < two.hit_tokens
+    # a disk smaller than RAM never hurts: a block with a RAM copy only loses its file
+    assert simulate(recs, 200, 100, 100).hit_tokens >= simulate(recs, 200, 100).hit_tokens
+    assert parse_tiers("1GiB+16GiB") == (2**30, 16 * 2**30)
+    assert parse_tiers("unlimited") == (None, 0)
+    with pytest.raises(ValueError):
+        parse_tiers("1GiB+unlimited")
 
 
 def test_capacity_curve_cli(tmp_path):

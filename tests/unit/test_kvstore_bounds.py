@@ -51,7 +51,7 @@ def _hashes(n: int, tag: int = 0) -> list[bytes]:
 
 async def test_open_puts_are_capped_counted_and_expire() -> None:
     service = _service(max_open_puts=3)
-    service.start()
+    await service.start()
     try:
         tickets = [service.begin_put("ns", _hashes(2, t), 0, 1024) for t in range(5)]
         assert [t.num_accepted for t in tickets] == [2, 2, 2, 0, 0]  # cap of 3 open puts

@@ -57,6 +57,19 @@ def test_kv_capacity_and_tensor_parallel():
     assert tp2.devices == 2 and tp2.kv_capacity_bytes > 0
 
 
+def test_kv_dtype_apart_from_the_weights():
+    bf = roofline_costs("llama3-8b", "h100")
+    fp8 = roofline_costs("llama3-8b", "h100", kv_dtype="fp8")
+    assert bf.kv_bytes_per_token == 131072  # 2 x 32 layers x 8 kv heads x 128 x 2 B
+    # fp8 elements + a float32 scale per 16-token block, K/V and kv head: 0.504x the bytes
+    assert fp8.kv_bytes_per_token == 65536 + 2 * 32 * 8 * 4 // 16
+    assert fp8.kv_capacity_bytes == bf.kv_capacity_bytes  # the weights did not change
+    assert fp8.step.step_s([(0, 1)]) == pytest.approx(bf.step.step_s([(0, 1)]), rel=1e-4)
+    long_decode = [(8192, 1)] * 64  # memory-bound: reading KV dominates
+    assert fp8.step.step_s(long_decode) < 0.7 * bf.step.step_s(long_decode)
+    assert fp8.name.endswith("/kv=fp8")
+
+
 def test_heterogeneous_pools():
     pc = pool_costs("llama3-8b", "h100,l40s", "pcie4")
     assert pc["prefill"].name.endswith("h100/bfloat16") and pc["decode"].name.endswith(

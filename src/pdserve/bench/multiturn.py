@@ -4,9 +4,12 @@ Modes:
   --addr A                           concurrent chat sessions against a running router
   --compare-kvstore                  the same sessions on two fresh clusters (--kvstore and
                                      --no-kvstore), back to back; prints the ratios
-  --trace T --capacity-curve C1,...  simulation (no cluster): hit rate of an LRU-from-chain-tail
-                                     block cache per capacity vs the unlimited best case
+  --trace T --capacity-curve C1,...  simulation (no cluster): hit rate of the kvstore's own
+                                     BlockStore per capacity vs the unlimited best case; a
+                                     capacity RAM+DISK (1GiB+16GiB) adds a disk tier
   --trace T --replay N --addr A      the first N trace requests against a real cluster
+  --trace T --store-replay N         the first N requests' KV traffic against real kvstore
+                                     processes, one per --store-capacities arm (storereplay.py)
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench import arrivals
-from pdserve.bench.cachesim import parse_capacity, simulate
+from pdserve.bench.cachesim import parse_tiers, simulate
 from pdserve.bench.cluster import UpProcess
 from pdserve.bench.loadgen import open_client, run_load
 from pdserve.bench.metrics import summarize
@@ -28,6 +31,7 @@ from pdserve.bench.report import latency_arrays, write_json
 from pdserve.bench.sessions import SessionPlan, run_sessions, turn_report
 from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, read_mooncake_jsonl
 from pdserve.bench.workload import trace_requests
+from pdserve.kv.spec import QUANT_KV_DTYPES, KVSpec
 from pdserve.model.dtypes import ITEMSIZE
 
 DEFAULT_KV_BYTES_PER_TOKEN = 8192  # bench50m: K,V x 8 layers x 2 kv heads x 64 dims x fp32
@@ -57,7 +61,10 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--up-args", default="", help="extra `pdserve up` flags (--compare-kvstore)")
     p.add_argument("--trace", help="Mooncake JSONL trace")
-    p.add_argument("--capacity-curve", help="e.g. 64MiB,256MiB,1GiB,unlimited (simulation)")
+    p.add_argument(
+        "--capacity-curve",
+        help="e.g. 64MiB,256MiB,1GiB,1GiB+16GiB,unlimited (simulation; RAM+DISK = disk tier)",
+    )
     p.add_argument(
         "--kv-bytes-per-token",
         type=int,
@@ -65,7 +72,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--kv-dtype",
-        choices=sorted(ITEMSIZE),
+        choices=[*sorted(ITEMSIZE), *QUANT_KV_DTYPES],
         help="the workers' KV dtype, for the KV bytes per token of --model (default: the "
         "checkpoint's torch_dtype; workers under --dtype auto serve bfloat16 on CPUs with "
         "AMX or AVX512-BF16 and on GPUs)",
@@ -74,6 +81,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--replay", type=int, help="replay the first N trace requests on --addr")
     p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--store-replay", type=int, help="replay N requests on real kvstores")
+    p.add_argument(
+        "--store-capacities",
+        default="16MiB,16MiB+256MiB",
+        help="--store-replay arms: RAM or RAM+DISK each (a fresh store per arm)",
+    )
     p.add_argument("--limit", type=int, help="read only the first N trace lines (simulation)")
     p.add_argument("--out", default="results/multiturn.json")
     p.add_argument("--no-progress", action="store_true")
@@ -94,8 +107,10 @@ def kv_bytes_per_token(args: argparse.Namespace) -> int:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     kv_heads = cfg.get("num_key_value_heads", heads)
     dtype = args.kv_dtype or str(cfg.get("torch_dtype", "float32"))
-    itemsize = ITEMSIZE.get(dtype, 4)
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * itemsize
+    if dtype not in ITEMSIZE and dtype not in QUANT_KV_DTYPES:
+        dtype = "float32"
+    spec = KVSpec(cfg["num_hidden_layers"], kv_heads, head_dim, args.block_size, dtype)
+    return spec.bytes_per_block // args.block_size  # quantized: scales included
 
 
 def capacity_curve(args: argparse.Namespace) -> dict[str, Any]:
@@ -103,18 +118,22 @@ def capacity_curve(args: argparse.Namespace) -> dict[str, Any]:
     per_tok = kv_bytes_per_token(args)
     block_bytes = max(1, round(MOONCAKE_BLOCK_TOKENS * args.length_scale)) * per_tok
     specs = [s.strip() for s in args.capacity_curve.split(",") if s.strip()]
-    caps = [parse_capacity(s) for s in specs]
+    caps = [parse_tiers(s) for s in specs]
     best = simulate(records, None, block_bytes)
     rows = []
-    for spec, cap in zip(specs, caps, strict=True):
-        res = best if cap is None else simulate(records, cap, block_bytes)
+    for spec, (cap, disk) in zip(specs, caps, strict=True):
+        res = best if cap is None else simulate(records, cap, block_bytes, disk)
         rows.append(
             {
                 "capacity": spec,
                 "capacity_bytes": cap,
+                "disk_bytes": disk,
                 "capacity_blocks": res.capacity_blocks,
                 "hit_rate": res.hit_rate,
                 "of_best": res.hit_rate / best.hit_rate if best.hit_rate else None,
+                "disk_share_of_hits": res.disk_hit_tokens / res.hit_tokens
+                if res.hit_tokens
+                else 0.0,
                 "evictions": res.evictions,
             }
         )
@@ -122,11 +141,12 @@ def capacity_curve(args: argparse.Namespace) -> dict[str, Any]:
         f"{len(records)} requests, block = {block_bytes / 2**20:.2f} MiB "
         f"({per_tok} B/token), best-case hit rate {best.hit_rate:.1%}"
     )
-    print(f"{'capacity':>12}{'blocks':>10}{'hit rate':>10}{'of best':>10}")
+    print(f"{'capacity':>14}{'RAM blocks':>12}{'hit rate':>10}{'of best':>10}{'from disk':>11}")
     for r in rows:
         of_best = f"{r['of_best']:.1%}" if r["of_best"] is not None else "-"
         blocks = r["capacity_blocks"] if r["capacity_blocks"] is not None else "all"
-        print(f"{r['capacity']:>12}{blocks!s:>10}{r['hit_rate']:>10.1%}{of_best:>10}")
+        disk = f"{r['disk_share_of_hits']:.1%}" if r["disk_bytes"] else "-"
+        print(f"{r['capacity']:>14}{blocks!s:>12}{r['hit_rate']:>10.1%}{of_best:>10}{disk:>11}")
     png = plot_capacity_curve(
         specs, [r["hit_rate"] for r in rows], best.hit_rate, Path(args.out).with_suffix(".png")
     )
@@ -249,6 +269,14 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.trace and args.capacity_curve:
             result = capacity_curve(args)
+        elif args.trace and args.store_replay:
+            from pdserve.bench.storereplay import store_replay
+
+            records = read_mooncake_jsonl(args.trace, args.store_replay)
+            per_tok = kv_bytes_per_token(args)
+            bpb = max(1, round(MOONCAKE_BLOCK_TOKENS * args.length_scale)) * per_tok
+            specs = [s.strip() for s in args.store_capacities.split(",") if s.strip()]
+            result = store_replay(records, specs, bpb)
         elif args.trace and args.replay:
             result = replay(args)
         elif args.trace:

@@ -19,6 +19,7 @@ TOOLS = (
     "tls",
     "emulated_lag",
     "router_saturation",
+    "kvquant",
 )
 
 

@@ -21,7 +21,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--hardware", default="h100:16", help="NAME[xTP]:COUNT[,NAME:COUNT]")
     p.add_argument("--prices", help="$ per device-hour, e.g. h100=2.5,l40s=0.9")
     p.add_argument("--network", default="nvlink", help="KV link: nvlink, ib, eth100, ...")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="the weights' dtype")
+    p.add_argument("--kv-dtype", default=None, choices=["bfloat16", "float16", "fp8", "int8"],
+                   help="the KV cache's dtype (default: --dtype); fp8/int8 halve KV bytes")  # fmt: skip
     p.add_argument("--chunks", default="2048,8192", help="prefill token budgets to try")
     p.add_argument("--decode-seqs", default="256", help="decode batch caps to try")
     p.add_argument("--max-unit", type=int, default=6, help="largest M + N of a disagg unit")
@@ -74,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
                   sys.stdout, indent=1, default=str)  # fmt: skip
         print()
         return 0
-    print(f"model {res['model']} ({res['dtype']}), budget {res['budget']}, network {res['network']}, "
+    print(f"model {res['model']} ({res['dtype']}, KV {res['kv_dtype']}), budget {res['budget']}, network {res['network']}, "
           f"SLO {res['slo']} at {res['target']:.0%}")  # fmt: skip
     head = f"{'unit':<52}{'goodput':>9}{'/device':>9}{'$/M out':>9}"
     print(head)

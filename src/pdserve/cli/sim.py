@@ -28,7 +28,9 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-config", help="config.json path or built-in name (roofline costs)")
     g.add_argument("--hardware", help="accelerator (roofline), e.g. h100; PREFILL_HW,DECODE_HW")
     g.add_argument("--network", default="nvlink", help="KV link between pools (roofline)")
-    g.add_argument("--dtype", default="bfloat16", help="roofline serving dtype")
+    g.add_argument("--dtype", default="bfloat16", help="roofline serving dtype (weights)")
+    g.add_argument("--kv-dtype", default=None, choices=["bfloat16", "float16", "fp8", "int8"],
+                   help="roofline KV cache dtype (default: --dtype)")  # fmt: skip
 
 
 def add_parser(subparsers: Any) -> None:
@@ -89,7 +91,9 @@ def costs_from_args(args: argparse.Namespace) -> Any:
     if args.model_config and args.hardware:
         from pdserve.sim.hardware import pool_costs
 
-        return pool_costs(args.model_config, args.hardware, args.network, args.dtype)
+        return pool_costs(
+            args.model_config, args.hardware, args.network, args.dtype, None, args.kv_dtype
+        )
     raise SystemExit("pdserve sim: give --profile, or --model-config and --hardware")
 
 

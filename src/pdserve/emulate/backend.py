@@ -123,7 +123,9 @@ class EmulatedBackend:
         return self.costs.kvstore_fetch
 
     # ---- ForwardBackend -----------------------------------------------------------------
-    def kv_spec(self, block_size: int) -> KVSpec:
+    def kv_spec(self, block_size: int, kv_dtype: str | None = None) -> KVSpec:
+        # The wire KV is a few checked bytes per block whatever kv_dtype says; the modelled
+        # KV bytes (capacity, transfer time) come from the cost model.
         o = self.options
         return KVSpec(o.wire_layers, 1, o.wire_head_dim, block_size, "float16")
 

@@ -48,7 +48,7 @@ class ForwardBackend(Protocol):
     config: ModelConfig
     fingerprint: str  # weights identity + dtype (emulated: the model config's identity)
 
-    def kv_spec(self, block_size: int) -> KVSpec:
+    def kv_spec(self, block_size: int, kv_dtype: str | None = None) -> KVSpec:
         """The KV layout this engine holds and moves (emulated: a few bytes per block)."""
         ...
 

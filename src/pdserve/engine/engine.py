@@ -38,6 +38,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = None  # generator for unseeded random sampling
     batch_invariant: bool = True  # tokens independent of batch/chunking/path (runner doc)
+    kv_dtype: str | None = None  # None = the weights' dtype; "int8" | "fp8_e4m3": kv/quant.py
 
 
 class LLMEngine:
@@ -64,7 +65,9 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.eos_token_ids = frozenset(mc.eos_token_ids or ())
-        self.spec = backend.kv_spec(config.block_size)
+        self.spec = backend.kv_spec(config.block_size, config.kv_dtype)
+        if self.spec.quantized and not str(config.device).startswith("cpu"):
+            raise ValueError(f"kv_dtype {config.kv_dtype}: only the torch (CPU) backend reads it")
         self.kv_fingerprint = self.spec.kv_fingerprint(backend.fingerprint)
         self.num_blocks = self._num_blocks(config)
         self.kv = KVCacheManager(

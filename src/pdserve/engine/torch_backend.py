@@ -21,14 +21,15 @@ class TorchBackend:
         self.config = loaded.config
         self.fingerprint: str = loaded.fingerprint
 
-    def kv_spec(self, block_size: int) -> KVSpec:
+    def kv_spec(self, block_size: int, kv_dtype: str | None = None) -> KVSpec:
+        """kv_dtype: None = the weights' dtype; "int8" | "fp8_e4m3" (kv/quant.py)."""
         mc = self.config
         return KVSpec(
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             block_size=block_size,
-            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            dtype=kv_dtype or str(self.loaded.dtype).removeprefix("torch."),
         )
 
     def make_runner(self, spec: KVSpec, num_blocks: int, config: EngineConfig) -> ModelRunner:

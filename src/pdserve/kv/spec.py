@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pdserve.model.dtypes import ITEMSIZE as _ITEMSIZE
 
 KV_LAYOUT = "NHD:[blocks,2,block_size,kv_heads,head_dim]"
+# quantized KV (pdserve.kv.quant): a block of a layer is one row of elements + per-head scales
+QUANT_KV_DTYPES = ("int8", "fp8_e4m3")
+SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -21,27 +24,37 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # the KV dtype: "float32" | "bfloat16" | "float16" | "int8" | "fp8_e4m3"
 
     def __post_init__(self) -> None:
-        if self.dtype not in _ITEMSIZE:
-            raise ValueError(f"dtype must be one of {sorted(_ITEMSIZE)}, got {self.dtype!r}")
+        if self.dtype not in _ITEMSIZE and self.dtype not in QUANT_KV_DTYPES:
+            names = sorted(_ITEMSIZE) + list(QUANT_KV_DTYPES)
+            raise ValueError(f"dtype must be one of {names}, got {self.dtype!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
     @property
-    def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+    def quantized(self) -> bool:
+        return self.dtype in QUANT_KV_DTYPES
 
     @property
-    def block_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one block in one layer: (2, block_size, num_kv_heads, head_dim)."""
+    def itemsize(self) -> int:
+        return 1 if self.quantized else _ITEMSIZE[self.dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block in one layer: (2, block_size, num_kv_heads, head_dim); for a
+        quantized dtype one raw row of bytes: (bytes_per_block_layer,) (pdserve.kv.quant)."""
+        if self.quantized:
+            return (self.bytes_per_block_layer,)
         return (2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_block_layer(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        data = 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        scales = 2 * self.num_kv_heads * SCALE_BYTES if self.quantized else 0
+        return data + scales
 
     @property
     def bytes_per_block(self) -> int:

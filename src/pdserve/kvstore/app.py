@@ -31,7 +31,7 @@ class KVStoreApp(ServiceApp):
     async def start(self, server: aio.Server) -> None:
         self.transport = await UcxTransport.create(self.metrics)
         self.service = KVStoreService(self.settings, self.transport, KVStoreMetrics(self.metrics))
-        self.service.start()
+        await self.service.start()
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.service), server)
         s = self.service.store
         log.info(
@@ -39,6 +39,8 @@ class KVStoreApp(ServiceApp):
             capacity_bytes=s.arena.capacity_bytes,
             extent_bytes=s.arena.extent_bytes,
             block_bytes=self.settings.block_bytes,
+            disk_dir=self.settings.disk_dir,
+            disk_bytes=s.disk_capacity,
         )
 
     async def close(self) -> None:

@@ -13,6 +13,11 @@ class KVStoreMetrics:
         self.hit_blocks = m.counter("kvstore_hit_blocks", "blocks found by Lookup")
         self.miss_blocks = m.counter("kvstore_miss_blocks", "blocks not found by Lookup")
         self.fetch_seconds = m.histogram("kvstore_fetch_seconds", "Fetch: gather + UCX send")
+        self.fetch_tier_seconds = m.histogram(
+            "kvstore_fetch_tier_seconds",
+            "Fetch: gather + UCX send, by tier (disk = at least one block read from a file)",
+            ["tier"],
+        )
         self.fetched_bytes = m.counter("kvstore_fetched_bytes", "bytes sent by Fetch")
         self.stored_bytes = m.gauge("kvstore_stored_bytes", "bytes in use (stored + reserved)")
         self.stored_blocks = m.gauge("kvstore_stored_blocks", "blocks stored")

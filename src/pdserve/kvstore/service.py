@@ -23,6 +23,9 @@ from pdserve.errors import (
     UnavailableError,
 )
 from pdserve.kv.transfer import RecvHandle, TransferFailedError, UcxTransport
+from pdserve.kvstore.blocks import Block
+from pdserve.kvstore.disk import DiskFiles
+from pdserve.kvstore.disk_worker import DiskWorker
 from pdserve.kvstore.metrics import KVStoreMetrics
 from pdserve.kvstore.settings import KVStoreSettings
 from pdserve.kvstore.stats import StoreStats
@@ -66,7 +69,11 @@ class KVStoreService:
         self.settings = settings
         self.transport = transport
         self.metrics = metrics
-        self.store = BlockStore(settings.capacity_bytes, settings.block_bytes)
+        disk_bytes = settings.disk_bytes if settings.disk_dir else 0
+        self.store = BlockStore(settings.capacity_bytes, settings.block_bytes, 0, disk_bytes)
+        self.disk: DiskWorker | None = None
+        if settings.disk_dir and disk_bytes:
+            self.disk = DiskWorker(self.store, DiskFiles(settings.disk_dir))
         self._open: dict[int, _OpenPut] = {}
         self._staging_in_use = 0
         self._reaper: asyncio.Task | None = None
@@ -75,7 +82,11 @@ class KVStoreService:
     def address(self) -> bytes:
         return self.transport.address
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Adopt the disk tier's files (a restart), then start the background tasks."""
+        if self.disk is not None:
+            await self.disk.open()
+            self.disk.start()
         self._reaper = asyncio.create_task(self._reap_loop())
 
     # ----------------------------------------------------------------- lookup / fetch
@@ -96,34 +107,70 @@ class KVStoreService:
         started = time.perf_counter()
         blocks = self.store.acquire(namespace, hashes)
         if blocks:  # one message of one block size
-            size = blocks[0].slot.nbytes
-            keep = next((i for i, b in enumerate(blocks) if b.slot.nbytes != size), len(blocks))
+            size = blocks[0].nbytes
+            keep = next((i for i, b in enumerate(blocks) if b.nbytes != size), len(blocks))
             self.store.release(blocks[keep:])
             blocks = blocks[:keep]
         if not blocks:
             return FetchResult(0, self.settings.block_bytes, [])
-        nbytes = len(blocks) * blocks[0].slot.nbytes
+        size = blocks[0].nbytes
+        nbytes = len(blocks) * size
         try:
             self._take_staging(nbytes)
         except OverloadedError:
             self.store.release(blocks)
             raise
+        tier = "ram" if all(b.slot is not None for b in blocks) else "disk"
         try:
             staging = np.empty(nbytes, np.uint8)
-            await asyncio.to_thread(self.store.gather, blocks, staging)
+            files = self.disk.files if self.disk is not None else None
+            good = await asyncio.to_thread(self.store.gather, blocks, staging, files)
+            if good < len(blocks):  # a corrupt or short file: a miss from that block on
+                log.warning("kvstore disk: corrupt block file", file=blocks[good].disk_name)
+                self.store.mark_bad(blocks[good])
+                self.store.release(blocks[good:])
+                blocks = blocks[:good]
+                if self.disk is not None:
+                    self.disk.wake()  # unlink the bad file
+            if tier == "disk":
+                await self._promote(blocks, staging)
             checksums = [b.checksum for b in blocks]
             self.store.release(blocks)
             blocks = []
-            await self.transport.send(peer, tag, staging, timeout_s=self.settings.send_timeout_s)
+            if checksums:
+                msg = staging[: len(checksums) * size]
+                await self.transport.send(peer, tag, msg, timeout_s=self.settings.send_timeout_s)
         except TransferFailedError as exc:
             raise UnavailableError(f"fetch: cannot send to the caller: {exc}") from exc
         finally:
             self.store.release(blocks)
             self._staging_in_use -= nbytes
-        self.store.stats.bytes_out += nbytes
-        self.metrics.fetched_bytes.inc(nbytes)
-        self.metrics.fetch_seconds.observe(time.perf_counter() - started)
+        if not checksums:
+            return FetchResult(0, self.settings.block_bytes, [])
+        self.store.stats.bytes_out += len(checksums) * size
+        self.metrics.fetched_bytes.inc(len(checksums) * size)
+        elapsed = time.perf_counter() - started
+        self.metrics.fetch_seconds.observe(elapsed)
+        self.metrics.fetch_tier_seconds.labels(tier).observe(elapsed)
         return FetchResult(len(checksums), nbytes // len(checksums), checksums)
+
+    async def _promote(self, blocks: list[Block], staging: np.ndarray) -> None:
+        """Copy the disk-only blocks a fetch read (now in `staging`) back into RAM slots."""
+        pairs = self.store.reserve_promotions(blocks)
+        if not pairs:
+            return
+        index = {id(b): i for i, b in enumerate(blocks)}
+        n = blocks[0].nbytes
+
+        def copy() -> None:
+            for blk, slot in pairs:
+                i = index[id(blk)]
+                self.store.arena.view(slot)[:] = staging[i * n : (i + 1) * n]
+
+        try:
+            await asyncio.to_thread(copy)
+        finally:
+            self.store.finish_promotions(pairs)
 
     # ----------------------------------------------------------------- puts
     def begin_put(
@@ -187,6 +234,8 @@ class KVStoreService:
                 self.metrics.puts.labels("corrupt").inc()
                 return 0
             stored = self.store.commit_put(put_id, checksums)
+            if self.disk is not None:
+                self.disk.wake()
             self.metrics.puts.labels("stored").inc()
             self.metrics.writer_blocks.labels(writer or "anonymous").inc(stored)
             return stored
@@ -249,3 +298,5 @@ class KVStoreService:
                 await self._reaper
         for put_id in list(self._open):
             await self._drop_put(put_id)
+        if self.disk is not None:
+            await self.disk.close()

@@ -18,6 +18,10 @@ class KVStoreSettings(ServiceSettings):
     # populate_by_name: flags arrive as field names, the environment through the aliases
     model_config = {**ServiceSettings.model_config, "populate_by_name": True}
 
+    metrics_port: int = Field(
+        0, ge=0, le=65535, validation_alias=_env("metrics_port"),
+        description="Prometheus /metrics HTTP port (0 = off)",
+    )  # fmt: skip
     port: int = Field(50060, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
     capacity_bytes: int = Field(
         1 << 30, gt=0, validation_alias=_env("capacity_bytes"),
@@ -26,6 +30,15 @@ class KVStoreSettings(ServiceSettings):
     block_bytes: int = Field(
         0, ge=0, validation_alias=_env("block_bytes"),
         description="bytes per block (0 = any size, arenas per size carved from the budget)",
+    )  # fmt: skip
+    disk_dir: str | None = Field(
+        None, validation_alias=_env("disk_dir"),
+        description="disk tier: a directory for block files (none = RAM only); blocks are "
+        "written through to it, read back (verified) on a hit, and found again after a restart",
+    )  # fmt: skip
+    disk_bytes: int = Field(
+        16 << 30, ge=0, validation_alias=_env("disk_bytes"),
+        description="disk tier budget in block bytes (each file adds a ~300 B header)",
     )  # fmt: skip
     staging_bytes: int = Field(
         256 << 20, gt=0, validation_alias=_env("staging_bytes"),

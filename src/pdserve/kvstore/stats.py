@@ -20,6 +20,14 @@ class StoreStats:
     corrupt_puts: int = 0
     open_puts: int = 0  # begun, not yet committed / aborted / expired (service-level)
     staging_bytes: int = 0  # bytes in put/fetch staging buffers now (service-level)
+    disk_capacity_bytes: int = 0  # the disk tier (0 = none), in block bytes
+    disk_used_bytes: int = 0  # on disk or being written
+    disk_blocks: int = 0  # blocks with a copy on disk
+    disk_hits: int = 0  # of `hits`, blocks found on disk only (Lookup)
+    disk_writes: int = 0  # blocks written to disk
+    demotions: int = 0  # RAM copies dropped for blocks kept on disk
+    promotions: int = 0  # disk-only blocks a fetch copied back into RAM
+    disk_corrupt: int = 0  # block files that read back corrupt or short (then a miss)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

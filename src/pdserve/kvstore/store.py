@@ -13,74 +13,69 @@ Invariants (checked by `check_integrity`):
   least recently used evictable leaf of the needed slot size, so a chain shrinks from its tail
   and a block never goes while a longer chain through it stays; pins protect ancestors for free.
 - Bytes in use (reserved + stored slots) never exceed the arena, which never exceeds capacity.
+
+Disk tier (`disk_bytes` > 0; the files are the service's, see disk.py): write-through. Every
+committed block is queued for a copy on disk (`take_writes` / `finish_writes`, the service
+writes in a thread), so the disk holds (nearly) a superset of RAM and one recency order
+serves both tiers:
+- RAM full: the least recently used RAM copy goes. If the block is on disk, only its RAM copy
+  is dropped (a demotion: no I/O, any chain position); if not, it must be an evictable leaf and
+  leaves the store (an eviction), as without a disk tier.
+- Disk full: the least recently used evictable leaf on disk leaves the store (both copies).
+- A block with neither copy (its only copy was a corrupt file) is a *ghost*: lookups stop in
+  front of it, a put revives it, and it is removed as soon as it has no children or refs.
+- A fetch reads disk-only blocks from their files (verified) and copies them back into RAM
+  (a promotion: `reserve_promotions` / `finish_promotions`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from pdserve.errors import InvalidRequestError
+from pdserve.kvstore.admin import AdminMixin
 from pdserve.kvstore.arena import Arena, Slot
+from pdserve.kvstore.blocks import HASH_BYTES, Block, Key, PutReservation, checksum
+from pdserve.kvstore.disk import DiskFiles
 from pdserve.kvstore.stats import StoreStats
+from pdserve.kvstore.tiers import TierMixin
 
-HASH_BYTES = 16
-Key = tuple[str, bytes]
-
-
-def checksum(data: np.ndarray) -> bytes:
-    """blake2b-128 of a block's bytes (the wire checksum of Fetch and CommitPut)."""
-    return hashlib.blake2b(memoryview(data), digest_size=16).digest()
+__all__ = ["HASH_BYTES", "Block", "BlockStore", "PutReservation", "checksum"]
 
 
-@dataclass(eq=False)
-class Block:
-    key: Key
-    parent: Block | None
-    slot: Slot
-    checksum: bytes
-    depth: int  # position in its chain (0 = first block)
-    children: int = 0
-    pins: int = 0
-    refs: int = 0
-    last_used: int = 0
-    writer: str = ""  # identity (certificate URI) of the worker that put it; "" = anonymous
-
-
-@dataclass(eq=False)
-class PutReservation:
-    put_id: int
-    namespace: str
-    hashes: list[bytes]  # the accepted blocks, in chain order
-    first_block: int  # chain position of hashes[0]
-    block_bytes: int
-    parent: Block | None  # referenced until commit/abort so it cannot be evicted
-    slots: list[Slot] = field(default_factory=list)
-    writer: str = ""
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.slots) * self.block_bytes
-
-
-class BlockStore:
-    def __init__(self, capacity_bytes: int, block_bytes: int = 0, extent_bytes: int = 0) -> None:
+class BlockStore(TierMixin, AdminMixin):
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_bytes: int = 0,
+        extent_bytes: int = 0,
+        disk_bytes: int = 0,
+    ) -> None:
         """`block_bytes` > 0: only that block size, one extent = the whole arena. Otherwise
-        extents of `extent_bytes` (default capacity/16, at least 1 MiB) serve any size."""
+        extents of `extent_bytes` (default capacity/16, at least 1 MiB) serve any size.
+        `disk_bytes` > 0: a disk tier of that many block bytes (module docstring)."""
         if block_bytes > 0:
             extent_bytes = (capacity_bytes // block_bytes) * block_bytes
         elif extent_bytes <= 0:
             extent_bytes = min(capacity_bytes, max(capacity_bytes // 16, 1 << 20))
         self.block_bytes = block_bytes
         self.arena = Arena(capacity_bytes, extent_bytes)
-        self.stats = StoreStats(capacity_bytes=self.arena.capacity_bytes)
+        self.stats = StoreStats(
+            capacity_bytes=self.arena.capacity_bytes, disk_capacity_bytes=disk_bytes
+        )
+        self.disk_capacity = disk_bytes
+        self.disk_used = 0  # block bytes on disk or being written
         self._blocks: dict[Key, Block] = {}
-        self._lru: dict[int, list[tuple[int, Block]]] = {}  # slot size -> heap (last_used, blk)
+        self._lru: dict[int, list[tuple[int, int, Block]]] = {}  # RAM: size -> heap
+        self._disk_lru: list[tuple[int, int, Block]] = []
+        self._unwritten: deque[Block] = deque()  # committed, not yet scheduled for disk
+        self._unlinks: list[str] = []  # files of removed blocks, to delete (service, thread)
+        self._generation = itertools.count(1)
         self._tick = itertools.count(1)
         self._put_ids = itertools.count(1)
         self.puts: dict[int, PutReservation] = {}
@@ -90,7 +85,7 @@ class BlockStore:
         out: list[Block] = []
         for h in hashes:
             blk = self._blocks.get((namespace, bytes(h)))
-            if blk is None:
+            if blk is None or blk.ghost:
                 break
             out.append(blk)
         return out
@@ -105,15 +100,16 @@ class BlockStore:
         return len(self._prefix(namespace, hashes))
 
     def block_bytes_of(self, namespace: str, hashes: Sequence[bytes]) -> int:
-        """Slot size of the chain's first block (0 when not stored)."""
+        """Size of the chain's first block (0 when not stored)."""
         blocks = self._prefix(namespace, hashes[:1])
-        return blocks[0].slot.nbytes if blocks else 0
+        return blocks[0].nbytes if blocks else 0
 
     def lookup(self, namespace: str, hashes: Sequence[bytes]) -> int:
         """Longest stored prefix of the chain (touches it; counts hits/misses in blocks)."""
         hit = self._prefix(namespace, hashes)
         self._touch(hit)
         self.stats.hits += len(hit)
+        self.stats.disk_hits += sum(1 for b in hit if b.slot is None)
         self.stats.misses += len(hashes) - len(hit)
         return len(hit)
 
@@ -130,13 +126,21 @@ class BlockStore:
             blk.refs -= 1
             self._maybe_evictable(blk)
 
-    def gather(self, blocks: Sequence[Block], out: np.ndarray) -> None:
-        """Copy referenced blocks into `out` back to back (thread-safe for acquired blocks)."""
+    def gather(
+        self, blocks: Sequence[Block], out: np.ndarray, disk: DiskFiles | None = None
+    ) -> int:
+        """Copy referenced blocks into `out` back to back, RAM copies from the arena, the others
+        from their files (`disk`; verified). Thread-safe for acquired blocks. Returns how many
+        leading blocks are good: a corrupt or missing file ends the prefix there."""
         pos = 0
-        for blk in blocks:
-            n = blk.slot.nbytes
-            out[pos : pos + n] = self.arena.view(blk.slot)
+        for i, blk in enumerate(blocks):
+            n, slot = blk.nbytes, blk.slot
+            if slot is not None:
+                out[pos : pos + n] = self.arena.view(slot)
+            elif disk is None or not disk.read(blk.disk_name, blk.meta(), out[pos : pos + n]):
+                return i
             pos += n
+        return len(blocks)
 
     # ------------------------------------------------------------------ puts
     def begin_put(
@@ -190,22 +194,29 @@ class BlockStore:
         return True
 
     def commit_put(self, put_id: int, checksums: Sequence[bytes]) -> int:
-        """Publish a written put; blocks stored meanwhile by another put are skipped."""
+        """Publish a written put; blocks stored meanwhile by another put are skipped (a ghost
+        is revived with the new bytes)."""
         res = self.puts.pop(put_id)
         parent, stored = res.parent, 0
         for i, (h, slot) in enumerate(zip(res.hashes, res.slots, strict=True)):
             key = (res.namespace, h)
-            existing = self._blocks.get(key)
-            if existing is not None:
+            blk = self._blocks.get(key)
+            if blk is not None and not blk.ghost:
                 self.arena.free(slot)
-                parent = existing
+                parent = blk
                 continue
-            blk = Block(
-                key, parent, slot, bytes(checksums[i]), res.first_block + i, writer=res.writer
-            )
-            self._blocks[key] = blk
-            if parent is not None:
-                parent.children += 1
+            if blk is not None:  # a ghost: same key, so same parent and position
+                blk.slot, blk.checksum = slot, bytes(checksums[i])
+            else:
+                blk = Block(
+                    key, parent, slot, bytes(checksums[i]), res.first_block + i,
+                    nbytes=res.block_bytes, writer=res.writer,
+                )  # fmt: skip
+                self._blocks[key] = blk
+                if parent is not None:
+                    parent.children += 1
+            if self.disk_capacity:
+                self._unwritten.append(blk)
             self._touch([blk])
             parent, stored = blk, stored + 1
         res.slots = []
@@ -239,40 +250,77 @@ class BlockStore:
 
     # ------------------------------------------------------------------ eviction
     def _maybe_evictable(self, blk: Block) -> None:
-        if (
-            blk.children == 0
-            and blk.pins == 0
-            and blk.refs == 0
-            and self._blocks.get(blk.key) is blk
-        ):
-            heap = self._lru.setdefault(blk.slot.nbytes, [])
-            heapq.heappush(heap, (blk.last_used, id(blk), blk))
+        """Queue `blk` in the LRU heaps it now qualifies for (entries are checked on pop)."""
+        if self._blocks.get(blk.key) is not blk or blk.refs:
+            return
+        if blk.ghost:
+            if blk.children == 0:
+                self._remove(blk)
+            return
+        if blk.pins:
+            return
+        entry = (blk.last_used, id(blk), blk)
+        if blk.slot is not None and (blk.children == 0 or blk.on_disk):
+            heap = self._lru.setdefault(blk.nbytes, [])
+            heapq.heappush(heap, entry)
             if len(heap) > 4 * len(self._blocks) + 64:
-                self._compact(blk.slot.nbytes)
+                self._lru[blk.nbytes] = self._live(lambda b: self._ram_ok(b, blk.nbytes))
+        if blk.on_disk and blk.children == 0:
+            heapq.heappush(self._disk_lru, entry)
+            if len(self._disk_lru) > 4 * len(self._blocks) + 64:
+                self._disk_lru = self._live(self._disk_ok)
 
-    def _compact(self, size: int) -> None:
-        live = [
-            (b.last_used, id(b), b)
-            for b in self._blocks.values()
-            if b.slot.nbytes == size and b.children == 0 and b.pins == 0 and b.refs == 0
-        ]
+    def _ram_ok(self, b: Block, size: int) -> bool:
+        """May `b`'s RAM copy go (dropped if on disk, else `b` is evicted)?"""
+        return (
+            b.slot is not None
+            and b.nbytes == size
+            and not (b.refs or b.pins)
+            and (b.children == 0 or b.on_disk)
+        )
+
+    @staticmethod
+    def _disk_ok(b: Block) -> bool:
+        return b.on_disk and not (b.children or b.refs or b.pins)
+
+    def _live(self, ok) -> list[tuple[int, int, Block]]:
+        live = [(b.last_used, id(b), b) for b in self._blocks.values() if ok(b)]
         heapq.heapify(live)
-        self._lru[size] = live
+        return live
 
-    def _evict_one(self, size: int) -> bool:
-        heap = self._lru.get(size, [])
+    def _pop(self, heap: list[tuple[int, int, Block]], ok) -> Block | None:
         while heap:
             stamp, _, blk = heapq.heappop(heap)
-            ok = blk.children == 0 and blk.pins == 0 and blk.refs == 0
-            if ok and stamp == blk.last_used and self._blocks.get(blk.key) is blk:
-                self._remove(blk)
-                self.stats.evictions += 1
-                return True
-        return False
+            if ok(blk) and stamp == blk.last_used and self._blocks.get(blk.key) is blk:
+                return blk
+        return None
+
+    def _evict_one(self, size: int) -> bool:
+        """Free one RAM slot of `size`: demote an LRU block that is on disk, or evict an LRU
+        leaf that is not."""
+        blk = self._pop(self._lru.get(size, []), lambda b: self._ram_ok(b, size))
+        if blk is None:
+            return False
+        if blk.on_disk:
+            assert blk.slot is not None
+            self.arena.free(blk.slot)
+            blk.slot = None
+            self.stats.demotions += 1
+            self._maybe_evictable(blk)
+        else:
+            self._remove(blk)
+            self.stats.evictions += 1
+        return True
 
     def _remove(self, blk: Block) -> None:
         del self._blocks[blk.key]
-        self.arena.free(blk.slot)
+        if blk.slot is not None:
+            self.arena.free(blk.slot)
+            blk.slot = None
+        if blk.on_disk:
+            self.disk_used -= blk.nbytes
+            self._unlinks.append(blk.disk_name)
+            blk.on_disk = False
         if blk.parent is not None:
             blk.parent.children -= 1
             self._maybe_evictable(blk.parent)
@@ -292,65 +340,3 @@ class BlockStore:
             )
             if not others or not self._evict_one(others[-1][1]):
                 return None
-
-    # ------------------------------------------------------------------ admin
-    def pin(self, namespace: str, hashes: Sequence[bytes], delta: int = 1) -> int:
-        """Pin (delta=1) or unpin (-1) the stored prefix; returns the blocks affected."""
-        blocks = self._prefix(namespace, hashes)
-        if delta < 0:
-            blocks = [b for b in blocks if b.pins > 0]
-        for blk in blocks:
-            blk.pins += delta
-            self._maybe_evictable(blk)
-        return len(blocks)
-
-    def clear(self, namespace: str = "") -> int:
-        """Drop every block of `namespace` (all when empty) not in use, pins included."""
-        victims = [b for b in self._blocks.values() if not namespace or b.key[0] == namespace]
-        removed = 0
-        for blk in sorted(victims, key=lambda b: -b.depth):  # leaves first
-            if blk.children == 0 and blk.refs == 0:
-                self._remove(blk)
-                removed += 1
-        return removed
-
-    def purge_writer(self, writer: str) -> tuple[int, int]:
-        """Drop every block `writer` put and every block chained after one of them (its KV
-        was computed over the writer's). Returns (removed, still in use: retry later)."""
-        tainted: set[int] = set()
-        for blk in sorted(self._blocks.values(), key=lambda b: b.depth):  # parents first
-            if blk.writer == writer or (blk.parent is not None and id(blk.parent) in tainted):
-                tainted.add(id(blk))
-        victims = [b for b in self._blocks.values() if id(b) in tainted]
-        removed = 0
-        for blk in sorted(victims, key=lambda b: -b.depth):  # leaves first
-            if blk.children == 0 and blk.refs == 0:
-                self._remove(blk)
-                removed += 1
-        return removed, len(victims) - removed
-
-    def blocks_by_writer(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for blk in self._blocks.values():
-            out[blk.writer] = out.get(blk.writer, 0) + 1
-        return out
-
-    def snapshot(self) -> StoreStats:
-        s = self.stats
-        s.used_bytes = self.arena.used_bytes
-        s.num_blocks = len(self._blocks)
-        s.pinned_blocks = sum(1 for b in self._blocks.values() if b.pins > 0)
-        return s
-
-    def check_integrity(self) -> None:
-        children: dict[int, int] = {}
-        for blk in self._blocks.values():
-            if blk.parent is not None:
-                assert self._blocks.get(blk.parent.key) is blk.parent, "orphan block"
-                children[id(blk.parent)] = children.get(id(blk.parent), 0) + 1
-        for blk in self._blocks.values():
-            assert blk.children == children.get(id(blk), 0), "child count drift"
-        reserved = sum(r.nbytes for r in self.puts.values())
-        stored = sum(b.slot.nbytes for b in self._blocks.values())
-        assert self.arena.used_bytes == reserved + stored, "slot accounting drift"
-        assert self.arena.used_bytes <= self.stats.capacity_bytes

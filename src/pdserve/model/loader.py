@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pdserve.errors import ModelLoadError
+from pdserve.kv.spec import QUANT_KV_DTYPES
 from pdserve.model.attention import AttentionBackend
 from pdserve.model.config import ModelConfig
 from pdserve.model.dtypes import DTYPE_NAMES, torch_dtype
@@ -260,7 +261,16 @@ def allocate_kv_caches(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
 ) -> list[torch.Tensor]:
-    """Per layer a zeroed [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor."""
+    """Per layer a zeroed [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor; for a
+    quantized KV dtype ("int8", "fp8_e4m3") a raw [num_blocks, row_bytes] one (kv/quant.py)."""
+    if isinstance(dtype, str) and dtype in QUANT_KV_DTYPES:
+        from pdserve.kv import quant
+
+        kvh, hd = config.num_kv_heads, config.head_dim
+        return [
+            quant.allocate(dtype, num_blocks, block_size, kvh, hd, device)
+            for _ in range(config.num_layers)
+        ]
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
     shape = (num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)

@@ -9,7 +9,10 @@ Roofline of one engine step (batch of (start, new) entries):
                                    bytes / (mem_bw * memory_eff))
 The efficiency factors default to commonly reported fractions (see DEFAULT_EFFICIENCY) and
 are calibrated from a real profile with `calibrate` where one exists (only this CPU here).
-KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * dtype bytes.
+KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * KV dtype bytes, the KV
+dtype apart from the weights' (`kv_dtype`: fp8/int8 KV halves the bytes a decode step reads,
+the KV that fits beside the weights, and what moves prefill -> decode; pdserve's quantized KV
+adds one float32 scale per block, K/V and kv head: `kv_bytes_per_token_of`).
 """
 
 from __future__ import annotations
@@ -190,9 +193,21 @@ def load_model_config(spec: str) -> ModelShape:
     return ModelShape.from_config(json.loads(path.read_text()), path.parent.name)
 
 
+QUANT_KV = ("fp8", "fp8_e4m3", "int8")
+
+
+def kv_bytes_per_token_of(shape: ModelShape, kv_dtype: str, block_size: int = 16) -> int:
+    """KV bytes per token in `kv_dtype`; a quantized one adds its per-block scales (as
+    pdserve.kv.quant stores them: 4 bytes per block, K/V and kv head), rounded up."""
+    base = shape.kv_bytes_per_token(itemsize_of(kv_dtype))
+    if kv_dtype.lower() not in QUANT_KV:
+        return base
+    return base + -(-2 * shape.num_layers * shape.num_kv_heads * 4 // block_size)
+
+
 def itemsize_of(dtype: str) -> int:
     return {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
-            "fp8": 1}.get(dtype.lower(), 2)  # fmt: skip
+            "fp8": 1, "fp8_e4m3": 1, "int8": 1}.get(dtype.lower(), 2)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -206,6 +221,11 @@ class RooflineStep:
     compute_eff: float = DEFAULT_EFFICIENCY["compute"]
     memory_eff: float = DEFAULT_EFFICIENCY["memory"]
     step_overhead_s: float = DEFAULT_EFFICIENCY["step_overhead_s"]
+    kv_bytes: int = 0  # KV bytes per token (0 = the weights' itemsize)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_bytes or self.model.kv_bytes_per_token(self.itemsize)
 
     @property
     def peak_flops(self) -> float:
@@ -220,7 +240,7 @@ class RooflineStep:
         _, new, _, ctx, pairs = plan_features(batch)
         m = self.model
         flops = 2.0 * m.matmul_params * new + 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs
-        nbytes = m.matmul_params * self.itemsize + ctx * m.kv_bytes_per_token(self.itemsize)
+        nbytes = m.matmul_params * self.itemsize + ctx * self.kv_bytes_per_token
         t_c = flops / (self.peak_flops * self.compute_eff)
         t_m = nbytes / (self.hw.mem_bw_TBps * 1e12 * self.tp * self.memory_eff)
         return self.step_overhead_s + max(t_c, t_m)
@@ -244,12 +264,15 @@ def roofline_costs(
     network: str = "nvlink",
     dtype: str = "bfloat16",
     efficiency: dict[str, float] | None = None,
+    kv_dtype: str | None = None,
 ) -> CostModel:
+    """`dtype`: the weights'; `kv_dtype`: the KV cache's (None = the weights')."""
     shape = load_model_config(model) if isinstance(model, str) else model
     hw, tp = parse_hardware(hardware)
     eff = DEFAULT_EFFICIENCY | (efficiency or {})
+    kv_bytes = kv_bytes_per_token_of(shape, kv_dtype or dtype)
     step = RooflineStep(shape, hw, itemsize_of(dtype), tp, eff["compute"], eff["memory"],
-                        eff["step_overhead_s"])  # fmt: skip
+                        eff["step_overhead_s"], kv_bytes)  # fmt: skip
     if network not in NETWORKS:
         raise ValueError(f"unknown network {network!r}; known: {sorted(NETWORKS)}")
     net = NETWORKS[network]
@@ -259,8 +282,8 @@ def roofline_costs(
         kvstore_fetch=LinkCost(20e-6, 25e9),  # host memory over PCIe Gen5 x16 (~25 GB/s used)
         kvstore_publish=LinkCost(20e-6, 25e9),
         router_overhead_s=0.0005,
-        kv_bytes_per_token=shape.kv_bytes_per_token(itemsize_of(dtype)),
-        name=f"{shape.name}@{hardware}/{dtype}",
+        kv_bytes_per_token=kv_bytes,
+        name=f"{shape.name}@{hardware}/{dtype}" + (f"/kv={kv_dtype}" if kv_dtype else ""),
         kv_capacity_bytes=step.kv_capacity_bytes(),
         devices=tp,
     )
@@ -275,13 +298,14 @@ def pool_costs(
     network: str = "nvlink",
     dtype: str = "bfloat16",
     efficiency: dict[str, float] | None = None,
+    kv_dtype: str | None = None,
 ) -> dict[str, CostModel]:
     """Per-role costs; 'h100' for every pool, or 'PREFILL_HW,DECODE_HW' (heterogeneous:
     colocated instances use the first)."""
     parts = [p.strip() for p in hardware.split(",") if p.strip()]
     pre, dec = parts[0], parts[-1]
-    p = roofline_costs(model, pre, network, dtype, efficiency)
-    d = p if dec == pre else roofline_costs(model, dec, network, dtype, efficiency)
+    p = roofline_costs(model, pre, network, dtype, efficiency, kv_dtype)
+    d = p if dec == pre else roofline_costs(model, dec, network, dtype, efficiency, kv_dtype)
     return {"prefill": p, "decode": d, "colocated": p}  # fmt: skip
 
 

@@ -125,10 +125,11 @@ def candidates(
     chunks: Sequence[int] = (2048, 8192),
     decode_seqs: Sequence[int] = (128, 256),
     max_unit: int = 8,
+    kv_dtype: str | None = None,
 ) -> list[Candidate]:
     """Colocated and disaggregated units over the budget's hardware."""
     hws = list(budget.devices)
-    costs = {hw: roofline_costs(model, hw, network, dtype) for hw in hws}
+    costs = {hw: roofline_costs(model, hw, network, dtype, None, kv_dtype) for hw in hws}
     out: list[Candidate] = []
     for hw in hws:
         for chunk in chunks:
@@ -256,7 +257,8 @@ def plan(
     max_model_len = args.max_model_len or shape.max_position_embeddings
     chunks = [int(x) for x in args.chunks.split(",")]
     seqs = [int(x) for x in args.decode_seqs.split(",")]
-    cands = candidates(budget, model, network, dtype, chunks, seqs, args.max_unit)
+    kv_dtype = getattr(args, "kv_dtype", None)
+    cands = candidates(budget, model, network, dtype, chunks, seqs, args.max_unit, kv_dtype)
     log(f"{len(cands)} candidate units; simulating each rate sweep ...")
     results = []
     for i, cand in enumerate(cands):
@@ -306,6 +308,7 @@ def plan(
     return {
         "model": shape.name,
         "dtype": dtype,
+        "kv_dtype": kv_dtype or dtype,
         "network": network,
         "budget": budget.devices,
         "prices": budget.prices,

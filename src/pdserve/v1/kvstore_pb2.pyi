@@ -117,7 +117,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "num_blocks", "hits", "misses", "evictions", "bytes_in", "bytes_out", "pinned_blocks", "put_rejected", "corrupt_puts", "open_puts", "staging_bytes")
+    __slots__ = ("capacity_bytes", "used_bytes", "num_blocks", "hits", "misses", "evictions", "bytes_in", "bytes_out", "pinned_blocks", "put_rejected", "corrupt_puts", "open_puts", "staging_bytes", "disk_capacity_bytes", "disk_used_bytes", "disk_blocks", "disk_hits", "disk_writes", "demotions", "promotions", "disk_corrupt")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,14 @@ class StatsResponse(_message.Message):
     CORRUPT_PUTS_FIELD_NUMBER: _ClassVar[int]
     OPEN_PUTS_FIELD_NUMBER: _ClassVar[int]
     STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_HITS_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITES_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DISK_CORRUPT_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     num_blocks: int
@@ -144,7 +152,15 @@ class StatsResponse(_message.Message):
     corrupt_puts: int
     open_puts: int
     staging_bytes: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., put_rejected: _Optional[int] = ..., corrupt_puts: _Optional[int] = ..., open_puts: _Optional[int] = ..., staging_bytes: _Optional[int] = ...) -> None: ...
+    disk_capacity_bytes: int
+    disk_used_bytes: int
+    disk_blocks: int
+    disk_hits: int
+    disk_writes: int
+    demotions: int
+    promotions: int
+    disk_corrupt: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., put_rejected: _Optional[int] = ..., corrupt_puts: _Optional[int] = ..., open_puts: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., disk_hits: _Optional[int] = ..., disk_writes: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., disk_corrupt: _Optional[int] = ...) -> None: ...
 
 class PurgeWriterRequest(_message.Message):
     __slots__ = ("writer",)

@@ -116,6 +116,7 @@ class WorkerCore:
             max_num_seqs=s.max_num_seqs,
             enable_prefix_caching=s.enable_prefix_caching,
             batch_invariant=s.batch_invariant,
+            kv_dtype=None if s.kv_dtype == "auto" else s.kv_dtype,
         )
 
     def attach_kvstore(self, addr: str) -> None:

@@ -17,6 +17,12 @@ class WorkerSettings(ServiceSettings):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="weights and KV dtype (auto: bfloat16 where the device runs it faster)"
     )
+    kv_dtype: Literal["auto", "int8", "fp8_e4m3"] = Field(
+        "auto",
+        description="KV cache dtype (auto: the weights'); int8 / fp8_e4m3 store KV quantized "
+        "with per-block per-head scales, in the cache, on the wire and in the kvstore. Every "
+        "worker of a cluster must use the same (the KV fingerprint includes it)",
+    )
     device: str = Field("cpu", description="torch device (cpu, cuda, cuda:1)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_blocks: int | None = Field(None, ge=2, description="KV blocks (wins over kv_cache_bytes)")

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.attention import fixed
+from pdserve.kv.quant import QuantRows
 from pdserve.model.attention.base import AttentionBackend
 from pdserve.model.attention.metadata import AttentionMetadata
 
@@ -108,7 +109,10 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
     ) -> torch.Tensor:
         hkv, d = self.num_kv_heads, self.head_dim
-        flat = kv_cache.view(-1, hkv, d)  # [num_blocks * 2 * bs, Hkv, D]
+        if kv_cache.dim() == 2:  # quantized KV (pdserve.kv.quant): same row API, dequantized
+            flat = QuantRows(kv_cache, plan.block_size, hkv, d, q.dtype)
+        else:
+            flat = kv_cache.view(-1, hkv, d)  # [num_blocks * 2 * bs, Hkv, D]
         flat.index_copy_(0, plan.k_rows, k)
         flat.index_copy_(0, plan.v_rows, v)
         if plan.dec_all:
