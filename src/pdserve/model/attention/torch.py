@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.attention import fixed
 from pdserve.kv.quant import QuantRows
+from pdserve.model.attention import fixed
 from pdserve.model.attention.base import AttentionBackend
 from pdserve.model.attention.metadata import AttentionMetadata
 
