@@ -101,7 +101,7 @@ def test_quantized_kv_transfers_prefill_to_decode_and_matches_one_engine(make_en
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     ref = make_engine(kv_dtype=kind).generate([p], params)[0]
     a, b = make_engine(kv_dtype=kind), make_engine(kv_dtype=kind)
-    assert a.kv_caches[0].dim() == 2  # the raw quantized layout
+    assert a.runner.kv_caches[0].dim() == 2  # the raw quantized layout
     layers: dict[int, torch.Tensor] = {}
     a.add_request(
         "r", p, params, prefill_only=True, kv_sink=lambda i, kv: layers.__setitem__(i, kv)
