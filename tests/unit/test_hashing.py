@@ -50,7 +50,10 @@ def test_spec_sizes():
     assert spec.bytes_per_block == 3 * spec.bytes_per_block_layer
     assert spec.num_blocks_for(9) == 3
     with pytest.raises(ValueError):
-        KVSpec(1, 1, 1, 1, "int8")
+        KVSpec(1, 1, 1, 1, "int4")
+    q = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="int8")
+    assert q.quantized and q.itemsize == 1  # int8 elements + float32 scales per (K/V, head)
+    assert q.bytes_per_block_layer == 2 * 4 * 2 * 8 + 2 * 2 * 4
 
 
 def test_token_out_of_int32_rejected():

@@ -208,3 +208,19 @@ async def test_service_fetches_from_disk_promotes_and_survives_a_restart(tmp_pat
     finally:
         await restarted.close()
     assert all(os.access(p, os.R_OK) for p in block_files(tmp_path))
+
+
+async def test_service_clear_deletes_the_block_files(tmp_path: Path) -> None:
+    service = _service(tmp_path)
+    await service.start()
+    try:
+        assert await _put(service, chain(7, 3)) == 3
+        while await service.disk.run_once():
+            pass
+        assert len(block_files(tmp_path)) == 3
+        assert service.clear("") == 3
+        while await service.disk.run_once():
+            pass
+        assert block_files(tmp_path) == [] and service.stats().disk_used_bytes == 0
+    finally:
+        await service.close()

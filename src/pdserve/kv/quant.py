@@ -17,9 +17,14 @@ fill in order, so offset 0 means a new owner); when a new token's amax exceeds t
 block's earlier tokens are re-quantized to the larger scale (one extra rounding each time).
 Reads (`index_select`) dequantize to float32; the attention backend casts to its dtype.
 
-Batch invariance: a block's bytes depend only on the tokens written to it and their order
-(one request's), never on what else is in the batch, so quantized KV is as batch-invariant
-as the attention that reads it.
+Batch invariance: NOT in general. A block's bytes depend on how its tokens were grouped
+into writes: written in one step (a prefill chunk covering the block) each element is rounded
+once against the block's final scale; written in two steps (a chunk boundary inside the
+block, which the scheduler's shared token budget decides) the earlier tokens are rounded
+again when the scale grows (tests/unit/test_kv_quant.py shows 16 tokens as 16 vs 8 + 8
+differ). For one grouping the bytes are deterministic, and decode (one token per step) and
+prefix blocks imported whole do not depend on the batch. Making it invariant would need the
+open block kept in full precision and quantized once when it fills (not done).
 """
 
 from __future__ import annotations

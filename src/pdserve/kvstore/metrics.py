@@ -22,6 +22,8 @@ class KVStoreMetrics:
         self.stored_bytes = m.gauge("kvstore_stored_bytes", "bytes in use (stored + reserved)")
         self.stored_blocks = m.gauge("kvstore_stored_blocks", "blocks stored")
         self.evictions = m.counter("kvstore_evictions", "blocks evicted")
+        self.disk_bytes = m.gauge("kvstore_disk_bytes", "block bytes on disk (or being written)")
+        self.disk_blocks = m.gauge("kvstore_disk_blocks", "blocks with a copy on disk")
         self.puts = m.counter("kvstore_puts", "put outcomes", ["outcome"])
         self.writer_blocks = m.counter(
             "kvstore_writer_blocks", "blocks stored, by writer identity", ["writer"]
@@ -32,6 +34,8 @@ class KVStoreMetrics:
         """Mirror the store's counters after an operation."""
         self.stored_bytes.set(stats.used_bytes)
         self.stored_blocks.set(stats.num_blocks)
+        self.disk_bytes.set(stats.disk_used_bytes)
+        self.disk_blocks.set(stats.disk_blocks)
         if stats.evictions > self._evictions_seen:
             self.evictions.inc(stats.evictions - self._evictions_seen)
             self._evictions_seen = stats.evictions

@@ -130,8 +130,7 @@ class KVStoreService:
                 self.store.mark_bad(blocks[good])
                 self.store.release(blocks[good:])
                 blocks = blocks[:good]
-                if self.disk is not None:
-                    self.disk.wake()  # unlink the bad file
+                self._wake_disk()  # unlink the bad file
             if tier == "disk":
                 await self._promote(blocks, staging)
             checksums = [b.checksum for b in blocks]
@@ -234,8 +233,7 @@ class KVStoreService:
                 self.metrics.puts.labels("corrupt").inc()
                 return 0
             stored = self.store.commit_put(put_id, checksums)
-            if self.disk is not None:
-                self.disk.wake()
+            self._wake_disk()
             self.metrics.puts.labels("stored").inc()
             self.metrics.writer_blocks.labels(writer or "anonymous").inc(stored)
             return stored
@@ -262,6 +260,10 @@ class KVStoreService:
                 log.warning("put not committed in time: dropped", put_id=put_id)
                 await self._drop_put(put_id)
 
+    def _wake_disk(self) -> None:
+        if self.disk is not None:
+            self.disk.wake()
+
     def _take_staging(self, nbytes: int) -> None:
         if self._staging_in_use + nbytes > self.settings.staging_bytes:
             raise OverloadedError(
@@ -273,6 +275,7 @@ class KVStoreService:
     # ----------------------------------------------------------------- admin
     def purge_writer(self, writer: str) -> tuple[int, int]:
         removed, in_use = self.store.purge_writer(writer)
+        self._wake_disk()  # delete the removed blocks' files
         log.warning("purged writer", writer=writer, blocks=removed, in_use=in_use)
         self.metrics.sync(self.store.snapshot())
         return removed, in_use
@@ -288,6 +291,7 @@ class KVStoreService:
 
     def clear(self, namespace: str) -> int:
         n = self.store.clear(namespace)
+        self._wake_disk()
         self.metrics.sync(self.store.snapshot())
         return n
 
