@@ -17,9 +17,11 @@ from pathlib import Path
 import torch
 
 from pdserve.errors import ModelLoadError
+from pdserve.model import gemma4_weights
 from pdserve.model.attention import AttentionBackend
 from pdserve.model.config import ModelConfig
 from pdserve.model.dtypes import DTYPE_NAMES, torch_dtype
+from pdserve.model.gemma4 import Gemma4Model
 from pdserve.model.llama import LlamaModel
 
 FULL_HASH_LIMIT = 256 << 20  # files up to this size are hashed in full
@@ -30,7 +32,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carr
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: LlamaModel | Gemma4Model
     config: ModelConfig
     fingerprint: str  # hex; see model_fingerprint
     dtype: torch.dtype
@@ -96,6 +98,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape, derived from the config."""
+    if c.gemma4 is not None:
+        return gemma4_weights.expected_shapes(c)
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
     q, kv = c.num_heads * d, c.num_kv_heads * d
     out: dict[str, tuple[int, ...]] = {
@@ -145,6 +149,8 @@ def read_checked(
                 for name in st.keys():
                     if name.endswith(IGNORED_SUFFIXES):
                         continue
+                    if config.gemma4 is not None and gemma4_weights.ignored(name, config):
+                        continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # tied: some checkpoints still store the copy
                     if name not in want:
@@ -167,6 +173,8 @@ def read_checked(
 
 def fuse(hf: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
     """HF names -> LlamaModel state dict (fused qkv_proj and gate_up_proj)."""
+    if c.gemma4 is not None:
+        return gemma4_weights.fuse(hf, c)
     sd = {
         "embed_tokens.weight": hf["model.embed_tokens.weight"],
         "norm.weight": hf["model.norm.weight"],
@@ -239,7 +247,8 @@ def load_model(
     tdtype = resolve_dtype(dtype, config, device)
     files = weight_files(model_dir)
     sd = fuse(read_checked(files, config, tdtype), config)
-    model = LlamaModel(config, device=device, dtype=tdtype, backend=backend)
+    cls = Gemma4Model if config.gemma4 is not None else LlamaModel
+    model = cls(config, device=device, dtype=tdtype, backend=backend)
     model.load_state_dict({k: v.to(device) for k, v in sd.items()}, strict=True, assign=True)
     model.requires_grad_(False)
     model.eval()
@@ -260,8 +269,12 @@ def allocate_kv_caches(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
 ) -> list[torch.Tensor]:
-    """Per layer a zeroed [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor."""
+    """Per layer that stores KV (config.kv_layers(): KV-shared layers store none) a zeroed
+    [num_blocks, 2, block_size, its num_kv_heads, its head_dim] tensor."""
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
-    shape = (num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+    return [
+        torch.zeros((num_blocks, 2, block_size, kv.num_kv_heads, kv.head_dim), dtype=dtype,
+                    device=device)
+        for kv in config.kv_layers()
+    ]  # fmt: skip
