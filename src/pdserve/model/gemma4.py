@@ -214,12 +214,13 @@ class Gemma4Model(nn.Module):
         return (proj + tok) * 2.0**-0.5
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] -> [N, vocab] float32, soft-capped
+        # hidden: [N, hidden] -> [N, vocab] float32; soft-capped in the model dtype, as
+        # transformers does
         if self.lm_head is None:
-            logits = F.linear(hidden, self.embed_tokens.weight).float()
+            logits = F.linear(hidden, self.embed_tokens.weight)
         else:
-            logits = self.lm_head(hidden).float()
+            logits = self.lm_head(hidden)
         cap = self.g.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits
+        return logits.float()
