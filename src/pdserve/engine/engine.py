@@ -23,7 +23,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.kv.cache_manager import KVCacheManager
-from pdserve.kv.spec import KVSpec
+from pdserve.kv.spec import KVSpec, LayerKV
 from pdserve.model.loader import allocate_kv_caches
 
 KVSink = Callable[[int, torch.Tensor], None]  # (layer, kv [n_blocks, 2, bs, kvh, hd])
@@ -59,10 +59,8 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.eos_token_ids = frozenset(mc.eos_token_ids or ())
-        self.spec = KVSpec(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
+        self.spec = KVSpec.for_layers(
+            [LayerKV(s.num_kv_heads, s.head_dim, s.window) for s in mc.kv_layers()],
             block_size=config.block_size,
             dtype=str(loaded.dtype).removeprefix("torch."),
         )
@@ -278,8 +276,18 @@ class LLMEngine:
         return self.kv.cached_prefix(hashes)
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """[n, L, 2, bs, kvh, hd] CPU copy of the given blocks (all layers)."""
-        return self.runner.read_blocks(list(block_ids))
+        """CPU copy of the given blocks (every stored layer), shaped spec.blocks_shape(n):
+        [n, L, 2, bs, kvh, hd] for uniform models, else [n, elems_per_block]."""
+        return self.runner.read_blocks(list(block_ids)).view(self.spec.blocks_shape(len(block_ids)))
+
+    def layer_views(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """Per stored layer a [n, 2, bs, kvh_l, hd_l] view of blocks shaped spec.blocks_shape(n)."""
+        n = data.shape[0]
+        flat = data.reshape(n, -1)
+        return [
+            flat[:, a:b].view(n, *self.spec.layer_block_shape(i))
+            for i, (a, b) in enumerate(self.spec.layer_offsets())
+        ]
 
     def read_cached(self, hashes: Sequence[bytes], skip: int) -> torch.Tensor | None:
         """The locally cached blocks of the chain `hashes` past its first `skip` ones, read
@@ -291,12 +299,14 @@ class LLMEngine:
         """Insert blocks fetched from the kvstore into the prefix cache. data:
         [n, L, 2, bs, kvh, hd] for `hashes` (a chain under this kv_fingerprint). Blocks already
         cached are skipped. Returns the number inserted; they stay free (ref 0) and cached."""
-        if data.shape[0] != len(hashes) or data.shape[1] != self.spec.num_layers:
-            raise InvalidRequestError("data", f"expected [{len(hashes)}, L, ...] got {data.shape}")
+        if tuple(data.shape) != self.spec.blocks_shape(len(hashes)):
+            want = list(self.spec.blocks_shape(len(hashes)))
+            raise InvalidRequestError("data", f"expected {want} got {list(data.shape)}")
+        layers = self.layer_views(data)
 
         def write(blocks: list[int], indices: list[int]) -> None:
-            for layer in range(self.spec.num_layers):
-                self.runner.write_layer(layer, blocks, data[indices, layer])
+            for layer, view in enumerate(layers):
+                self.runner.write_layer(layer, blocks, view[indices])
 
         return self.kv.import_blocks(hashes, write)
 

@@ -66,7 +66,7 @@ class Reservation:
     ticket: Ticket
     prompt_token_ids: list[int]
     params: SamplingParams
-    staging: torch.Tensor  # [L, n_blocks, 2, bs, kvh, hd]: one contiguous receive per layer
+    staging: list[torch.Tensor]  # per stored layer [n_blocks, 2, bs, kvh_l, hd_l]: one receive each
     token_buf: np.ndarray  # int32[5]: token 0 + the ticket nonce, sent by the prefill
     handles: list[RecvHandle]  # the layers, then token 0
     created: float
@@ -186,9 +186,11 @@ class DecodeHandler:
         """Post the receives, start the pump and the lease timer (no await: atomic)."""
         spec = self._spec
         n = spec.num_blocks_for(len(prompt))
-        staging = torch.empty(
-            (spec.num_layers, n, *spec.block_shape), dtype=torch_dtype(spec.dtype)
-        )
+        dtype = torch_dtype(spec.dtype)
+        staging = [
+            torch.empty((n, *spec.layer_block_shape(i)), dtype=dtype)
+            for i in range(spec.num_layers)
+        ]
         token_buf = token_buffer()
         tag_base = self._transport.new_tag_base()
         handles = [

@@ -76,10 +76,7 @@ class KVReuse:
             n_local = await self._engine.cached_prefix_length(hashes)
             if n_local < len(hashes):
                 wanted = hashes[n_local : n_local + await self._lookup_beyond(hashes, n_local)]
-        buf = torch.empty(
-            (len(wanted), self._spec.num_layers, *self._spec.block_shape),
-            dtype=torch_dtype(self._spec.dtype),
-        )
+        buf = torch.empty(self._spec.blocks_shape(len(wanted)), dtype=torch_dtype(self._spec.dtype))
         n_ok = 0
         if wanted:
             fetch_started = time.perf_counter()
