@@ -19,7 +19,7 @@ from pdserve.worker.nonce import TOKEN_MESSAGE_INT32
 
 from .conftest import counter, mixed_requests, reference_tokens, start_cluster
 from .conftest import worker_info as info_of
-from .kvreuse_helpers import Conversation, StoreProbe, reference, wait_written_back
+from .kvreuse_helpers import Conversation, StoreProbe, reference, reuse_floor, wait_written_back
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore")]
 pytest.importorskip("ucxx")
@@ -92,9 +92,19 @@ def test_serving_matches_engine_and_moves_stored_layers_only(mode, model_dir, en
     if mode == "colocated":
         assert received == 0
         return
+    # sliding layers (window 24) move their last window only: blocks from
+    # (n - 24) // 16 on; full layers every block
     pushed = [(p, m) for p, m in requests if m > 1]
-    implied = sum(math.ceil(len(p) / BLOCK_SIZE) * info.bytes_per_block for p, _ in pushed)
+    implied = 0
+    for p, _ in pushed:
+        nb, first = math.ceil(len(p) / BLOCK_SIZE), max(0, len(p) - 24) // BLOCK_SIZE
+        implied += 3 * (nb - first) * sliding + nb * full
+    assert any(len(p) > 24 + BLOCK_SIZE for p, _ in pushed)  # trimming happened
     assert received == implied + 4 * TOKEN_MESSAGE_INT32 * len(pushed)
+    for (p, m), res in zip(requests, results, strict=True):  # per-request transfer_bytes
+        if m > 1:
+            nb, first = math.ceil(len(p) / BLOCK_SIZE), max(0, len(p) - 24) // BLOCK_SIZE
+            assert res.usage.stages["transfer_bytes"] == 3 * (nb - first) * sliding + nb * full
 
 
 def test_kvstore_hit_matches_engine(model_dir, engine):
@@ -113,3 +123,7 @@ def test_kvstore_hit_matches_engine(model_dir, engine):
         assert turn.answer == reference(engine, turn.prompt, conv.answer_tokens), f"turn {i + 1}"
     assert conv.turns[0].kvstore_tokens == 0
     assert all(t.kvstore_tokens > 0 for t in conv.turns[1:])  # fetched, then decoded right
+    # the decode's trimmed transfer (sliding layers got their window only) still lets it
+    # publish the answer blocks: the next turn reuses prompt + answer, not the prompt only
+    for prev, turn in zip(conv.turns, conv.turns[1:], strict=False):
+        assert turn.cached_tokens >= reuse_floor(len(prev.prompt), len(prev.answer))

@@ -171,9 +171,11 @@ class LLMEngine:
     def _sink_callback(self, seqs: list[Seq]) -> Callable[[int], None]:
         def callback(layer: int) -> None:
             for seq in seqs:
+                # sliding layers send their last window only (KVSpec.first_needed_block)
                 n = self.spec.num_blocks_for(seq.num_tokens)
+                first = self.spec.first_needed_block(layer, seq.num_tokens)
                 assert seq.kv_sink is not None
-                seq.kv_sink(layer, self.runner.read_layer(layer, seq.block_table[:n]))
+                seq.kv_sink(layer, self.runner.read_layer(layer, seq.block_table[first:n]))
 
         return callback
 
@@ -222,12 +224,17 @@ class LLMEngine:
         or `abort_request`."""
         return self.kv.reserve(request_id, num_tokens)
 
-    def write_kv(self, request_id: str, layer: int, kv: torch.Tensor) -> None:
-        """kv: [n, 2, bs, kvh, hd]: fills the first n reserved blocks of `request_id`."""
+    def write_kv(
+        self, request_id: str, layer: int, kv: torch.Tensor, num_tokens: int | None = None
+    ) -> None:
+        """kv: [n, 2, bs, kvh, hd] of stored `layer`: fills reserved blocks first..first+n-1
+        of `request_id`, where first = spec.first_needed_block(layer, num_tokens) (a sliding
+        layer's transfer starts at its window; None = 0)."""
         ids = self.kv.reserved_blocks(request_id)
-        if len(ids) < kv.shape[0]:
+        first = 0 if num_tokens is None else self.spec.first_needed_block(layer, num_tokens)
+        if len(ids) < first + kv.shape[0]:
             raise NotFoundError(f"{request_id!r} has no reservation for {kv.shape[0]} blocks")
-        self.runner.write_layer(layer, ids[: kv.shape[0]], kv)
+        self.runner.write_layer(layer, ids[first : first + kv.shape[0]], kv)
 
     def release(self, request_id: str) -> int:
         """Free the reservation and holds of `request_id` (not a running sequence).
@@ -258,6 +265,9 @@ class LLMEngine:
         seq.output_token_ids.append(first_token)
         seq.block_table = self.kv.claim_reservation(request_id)
         seq.num_computed_tokens = len(prompt_token_ids)
+        # blocks whose sliding layers did not travel (outside the window) are never offered
+        # as cached prefix: register_computed starts past them
+        seq.num_registered_blocks = self.spec.trimmed_blocks(len(prompt_token_ids))
         self._seqs[request_id] = seq
         self.scheduler.add_running(seq)
         reason = self._finish_reason(seq)
@@ -292,8 +302,8 @@ class LLMEngine:
     def read_cached(self, hashes: Sequence[bytes], skip: int) -> torch.Tensor | None:
         """The locally cached blocks of the chain `hashes` past its first `skip` ones, read
         in one go (nothing can evict them in between); None when there are none."""
-        local = self.kv.cached_prefix(hashes)
-        return self.read_blocks(local[skip:]) if len(local) > skip else None
+        local = self.kv.cached_run(hashes, skip)
+        return self.read_blocks(local) if local else None
 
     def import_cached_blocks(self, hashes: Sequence[bytes], data: torch.Tensor) -> int:
         """Insert blocks fetched from the kvstore into the prefix cache. data:

@@ -122,6 +122,29 @@ class KVSpec:
             start = end
         return out
 
+    def first_needed_block(self, layer: int, num_tokens: int) -> int:
+        """First block of stored `layer` that decoding after `num_tokens` tokens can read: 0
+        for full attention; a sliding layer of window W reads keys at positions > p - W from
+        query p >= num_tokens, so it needs tokens [num_tokens - W, num_tokens) only. The
+        prefill -> decode transfer moves blocks [first_needed_block, ceil(n / bs)) per layer."""
+        w = self.layer(layer).window
+        return 0 if w is None else max(0, num_tokens - w) // self.block_size
+
+    def trimmed_blocks(self, num_tokens: int) -> int:
+        """Leading blocks that a transfer of `num_tokens` tokens leaves incomplete in some layer
+        (the receiver must never offer them as cached prefix)."""
+        return max((self.first_needed_block(i, num_tokens) for i in range(self.num_layers)),
+                   default=0)  # fmt: skip
+
+    def transfer_bytes(self, num_tokens: int) -> int:
+        """KV bytes a prefill of `num_tokens` tokens sends to its decode (every stored layer,
+        sliding layers their window only)."""
+        nb = self.num_blocks_for(num_tokens)
+        return self.itemsize * sum(
+            (nb - self.first_needed_block(i, num_tokens)) * self.layer_block_elems(i)
+            for i in range(self.num_layers)
+        )
+
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)

@@ -187,8 +187,11 @@ class DecodeHandler:
         spec = self._spec
         n = spec.num_blocks_for(len(prompt))
         dtype = torch_dtype(spec.dtype)
-        staging = [
-            torch.empty((n, *spec.layer_block_shape(i)), dtype=dtype)
+        staging = [  # sliding layers receive their last window only
+            torch.empty(
+                (n - spec.first_needed_block(i, len(prompt)), *spec.layer_block_shape(i)),
+                dtype=dtype,
+            )
             for i in range(spec.num_layers)
         ]
         token_buf = token_buffer()
