@@ -52,8 +52,9 @@ class KVSpec:
 
     @classmethod
     def for_layers(cls, layers: list[LayerKV], block_size: int, dtype: str) -> KVSpec:
-        """The spec of these stored layers: uniform (layers None) when all have one shape
-        and none slides, so classic models keep their layout and fingerprint."""
+        """The spec of these stored layers: uniform (layers None) when all have one shape, so
+        classic models (Mistral's all-layer window included) keep their layout, fingerprint
+        and whole-prompt transfer; only layered specs trim sliding layers to their window."""
         first = layers[0]
         uniform = all((x.num_kv_heads, x.head_dim) == (first.num_kv_heads, first.head_dim)
                       for x in layers)  # fmt: skip
@@ -139,11 +140,13 @@ class KVSpec:
     def transfer_bytes(self, num_tokens: int) -> int:
         """KV bytes a prefill of `num_tokens` tokens sends to its decode (every stored layer,
         sliding layers their window only)."""
-        nb = self.num_blocks_for(num_tokens)
-        return self.itemsize * sum(
-            (nb - self.first_needed_block(i, num_tokens)) * self.layer_block_elems(i)
-            for i in range(self.num_layers)
-        )
+        from pdserve.kv.footprint import KVLayer, kv_bytes
+
+        layers = [
+            KVLayer(x.num_kv_heads, x.head_dim, x.window)
+            for x in map(self.layer, range(self.num_layers))
+        ]
+        return kv_bytes(layers, num_tokens, self.itemsize, self.block_size, "transfer")
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens (ceil division)."""
