@@ -117,8 +117,16 @@ def test_kvstore_hit_matches_engine(model_dir, engine):
             for _ in range(3):
                 conv.send(client)
                 wait_written_back(probe, engine.kv_fingerprint, conv.last)
+        stats = probe.stats()
     finally:
         cluster.stop()
+    # a store block is the 4 stored layers (3 sliding 2x16 + 1 full 1x32, fp32 K and V):
+    # the 2 KV-shared layers add no byte to what is published or fetched
+    assert engine.spec.bytes_per_block == 4 * (2 * BLOCK_SIZE * 32 * 4)
+    assert stats.num_blocks > 0
+    assert stats.used_bytes == stats.num_blocks * engine.spec.bytes_per_block
+    assert stats.bytes_in == stats.num_blocks * engine.spec.bytes_per_block  # no eviction
+    assert stats.bytes_out % engine.spec.bytes_per_block == 0 and stats.bytes_out > 0
     for i, turn in enumerate(conv.turns):
         assert turn.answer == reference(engine, turn.prompt, conv.answer_tokens), f"turn {i + 1}"
     assert conv.turns[0].kvstore_tokens == 0
