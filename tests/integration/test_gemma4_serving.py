@@ -4,7 +4,8 @@ serving path on real processes: disaggregated (1P1D), colocated, and a kvstore h
 engine, which equals transformers (checked here too, fp32 greedy).
 
 KV bytes: only the layers that store KV move. The tiny model has 6 layers, 2 of them KV-shared
-(they read layers 2 and 3): a block is 4 stored layers, never the naive 6."""
+(they read layers 2 and 3): a block is 4 stored layers, never the naive 6; its K = V layer
+keeps one tensor; sliding layers (window 24) send their last window only."""
 
 from __future__ import annotations
 
@@ -85,8 +86,9 @@ def test_serving_matches_engine_and_moves_stored_layers_only(mode, model_dir, en
         info = info_of(cluster, recv)
     finally:
         cluster.stop()
-    # 4 stored layers of 6: sliding (2 KV heads x 16) x3 and full (1 KV head x 32), fp32 K+V
-    sliding, full = 2 * BLOCK_SIZE * 2 * 16 * 4, 2 * BLOCK_SIZE * 1 * 32 * 4
+    # 4 stored layers of 6: sliding (2 KV heads x 16, K and V) x3 and full (1 KV head x 32,
+    # K = V: V only), fp32
+    sliding, full = 2 * BLOCK_SIZE * 2 * 16 * 4, 1 * BLOCK_SIZE * 1 * 32 * 4
     assert info.num_layers == 4
     assert info.bytes_per_block == 3 * sliding + full
     if mode == "colocated":
@@ -120,9 +122,9 @@ def test_kvstore_hit_matches_engine(model_dir, engine):
         stats = probe.stats()
     finally:
         cluster.stop()
-    # a store block is the 4 stored layers (3 sliding 2x16 + 1 full 1x32, fp32 K and V):
-    # the 2 KV-shared layers add no byte to what is published or fetched
-    assert engine.spec.bytes_per_block == 4 * (2 * BLOCK_SIZE * 32 * 4)
+    # a store block is the 4 stored layers (3 sliding 2x16 K and V + 1 full 1x32 V only,
+    # fp32): the 2 KV-shared layers add no byte to what is published or fetched
+    assert engine.spec.bytes_per_block == 3 * (2 * BLOCK_SIZE * 32 * 4) + BLOCK_SIZE * 32 * 4
     assert stats.num_blocks > 0
     assert stats.used_bytes == stats.num_blocks * engine.spec.bytes_per_block
     assert stats.bytes_in == stats.num_blocks * engine.spec.bytes_per_block  # no eviction

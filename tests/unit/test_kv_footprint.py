@@ -19,7 +19,9 @@ def _config(family: str, **kw) -> ModelConfig:
 
 
 def _spec(c: ModelConfig, dtype: str = "float32") -> KVSpec:
-    stored = [LayerKV(s.num_kv_heads, s.head_dim, s.window) for s in c.kv_layers()]
+    stored = [
+        LayerKV(s.num_kv_heads, s.head_dim, s.window, 1 if s.k_eq_v else 2) for s in c.kv_layers()
+    ]
     return KVSpec.for_layers(stored, BS, dtype)
 
 
@@ -38,12 +40,13 @@ def test_tiny_gemma4_by_hand():
     layers = layers_of(_config("gemma4"))
     blk = 2 * BS * 32 * 4
     n = 50  # 4 blocks; window 24 keeps blocks from (50 - 24) // 16 = 1 on
+    half = blk // 2  # the K = V layer keeps V only
     assert kv_bytes(layers, n, 4, BS, "naive") == 6 * 4 * blk
-    assert kv_bytes(layers, n, 4, BS, "cache") == 4 * 4 * blk
-    assert kv_bytes(layers, n, 4, BS, "transfer") == 3 * 3 * blk + 4 * blk
-    assert kv_bytes(layers, n, 4, BS, "goal") == 3 * 3 * blk + 4 * blk // 2  # K = V once
+    assert kv_bytes(layers, n, 4, BS, "cache") == 3 * 4 * blk + 4 * half
+    assert kv_bytes(layers, n, 4, BS, "transfer") == 3 * 3 * blk + 4 * half
+    assert kv_bytes(layers, n, 4, BS, "goal") == kv_bytes(layers, n, 4, BS, "transfer")
     r = report(layers, 4, n)
-    assert r["transfer"]["vs_naive"] == pytest.approx(13 / 24)
+    assert r["transfer"]["vs_naive"] == pytest.approx(11 / 24)
 
 
 def test_uniform_models_keep_layout_and_fingerprint():

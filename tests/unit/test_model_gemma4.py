@@ -88,3 +88,29 @@ def test_make_tiny_cli(tmp_path, capsys):
     loaded = load_model(tmp_path / "g")
     assert loaded.config.family == "gemma4"
     assert len(loaded.tokenizer.encode("hello world")) > 0
+
+
+def test_chunked_prefill_and_keqv_cache(tmp_path):
+    """Prefill in 7-token chunks (context read back from the cache: K rebuilt from the V-only
+    K = V cache, sliding windows) gives the one-shot tokens and logits."""
+    import random
+
+    import torch
+
+    from pdserve.model.loader import allocate_kv_caches, load_model
+    from pdserve.model.tiny import make_tiny
+
+    from .model_fixtures import run_paged
+
+    loaded = load_model(make_tiny(tmp_path / "g", TinySpec(family="gemma4", vocab=512)))
+    caches = allocate_kv_caches(loaded.config, 4, 16)
+    assert [tuple(c.shape[1:]) for c in caches] == [(2, 16, 2, 16)] * 2 + [(1, 16, 1, 32)] + [
+        (2, 16, 2, 16)
+    ]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(7, 512) for _ in range(n)] for n in (1, 15, 16, 17, 50)]
+    whole = run_paged(loaded, prompts, 20, stagger=False)
+    chunked = run_paged(loaded, prompts, 20, chunk=7, stagger=True)
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-4, rtol=0)

@@ -60,7 +60,10 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(mc.eos_token_ids or ())
         self.spec = KVSpec.for_layers(
-            [LayerKV(s.num_kv_heads, s.head_dim, s.window) for s in mc.kv_layers()],
+            [
+                LayerKV(s.num_kv_heads, s.head_dim, s.window, 1 if s.k_eq_v else 2)
+                for s in mc.kv_layers()
+            ],
             block_size=config.block_size,
             dtype=str(loaded.dtype).removeprefix("torch."),
         )

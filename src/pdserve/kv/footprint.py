@@ -4,14 +4,13 @@ Used by the engine's KVSpec (transfer sizes), the simulator (`sim.hardware.Model
 bench cost models. Stages (what each holds for a request of n tokens, block granularity):
 - naive:     every model layer, K and V, every block (the all-layers layout);
 - cache:     what this engine's paged cache holds: layers that store KV only (KV-shared layers
-             read their source's), K and V, every block;
-- transfer:  prefill -> decode: stored layers; a sliding layer its last window only, blocks
-             [(n - W) // bs, ceil(n / bs));
-- store:     a kvstore block: every stored layer, every block (a hit at any prefix length
-             needs its sliding tail, so blocks stay whole);
-- goal:      the target layout of issue 19 (not built yet): transfer's trimming held in the
-             cache too (sliding layers free blocks leaving the window) and K = V layers keep
-             one tensor.
+             read their source's), K and V (V only on K = V layers), every block;
+- transfer:  prefill -> decode: as cache, but a sliding layer sends its last window only,
+             blocks [(n - W) // bs, ceil(n / bs));
+- store:     a kvstore block: as cache, every block (a hit at any prefix length needs its
+             sliding tail, so blocks stay whole);
+- goal:      not built yet: the transfer's trimming held in the cache too (sliding layers
+             free the blocks leaving their window during decode).
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ def kv_bytes(
     for x in layers:
         if x.shared and stage != "naive":
             continue
-        tensors = 1 if (stage == "goal" and x.k_eq_v) else 2
+        tensors = 1 if (stage != "naive" and x.k_eq_v) else 2
         trim = stage in ("transfer", "goal")
         per_block = tensors * block_size * x.num_kv_heads * x.head_dim * itemsize
         total += _blocks(x, num_tokens, block_size, trim) * per_block

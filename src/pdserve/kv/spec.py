@@ -1,7 +1,8 @@
 """KVSpec: the paged KV layout shared by every process that holds or moves KV. Torch-free.
 
 Per stored layer the cache is one tensor `[num_blocks, 2, block_size, kv_heads_l, head_dim_l]`
-(flashinfer NHD paged layout; index 0 of dim 1 is K, 1 is V). "Stored layers" are the model
+(flashinfer NHD paged layout; index 0 of dim 1 is K, 1 is V), or `[num_blocks, 1, ...]` (V only)
+on a Gemma 4 K = V layer. "Stored layers" are the model
 layers that own KV: a KV-shared layer (Gemma 4) reads another layer's cache and stores none,
 so `num_layers` counts stored layers only.
 
@@ -30,6 +31,7 @@ class LayerKV:
     num_kv_heads: int
     head_dim: int
     window: int | None = None  # sliding window in tokens (None = full attention)
+    kv_tensors: int = 2  # 2 = K and V; 1 = V only (Gemma 4 K = V layers rebuild K on read)
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,10 @@ class KVSpec:
         classic models (Mistral's all-layer window included) keep their layout, fingerprint
         and whole-prompt transfer; only layered specs trim sliding layers to their window."""
         first = layers[0]
-        uniform = all((x.num_kv_heads, x.head_dim) == (first.num_kv_heads, first.head_dim)
-                      for x in layers)  # fmt: skip
+        uniform = all(
+            (x.num_kv_heads, x.head_dim, x.kv_tensors) == (first.num_kv_heads, first.head_dim, 2)
+            for x in layers
+        )
         return cls(
             num_layers=len(layers),
             num_kv_heads=first.num_kv_heads,
@@ -87,11 +91,11 @@ class KVSpec:
 
     def layer_block_shape(self, i: int) -> tuple[int, int, int, int]:
         x = self.layer(i)
-        return (2, self.block_size, x.num_kv_heads, x.head_dim)
+        return (x.kv_tensors, self.block_size, x.num_kv_heads, x.head_dim)
 
     def layer_block_elems(self, i: int) -> int:
         x = self.layer(i)
-        return 2 * self.block_size * x.num_kv_heads * x.head_dim
+        return x.kv_tensors * self.block_size * x.num_kv_heads * x.head_dim
 
     @property
     def bytes_per_block_layer(self) -> int:
@@ -143,7 +147,7 @@ class KVSpec:
         from pdserve.kv.footprint import KVLayer, kv_bytes
 
         layers = [
-            KVLayer(x.num_kv_heads, x.head_dim, x.window)
+            KVLayer(x.num_kv_heads, x.head_dim, x.window, k_eq_v=x.kv_tensors == 1)
             for x in map(self.layer, range(self.num_layers))
         ]
         return kv_bytes(layers, num_tokens, self.itemsize, self.block_size, "transfer")
@@ -169,6 +173,8 @@ class KVSpec:
         if self.layers is not None:
             parts.append(
                 "layers="
-                + ",".join(f"{x.num_kv_heads}x{x.head_dim}w{x.window}" for x in self.layers)
+                + ",".join(
+                    f"{x.kv_tensors}x{x.num_kv_heads}x{x.head_dim}w{x.window}" for x in self.layers
+                )
             )
         return hashlib.blake2b("|".join(parts).encode("utf-8"), digest_size=16).hexdigest()

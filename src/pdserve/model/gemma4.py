@@ -10,7 +10,8 @@ attention: q = rope(q_norm(q)), k = rope(k_norm(k)), v = v_norm(v) (RMS norm wit
 scale 1.0; on K = V layers v = v_norm(k_proj(x)). Sliding and full layers have their own head
 dims, KV head counts and RoPE tables; there is one attention backend per (KV heads, head dim).
 
-KV caches: one tensor per layer that stores KV (ModelConfig.kv_layers()); a KV-shared layer
+KV caches: one tensor per layer that stores KV (ModelConfig.kv_layers()): [blocks, 2, bs, Hkv, D],
+or [blocks, 1, bs, Hkv, D] holding V only on K = V layers (gemma4_keqv); a KV-shared layer
 attends over its source layer's cache with the K/V its source computed in this very step (the
 backend rewrites the same rows, a no-op, then attends), so it stores and moves nothing.
 `layer_callback(c)` fires once per stored cache c, after its layer ran.
@@ -27,6 +28,7 @@ from torch import nn
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, select_backend
 from pdserve.model.config import ModelConfig
 from pdserve.model.gemma4_config import RopeSpec
+from pdserve.model.gemma4_keqv import keqv_attention, plan_keqv
 from pdserve.model.llama import apply_rope
 
 
@@ -157,15 +159,17 @@ class Gemma4Model(nn.Module):
         self.ple_scale = torch.tensor(g.ple_dim**0.5).to(dtype).item() if g.ple_dim else 1.0
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.backends: dict[tuple[int, int], AttentionBackend] = {}
-        for layer in self.layers:
+        # layers whose KV source is a K = V layer attend over its one-tensor cache
+        self.keqv = [config.layer_kv(i).k_eq_v for i in range(n)]
+        for i, layer in enumerate(self.layers):
             key = (layer.kv_heads, layer.head_dim)
-            if key not in self.backends:
+            if key not in self.backends and not self.keqv[i]:
                 given = backend is not None and (backend.num_kv_heads, backend.head_dim) == key
                 be = backend if given else select_backend(device, config.num_heads, *key)
                 assert be is not None
                 be.scale = 1.0  # Gemma 4: q and k are RMS-normed, no 1/sqrt(d)
                 self.backends[key] = be
-            if layer.layer_type not in self.rope:
+            if layer.layer_type not in self.rope:  # [max_pos, D] tables per layer type
                 spec = g.rope(layer.layer_type)
                 mp = config.max_position_embeddings
                 self.rope[layer.layer_type] = rope_tables(spec, layer.head_dim, mp, device, dtype)
@@ -180,6 +184,7 @@ class Gemma4Model(nn.Module):
         layer_callback: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         plans = {key: be.prepare(meta) for key, be in self.backends.items()}
+        keqv_plan = plan_keqv(meta) if any(self.keqv) else None
         rope = {
             t: (cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None])
             for t, (cos, sin) in self.rope.items()
@@ -195,9 +200,15 @@ class Gemma4Model(nn.Module):
                 k, v = step_kv[src]
             elif self.g.kv_source.count(i) > 1:  # some later layer reads this KV
                 step_kv[i] = (k, v)
-            key = (layer.kv_heads, layer.head_dim)
             cache = kv_caches[self.cache_index[i]]
-            o = self.backends[key].forward(plans[key], q, k, v, cache, layer.window)
+            if self.keqv[i]:  # V-only cache; K = rope(k_norm.weight * V) rebuilt on read
+                assert keqv_plan is not None
+                w = self.layers[src].k_norm.weight
+                cos_t, sin_t = self.rope[layer.layer_type]
+                o = keqv_attention(keqv_plan, q, k, v, cache, w, cos_t, sin_t, not layer.shared)
+            else:
+                key = (layer.kv_heads, layer.head_dim)
+                o = self.backends[key].forward(plans[key], q, k, v, cache, layer.window)
             x = layer.finish(x, o, None if ple is None else ple[:, i])
             if layer_callback is not None and not layer.shared:
                 layer_callback(self.cache_index[i])

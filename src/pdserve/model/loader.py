@@ -270,11 +270,12 @@ def allocate_kv_caches(
     device: torch.device | str = "cpu",
 ) -> list[torch.Tensor]:
     """Per layer that stores KV (config.kv_layers(): KV-shared layers store none) a zeroed
-    [num_blocks, 2, block_size, its num_kv_heads, its head_dim] tensor."""
+    [num_blocks, 2, block_size, its num_kv_heads, its head_dim] tensor (1 instead of 2 on a
+    K = V layer: V only)."""
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
     return [
-        torch.zeros((num_blocks, 2, block_size, kv.num_kv_heads, kv.head_dim), dtype=dtype,
+        torch.zeros((num_blocks, 1 if kv.k_eq_v else 2, block_size, kv.num_kv_heads, kv.head_dim), dtype=dtype,
                     device=device)
         for kv in config.kv_layers()
     ]  # fmt: skip
