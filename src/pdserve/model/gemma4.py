@@ -175,6 +175,18 @@ class Gemma4Model(nn.Module):
                 self.rope[layer.layer_type] = rope_tables(spec, layer.head_dim, mp, device, dtype)
         self.cache_index = [config.kv_cache_index(i) for i in range(n)]
 
+    def store_k_and_v(self) -> None:
+        """Serve K = V layers from an ordinary K + V cache through the attention backend (the
+        baseline of `python -m pdserve.bench.keqv`; caches then need 2 tensors on every
+        stored layer). Same outputs, twice the bytes on those layers."""
+        self.keqv = [False] * len(self.layers)
+        for layer in self.layers:
+            key = (layer.kv_heads, layer.head_dim)
+            if key not in self.backends:
+                be = select_backend(self.embed_tokens.weight.device, self.config.num_heads, *key)
+                be.scale = 1.0
+                self.backends[key] = be
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
