@@ -46,6 +46,7 @@ def hf_checkpoint(
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     }[family]
     kw = dict(
         hidden_size=64,
@@ -65,6 +66,11 @@ def hf_checkpoint(
     torch.manual_seed(seed)
     model = getattr(tf, cls[1])(config)
     decisive_init_(model, seed, kw["hidden_size"])
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # gemma4's per-layer output scalars are buffers: vary them too
+        for name, buf in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buf.copy_(1.0 + 0.2 * torch.rand(buf.shape, generator=gen))
     model.save_pretrained(out)
     if tokenizer_from is not None:
         for f in ("tokenizer.json", "tokenizer_config.json"):

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pdserve.kv.footprint import kv_bytes_per_token, layers_of
 from pdserve.model.config import ModelConfig
 from pdserve.model.dtypes import torch_dtype
 
@@ -161,7 +162,9 @@ class ModelCost:
             layer_params=per_layer * c.num_layers,
             lm_head_params=c.vocab_size * h,
             norm_params=norms,
-            kv_bytes_per_token=2 * c.num_layers * kv * size,
+            kv_bytes_per_token=2 * c.num_layers * kv * size
+            if c.gemma4 is None
+            else round(kv_bytes_per_token(layers_of(c), size, "cache")),
             itemsize=size,
             num_layers=c.num_layers,
             num_heads=c.num_heads,

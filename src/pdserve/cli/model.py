@@ -22,7 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="start from a preset (bench50m: llama-shaped, ~41M params)",
     )
-    mk.add_argument("--family", choices=["llama", "qwen2", "qwen3", "mistral"], default=None)
+    mk.add_argument(
+        "--family", choices=["llama", "qwen2", "qwen3", "mistral", "gemma4"], default=None
+    )
     mk.add_argument("--seed", type=int, default=None)
     for flag, dest in (
         ("--hidden", "hidden"),

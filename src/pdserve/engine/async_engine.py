@@ -311,7 +311,7 @@ class AsyncEngine:
                 )  # fmt: skip
                 return
             for layer in range(self.spec.num_layers):
-                llm.write_kv(rid, layer, cmd.kv[layer])
+                llm.write_kv(rid, layer, cmd.kv[layer], len(cmd.prompt_token_ids))
             if cmd.hold_on_finish:
                 llm.hold_on_finish(rid)
             first = llm.add_prefilled_request(

@@ -36,7 +36,7 @@ class AdmitPrefilled:
     prompt_token_ids: Sequence[int]
     first_token: int
     params: SamplingParams
-    kv: Any  # [L, n_blocks, 2, bs, kvh, hd]
+    kv: Any  # per stored layer [n_blocks, 2, bs, kvh_l, hd_l]
     hold_on_finish: bool = False
 
 

@@ -169,9 +169,11 @@ class LLMEngine:
     def _sink_callback(self, seqs: list[Seq]) -> Callable[[int], None]:
         def callback(layer: int) -> None:
             for seq in seqs:
+                # sliding layers send their last window only (KVSpec.first_needed_block)
                 n = self.spec.num_blocks_for(seq.num_tokens)
+                first = self.spec.first_needed_block(layer, seq.num_tokens)
                 assert seq.kv_sink is not None
-                seq.kv_sink(layer, self.runner.read_layer(layer, seq.block_table[:n]))
+                seq.kv_sink(layer, self.runner.read_layer(layer, seq.block_table[first:n]))
 
         return callback
 
@@ -220,12 +222,15 @@ class LLMEngine:
         or `abort_request`."""
         return self.kv.reserve(request_id, num_tokens)
 
-    def write_kv(self, request_id: str, layer: int, kv: Any) -> None:
-        """kv: [n, 2, bs, kvh, hd]: fills the first n reserved blocks of `request_id`."""
+    def write_kv(self, request_id: str, layer: int, kv: Any, num_tokens: int | None = None) -> None:
+        """kv: [n, 2, bs, kvh, hd] of stored `layer`: fills reserved blocks first..first+n-1
+        of `request_id`, where first = spec.first_needed_block(layer, num_tokens) (a sliding
+        layer's transfer starts at its window; None = 0)."""
         ids = self.kv.reserved_blocks(request_id)
-        if len(ids) < kv.shape[0]:
+        first = 0 if num_tokens is None else self.spec.first_needed_block(layer, num_tokens)
+        if len(ids) < first + kv.shape[0]:
             raise NotFoundError(f"{request_id!r} has no reservation for {kv.shape[0]} blocks")
-        self.runner.write_layer(layer, ids[: kv.shape[0]], kv)
+        self.runner.write_layer(layer, ids[first : first + kv.shape[0]], kv)
 
     def release(self, request_id: str) -> int:
         """Free the reservation and holds of `request_id` (not a running sequence).
@@ -256,6 +261,9 @@ class LLMEngine:
         seq.output_token_ids.append(first_token)
         seq.block_table = self.kv.claim_reservation(request_id)
         seq.num_computed_tokens = len(prompt_token_ids)
+        # blocks whose sliding layers did not travel (outside the window) are never offered
+        # as cached prefix: register_computed starts past them
+        seq.num_registered_blocks = self.spec.trimmed_blocks(len(prompt_token_ids))
         self._seqs[request_id] = seq
         self.scheduler.add_running(seq)
         reason = self._finish_reason(seq)
@@ -278,25 +286,38 @@ class LLMEngine:
         return self.runner.empty_kv(shape)
 
     def read_blocks(self, block_ids: Sequence[int]) -> Any:
-        """[n, L, 2, bs, kvh, hd] CPU copy of the given blocks (all layers)."""
-        return self.runner.read_blocks(list(block_ids))
+        """CPU copy of the given blocks (every stored layer), shaped spec.blocks_shape(n):
+        [n, L, 2, bs, kvh, hd] for uniform models, else [n, elems_per_block]."""
+        data = self.runner.read_blocks(list(block_ids))
+        return data.reshape(self.spec.blocks_shape(len(block_ids)))
+
+    def layer_views(self, data: Any) -> list[Any]:
+        """Per stored layer a [n, 2, bs, kvh_l, hd_l] view of blocks shaped spec.blocks_shape(n)."""
+        n = data.shape[0]
+        flat = data.reshape(n, -1)
+        return [
+            flat[:, a:b].reshape(n, *self.spec.layer_block_shape(i))
+            for i, (a, b) in enumerate(self.spec.layer_offsets())
+        ]
 
     def read_cached(self, hashes: Sequence[bytes], skip: int) -> Any:
         """The locally cached blocks of the chain `hashes` past its first `skip` ones, read
         in one go (nothing can evict them in between); None when there are none."""
-        local = self.kv.cached_prefix(hashes)
-        return self.read_blocks(local[skip:]) if len(local) > skip else None
+        local = self.kv.cached_run(hashes, skip)
+        return self.read_blocks(local) if local else None
 
     def import_cached_blocks(self, hashes: Sequence[bytes], data: Any) -> int:
         """Insert blocks fetched from the kvstore into the prefix cache. data:
         [n, L, 2, bs, kvh, hd] for `hashes` (a chain under this kv_fingerprint). Blocks already
         cached are skipped. Returns the number inserted; they stay free (ref 0) and cached."""
-        if data.shape[0] != len(hashes) or data.shape[1] != self.spec.num_layers:
-            raise InvalidRequestError("data", f"expected [{len(hashes)}, L, ...] got {data.shape}")
+        if tuple(data.shape) != self.spec.blocks_shape(len(hashes)):
+            want = list(self.spec.blocks_shape(len(hashes)))
+            raise InvalidRequestError("data", f"expected {want} got {list(data.shape)}")
+        layers = self.layer_views(data)
 
         def write(blocks: list[int], indices: list[int]) -> None:
-            for layer in range(self.spec.num_layers):
-                self.runner.write_layer(layer, blocks, data[indices, layer])
+            for layer, view in enumerate(layers):
+                self.runner.write_layer(layer, blocks, view[indices])
 
         return self.kv.import_blocks(hashes, write)
 

@@ -109,5 +109,9 @@ class ModelRunner:
         return torch.empty(tuple(shape), dtype=self.kv_caches[0].dtype)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[n, L, 2, block_size, kv_heads, head_dim] CPU tensor."""
-        return torch.stack([self.read_layer(i, block_ids) for i in range(len(self.kv_caches))], 1)
+        """[n, elems per block] CPU tensor: each block's stored layers back to back (layers may
+        differ in shape; for equal shapes this is [n, L, 2, bs, kvh, hd] flattened)."""
+        n = len(block_ids)
+        return torch.cat(
+            [self.read_layer(i, block_ids).view(n, -1) for i in range(len(self.kv_caches))], 1
+        )

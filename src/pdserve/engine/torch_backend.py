@@ -8,7 +8,7 @@ import torch
 
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
-from pdserve.kv.spec import KVSpec
+from pdserve.kv.spec import KVSpec, LayerKV
 from pdserve.model.loader import allocate_kv_caches
 
 if TYPE_CHECKING:
@@ -22,12 +22,13 @@ class TorchBackend:
         self.fingerprint: str = loaded.fingerprint
 
     def kv_spec(self, block_size: int, kv_dtype: str | None = None) -> KVSpec:
-        """kv_dtype: None = the weights' dtype; "int8" | "fp8_e4m3" (kv/quant.py)."""
-        mc = self.config
-        return KVSpec(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
+        """One LayerKV per stored layer (KV-shared layers store none; K = V layers V only).
+        kv_dtype: None = the weights' dtype; "int8" | "fp8_e4m3" (kv/quant.py)."""
+        return KVSpec.for_layers(
+            [
+                LayerKV(s.num_kv_heads, s.head_dim, s.window, 1 if s.k_eq_v else 2)
+                for s in self.config.kv_layers()
+            ],
             block_size=block_size,
             dtype=kv_dtype or str(self.loaded.dtype).removeprefix("torch."),
         )

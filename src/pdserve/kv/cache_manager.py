@@ -136,6 +136,18 @@ class KVCacheManager:
         """Block ids of the longest locally cached prefix of `hashes` (no refs taken)."""
         return self._pool.find_prefix(hashes, record=False)
 
+    def cached_run(self, hashes: Sequence[bytes], skip: int) -> list[int]:
+        """Block ids of `hashes[skip:]` cached here, up to the first miss (no refs taken).
+        A block's hash names its content whatever is cached before it, so the run may start
+        past blocks this pool never registered (a decode's trimmed sliding-window prefix)."""
+        out: list[int] = []
+        for h in hashes[skip:]:
+            b = self._pool.lookup(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
     def register_computed(self, seq: SeqBlocks) -> None:
         """Publish the full blocks of `seq` whose K/V is computed to the prefix cache."""
         n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))

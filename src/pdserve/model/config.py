@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.errors import ModelLoadError
+from pdserve.model.gemma4_config import Gemma4Fields
+from pdserve.model.gemma4_config import parse as parse_gemma4
 
 # HF architecture name -> our family name
 ARCHITECTURES = {
@@ -19,9 +21,20 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Gemma4ForCausalLM": "gemma4",
 }
 MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}  # model_type -> architecture
+MODEL_TYPES["gemma4_text"] = "Gemma4ForCausalLM"
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class LayerKVShape:
+    source: int  # the layer whose KV this layer reads (itself unless shared)
+    num_kv_heads: int
+    head_dim: int
+    window: int | None  # sliding window in tokens; None = full attention
+    k_eq_v: bool = False  # V is the v-normed K projection (Gemma 4 full layers)
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,7 @@ class ModelConfig:
     # per-layer: True where the sliding window applies (len == num_layers); None = all layers
     # use `sliding_window` when it is set
     sliding_layers: tuple[bool, ...] | None = None
+    gemma4: Gemma4Fields | None = None  # Gemma 4 per-layer shapes, sharing, PLE, ... (else None)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -63,6 +77,27 @@ class ModelConfig:
         if self.sliding_layers is not None and not self.sliding_layers[layer]:
             return None
         return self.sliding_window
+
+    def layer_kv(self, layer: int) -> LayerKVShape:
+        """What `layer` attends over: its KV source layer (itself unless it shares an earlier
+        layer's KV), KV heads, head dim, window and whether K = V is one projection."""
+        g = self.gemma4
+        if g is None:
+            return LayerKVShape(layer, self.num_kv_heads, self.head_dim, self.layer_window(layer))
+        return LayerKVShape(
+            g.kv_source[layer], g.kv_heads[layer], g.head_dims[layer],
+            self.layer_window(layer), g.k_eq_v[layer],
+        )  # fmt: skip
+
+    def kv_layers(self) -> list[LayerKVShape]:
+        """One entry per layer that stores KV (shared-KV layers store none), in layer order;
+        the cache list of the engine has one tensor per entry."""
+        return [s for i in range(self.num_layers) if (s := self.layer_kv(i)).source == i]
+
+    def kv_cache_index(self, layer: int) -> int:
+        """Index into the per-stored-layer cache list of the KV `layer` attends over."""
+        src = self.layer_kv(layer).source
+        return sum(1 for i in range(src) if self.layer_kv(i).source == i)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -102,6 +137,8 @@ class ModelConfig:
             inter = int(raw["intermediate_size"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json: missing or bad field {exc}") from exc
+        if family == "gemma4":
+            return _gemma4(cls, raw, arch, generation_config or {})
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         head_dim = int(raw.get("head_dim") or hidden // heads)
         if heads % kv_heads != 0:
@@ -143,6 +180,43 @@ class ModelConfig:
             sliding_layers=layers,
             extra=raw,
         )
+
+
+def _gemma4(
+    cls: type[ModelConfig], raw: dict[str, Any], arch: str, gen: dict[str, Any]
+) -> ModelConfig:
+    try:
+        heads = int(raw["num_attention_heads"])
+        num_layers = int(raw["num_hidden_layers"])
+        fields, window = parse_gemma4(raw, num_layers, heads)
+        first = fields.layer_types.index("sliding_attention") if window else 0
+        return cls(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=fields.kv_heads[first],
+            head_dim=fields.head_dims[first],
+            max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=fields.rope_sliding.theta,
+            rope_scaling=None,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            qk_norm=True,
+            sliding_window=window,
+            eos_token_ids=_eos_ids(raw, gen),
+            bos_token_id=_int_or_none(raw.get("bos_token_id")),
+            architecture=arch,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            o_proj_bias=bool(raw.get("attention_bias", False)),
+            sliding_layers=tuple(t == "sliding_attention" for t in fields.layer_types),
+            gemma4=fields,
+            extra=raw,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"config.json: missing or bad field {exc}") from exc
 
 
 def _architecture(raw: dict[str, Any]) -> str:

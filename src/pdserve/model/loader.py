@@ -18,9 +18,11 @@ import torch
 
 from pdserve.errors import ModelLoadError
 from pdserve.kv.spec import QUANT_KV_DTYPES
+from pdserve.model import gemma4_weights
 from pdserve.model.attention import AttentionBackend
 from pdserve.model.config import ModelConfig
 from pdserve.model.dtypes import DTYPE_NAMES, torch_dtype
+from pdserve.model.gemma4 import Gemma4Model
 from pdserve.model.llama import LlamaModel
 
 FULL_HASH_LIMIT = 256 << 20  # files up to this size are hashed in full
@@ -31,7 +33,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carr
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: LlamaModel | Gemma4Model
     config: ModelConfig
     fingerprint: str  # hex; see model_fingerprint
     dtype: torch.dtype
@@ -97,6 +99,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape, derived from the config."""
+    if c.gemma4 is not None:
+        return gemma4_weights.expected_shapes(c)
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
     q, kv = c.num_heads * d, c.num_kv_heads * d
     out: dict[str, tuple[int, ...]] = {
@@ -146,6 +150,8 @@ def read_checked(
                 for name in st.keys():
                     if name.endswith(IGNORED_SUFFIXES):
                         continue
+                    if config.gemma4 is not None and gemma4_weights.ignored(name, config):
+                        continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # tied: some checkpoints still store the copy
                     if name not in want:
@@ -168,6 +174,8 @@ def read_checked(
 
 def fuse(hf: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
     """HF names -> LlamaModel state dict (fused qkv_proj and gate_up_proj)."""
+    if c.gemma4 is not None:
+        return gemma4_weights.fuse(hf, c)
     sd = {
         "embed_tokens.weight": hf["model.embed_tokens.weight"],
         "norm.weight": hf["model.norm.weight"],
@@ -240,7 +248,8 @@ def load_model(
     tdtype = resolve_dtype(dtype, config, device)
     files = weight_files(model_dir)
     sd = fuse(read_checked(files, config, tdtype), config)
-    model = LlamaModel(config, device=device, dtype=tdtype, backend=backend)
+    cls = Gemma4Model if config.gemma4 is not None else LlamaModel
+    model = cls(config, device=device, dtype=tdtype, backend=backend)
     model.load_state_dict({k: v.to(device) for k, v in sd.items()}, strict=True, assign=True)
     model.requires_grad_(False)
     model.eval()
@@ -261,17 +270,22 @@ def allocate_kv_caches(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
 ) -> list[torch.Tensor]:
-    """Per layer a zeroed [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor; for a
-    quantized KV dtype ("int8", "fp8_e4m3") a raw [num_blocks, row_bytes] one (kv/quant.py)."""
+    """Per layer that stores KV (config.kv_layers(): KV-shared layers store none) a zeroed
+    [num_blocks, 2, block_size, its num_kv_heads, its head_dim] tensor (1 instead of 2 on a
+    K = V layer: V only); for a quantized KV dtype ("int8", "fp8_e4m3") a raw
+    [num_blocks, row_bytes] one (kv/quant.py; uniform layouts only, see KVSpec)."""
     if isinstance(dtype, str) and dtype in QUANT_KV_DTYPES:
         from pdserve.kv import quant
 
         kvh, hd = config.num_kv_heads, config.head_dim
         return [
             quant.allocate(dtype, num_blocks, block_size, kvh, hd, device)
-            for _ in range(config.num_layers)
+            for _ in config.kv_layers()
         ]
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
-    shape = (num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+    return [
+        torch.zeros((num_blocks, 1 if kv.k_eq_v else 2, block_size, kv.num_kv_heads, kv.head_dim), dtype=dtype,
+                    device=device)
+        for kv in config.kv_layers()
+    ]  # fmt: skip

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ FAMILY_ARCH = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "mistral": ("MistralForCausalLM", "mistral"),
+    "gemma4": ("Gemma4ForCausalLM", "gemma4_text"),
 }
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -52,7 +54,7 @@ class TinySpec:
     family: str = "llama"
     seed: int = 0
     hidden: int = 64
-    layers: int = 2
+    layers: int | None = None  # None = 2 (gemma4: 6, so that every Gemma 4 feature shows)
     heads: int = 4
     kv_heads: int = 2
     intermediate: int = 192
@@ -63,6 +65,8 @@ class TinySpec:
     head_dim: int | None = None  # None = hidden // heads (qwen3 default: 2 * that)
     sliding_window: int | None = None  # mistral default: 48
     rope_theta: float = 10000.0
+    # gemma4 only: config.json keys set last (e.g. num_kv_shared_layers, attention_k_eq_v)
+    gemma4_overrides: tuple[tuple[str, Any], ...] = ()
 
 
 PRESETS = {
@@ -85,10 +89,69 @@ def resolve(spec: TinySpec) -> TinySpec:
     window = spec.sliding_window
     if spec.family == "mistral" and window is None:
         window = 48
-    return replace(spec, head_dim=head_dim, sliding_window=window)
+    if spec.family == "gemma4" and window is None:
+        window = 24
+    layers = spec.layers or (6 if spec.family == "gemma4" else 2)
+    return replace(spec, head_dim=head_dim, sliding_window=window, layers=layers)
+
+
+def gemma4_config(spec: TinySpec) -> dict:
+    """A tiny Gemma 4 text config in the published form (global_head_dim,
+    num_global_key_value_heads): sliding, sliding, full repeated (the last layer full), the
+    last third of the layers KV-shared, K = V on full layers with a double head dim and one KV
+    head, per-layer inputs, double-wide MLP on shared layers, softcapped logits."""
+    n = spec.layers or 6
+    types = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(n)]
+    types[-1] = "full_attention"
+    cfg = {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": n,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "global_head_dim": 2 * (spec.head_dim or 0),
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": n // 3,
+        "use_double_wide_mlp": True,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": spec.vocab,
+        "layer_types": types,
+        "sliding_window": spec.sliding_window,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": spec.rope_theta},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1_000_000.0,
+            },
+        },
+        "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "vocab_size": spec.vocab,
+        "max_position_embeddings": spec.max_pos,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "enable_moe_block": False,
+        "use_bidirectional_attention": None,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "torch_dtype": spec.dtype,
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+    }
+    return cfg | dict(spec.gemma4_overrides)
 
 
 def hf_config(spec: TinySpec) -> dict:
+    if spec.family == "gemma4":
+        return gemma4_config(spec)
     arch, model_type = FAMILY_ARCH[spec.family]
     cfg = {
         "architectures": [arch],
@@ -159,7 +222,9 @@ def init_weights(spec: TinySpec, tokenizer_vocab: int) -> dict[str, torch.Tensor
     for name in sorted(shapes):
         shape = shapes[name]
         x = torch.randn(shape, generator=gen, dtype=torch.float32)
-        if "norm" in name:
+        if name.endswith("layer_scalar"):  # gemma4 per-layer output scale
+            x = 1.0 + 0.2 * x.abs()
+        elif "norm" in name:
             x = 1.0 + 0.1 * x
         elif name.endswith(".bias"):
             x = 0.1 * x
@@ -168,7 +233,7 @@ def init_weights(spec: TinySpec, tokenizer_vocab: int) -> dict[str, torch.Tensor
         else:
             x = x / shape[1] ** 0.5
         out[name] = x
-    head = "model.embed_tokens.weight" if spec.tie else "lm_head.weight"
+    head = "lm_head.weight" if "lm_head.weight" in out else "model.embed_tokens.weight"
     out[head][tokenizer_vocab:] = 0.0  # ids the tokenizer never produces: never the argmax
     dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
     return {k: v.to(dtype).contiguous() for k, v in out.items()}

@@ -24,7 +24,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pdserve.kv.footprint import KVLayer, kv_bytes_per_token, layers_of_hf
 from pdserve.sim.costs import CostModel, LinkCost, plan_features
+
+MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,9 @@ class ModelShape:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # per model layer KV (kv.footprint) when layers differ (Gemma 4); None = uniform
+    kv_layers: tuple[KVLayer, ...] | None = None
+    kv_context: int = 4096  # context at which a layered model's bytes per token are taken
 
     @property
     def matmul_params(self) -> int:
@@ -144,7 +150,11 @@ class ModelShape:
         return self.matmul_params + emb
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        """Engine cache bytes per token (kv.footprint, stage "cache"): KV-shared layers hold
+        none. Sliding layers are counted in full, as the paged cache holds them today."""
+        if self.kv_layers is None:
+            return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return round(kv_bytes_per_token(self.kv_layers, itemsize, "cache", self.kv_context))
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], name: str = "") -> ModelShape:
@@ -161,6 +171,7 @@ class ModelShape:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            kv_layers=tuple(layers_of_hf(cfg)) if cfg.get("model_type") == "gemma4_text" else None,
         )
 
 
@@ -185,11 +196,15 @@ def load_model_config(spec: str) -> ModelShape:
     """A built-in name (llama3-8b, llama3-70b, qwen2.5-32b), a config.json, or a directory."""
     if spec.lower() in BUILTIN_CONFIGS:
         return ModelShape.from_config(BUILTIN_CONFIGS[spec.lower()], spec.lower())
+    shipped = MODEL_CONFIG_DIR / f"{spec.lower()}.json"  # published configs (README there)
+    if shipped.is_file():
+        return ModelShape.from_config(json.loads(shipped.read_text()), spec.lower())
     path = Path(spec)
     if path.is_dir():
         path = path / "config.json"
     if not path.exists():
-        raise ValueError(f"unknown model config {spec!r}: {sorted(BUILTIN_CONFIGS)} or a path")
+        known = sorted(BUILTIN_CONFIGS) + sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.json"))
+        raise ValueError(f"unknown model config {spec!r}: {known} or a path")
     return ModelShape.from_config(json.loads(path.read_text()), path.parent.name)
 
 

@@ -65,7 +65,7 @@ class Reservation:
     ticket: Ticket
     prompt_token_ids: list[int]
     params: SamplingParams
-    staging: Any  # [L, n_blocks, 2, bs, kvh, hd]: one contiguous receive per layer
+    staging: list[Any]  # per stored layer [n_blocks, 2, bs, kvh_l, hd_l]: one receive each
     token_buf: np.ndarray  # int32[5]: token 0 + the ticket nonce, sent by the prefill
     handles: list[RecvHandle]  # the layers, then token 0
     created: float
@@ -185,7 +185,12 @@ class DecodeHandler:
         """Post the receives, start the pump and the lease timer (no await: atomic)."""
         spec = self._spec
         n = spec.num_blocks_for(len(prompt))
-        staging = self._engine.empty_kv((spec.num_layers, n, *spec.block_shape))
+        staging = [  # sliding layers receive their last window only
+            self._engine.empty_kv(
+                (n - spec.first_needed_block(i, len(prompt)), *spec.layer_block_shape(i))
+            )
+            for i in range(spec.num_layers)
+        ]
         token_buf = token_buffer()
         tag_base = self._transport.new_tag_base()
         handles = [

@@ -20,6 +20,9 @@ from pdserve.kv.store_client import KVStoreClient
 from pdserve.kv.transfer import UcxTransport
 from pdserve.logging import get_logger
 
+# a trimmed decode's publish waits for the prefill's (see _publish): ~10 s at most
+PUBLISH_RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 3.2)
+
 _log = get_logger(__name__)
 
 
@@ -77,7 +80,7 @@ class KVReuse:
             n_local = await self._engine.cached_prefix_length(hashes)
             if n_local < len(hashes):
                 wanted = hashes[n_local : n_local + await self._lookup_beyond(hashes, n_local)]
-        buf = self._engine.empty_kv((len(wanted), self._spec.num_layers, *self._spec.block_shape))
+        buf = self._engine.empty_kv(self._spec.blocks_shape(len(wanted)))
         n_ok = 0
         if wanted:
             fetch_started = time.perf_counter()
@@ -127,6 +130,16 @@ class KVReuse:
                 return
             # one engine command: the blocks cannot be evicted between lookup and copy
             data = await self._engine.read_for_publish(hashes, n_store)
+            # A decode of a layered model holds no sliding-layer KV for the head of its prompt
+            # (its transfer was trimmed to the window): it can only extend a chain the store
+            # already holds. Wait (bounded) for the prefill's own publish of the prompt.
+            retries = iter(PUBLISH_RETRY_DELAYS_S if self._spec.layers is not None else ())
+            while data is None and (delay := next(retries, None)) is not None:
+                await asyncio.sleep(delay)
+                n_store = await self.client.lookup(self._kv_fingerprint, hashes)
+                if n_store >= len(hashes):
+                    return
+                data = await self._engine.read_for_publish(hashes, n_store)
             if data is None:
                 return
             chain = hashes[: n_store + data.shape[0]]

@@ -1,0 +1,130 @@
+"""KV bytes of a request by layer type and stage: the one place that computes them. Torch-free.
+
+Used by the engine's KVSpec (transfer sizes), the simulator (`sim.hardware.ModelShape`) and the
+bench cost models. Stages (what each holds for a request of n tokens, block granularity):
+- naive:     every model layer, K and V, every block (the all-layers layout);
+- cache:     what this engine's paged cache holds: layers that store KV only (KV-shared layers
+             read their source's), K and V (V only on K = V layers), every block;
+- transfer:  prefill -> decode: as cache, but a sliding layer sends its last window only,
+             blocks [(n - W) // bs, ceil(n / bs));
+- store:     a kvstore block: as cache, every block (a hit at any prefix length needs its
+             sliding tail, so blocks stay whole);
+- goal:      not built yet: the transfer's trimming held in the cache too (sliding layers
+             free the blocks leaving their window during decode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+STAGES = ("naive", "cache", "transfer", "store", "goal")
+
+
+@dataclass(frozen=True)
+class KVLayer:
+    """One model layer's KV: its shape, window, and whether it owns KV at all."""
+
+    num_kv_heads: int
+    head_dim: int
+    window: int | None = None  # sliding window in tokens (None = full attention)
+    shared: bool = False  # reads another layer's KV, stores none
+    k_eq_v: bool = False  # V is the (normed) K projection: one tensor would do
+
+
+def layers_of(config: Any) -> list[KVLayer]:
+    """Per model layer, from a pdserve ModelConfig."""
+    out = []
+    for i in range(config.num_layers):
+        s = config.layer_kv(i)
+        out.append(KVLayer(s.num_kv_heads, s.head_dim, s.window, s.source != i, s.k_eq_v))
+    return out
+
+
+def layers_of_hf(raw: dict[str, Any]) -> list[KVLayer]:
+    """Per model layer, from an HF config.json dict (any supported family)."""
+    from pdserve.model.config import ModelConfig
+
+    return layers_of(ModelConfig.from_dict(raw))
+
+
+def _blocks(layer: KVLayer, n: int, bs: int, trim: bool) -> int:
+    nb = -(-n // bs)
+    if trim and layer.window is not None:
+        return nb - max(0, n - layer.window) // bs
+    return nb
+
+
+def kv_bytes(
+    layers: Sequence[KVLayer], num_tokens: int, itemsize: int, block_size: int, stage: str
+) -> int:
+    """KV bytes of one request of `num_tokens` tokens at `stage` (see the module doc)."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    total = 0
+    for x in layers:
+        if x.shared and stage != "naive":
+            continue
+        tensors = 1 if (stage != "naive" and x.k_eq_v) else 2
+        trim = stage in ("transfer", "goal")
+        per_block = tensors * block_size * x.num_kv_heads * x.head_dim * itemsize
+        total += _blocks(x, num_tokens, block_size, trim) * per_block
+    return total
+
+
+def kv_bytes_per_token(
+    layers: Sequence[KVLayer],
+    itemsize: int,
+    stage: str = "cache",
+    context: int = 4096,
+    block_size: int = 16,
+) -> float:
+    """Average KV bytes per token of a `context`-token request at `stage`. Without sliding
+    layers (or at stages that keep every block) this is the exact per-token size."""
+    return kv_bytes(layers, context, itemsize, block_size, stage) / context
+
+
+def report(
+    layers: Sequence[KVLayer], itemsize: int, context: int, block_size: int = 16
+) -> dict[str, dict[str, float]]:
+    """{stage: {bytes, bytes_per_token, vs_naive}} for one request of `context` tokens."""
+    naive = kv_bytes(layers, context, itemsize, block_size, "naive")
+    out = {}
+    for stage in STAGES:
+        b = kv_bytes(layers, context, itemsize, block_size, stage)
+        out[stage] = {"bytes": b, "bytes_per_token": b / context, "vs_naive": b / naive}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdserve.kv.footprint MODEL [--context N] [--dtype D]`: MODEL is a checkpoint
+    directory, a config.json, or a name under pdserve/sim/model_configs; prints a markdown
+    table of KV bytes per token by stage."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m pdserve.kv.footprint")
+    ap.add_argument("model")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--block-size", type=int, default=16)
+    args = ap.parse_args(argv)
+    path = Path(args.model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        path = Path(__file__).parents[1] / "sim" / "model_configs" / f"{args.model}.json"
+    layers = layers_of_hf(json.loads(path.read_text()))
+    itemsize = 4 if args.dtype == "float32" else 2
+    rows = report(layers, itemsize, args.context, args.block_size)
+    print(f"{args.model} ({args.dtype}, {args.context}-token context, block {args.block_size})")
+    print("| stage | KV bytes / token | vs naive |\n|---|---:|---:|")
+    for stage, r in rows.items():
+        print(f"| {stage} | {r['bytes_per_token']:,.0f} | {r['vs_naive']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
