@@ -239,6 +239,9 @@ def _explain(cls: type[BaseSettings], exc: ValidationError) -> str:
         else:
             where = name
         got = err.get("input")
+        if not loc:  # a check across fields (model validator): its message names them
+            lines.append(str(err.get("msg")).removeprefix("Value error, "))
+            continue
         got_text = "" if isinstance(got, dict) else f" (got {got!r})"
         lines.append(f"invalid value for {where}: {err.get('msg')}{got_text}")
     return "; ".join(lines) or str(exc)

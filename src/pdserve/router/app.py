@@ -219,7 +219,10 @@ class RouterApp(ServiceApp):
         enable_reflection(server, PUBLIC_SERVICES)
         if s.http_port is not None:
             self.http = HttpServer(
-                OpenAIApp(self.front).app, s.host, s.http_port, grace_s=s.grace_s
+                OpenAIApp(self.front, s.max_request_bytes).app,
+                s.host,
+                s.http_port,
+                grace_s=s.grace_s,
             )
             await self.http.start()
         self._tasks.append(asyncio.create_task(self._housekeeping()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pdserve.config import ServiceSettings
 
@@ -28,7 +28,10 @@ class RouterSettings(ServiceSettings):
     )  # fmt: skip
     # -- bounded input (public plane): refused with INVALID_ARGUMENT before any real work
     max_request_bytes: int = Field(
-        16 << 20, ge=1024, description="largest request message on the public port, bytes"
+        16 << 20,
+        ge=1024,
+        description="largest request on the public plane, bytes: a gRPC message, or an "
+        "HTTP body (413 when larger, refused before it is read whole)",
     )
     max_prompt_chars: int = Field(
         1_000_000, ge=1, description="longest text prompt (all chat messages together), chars"
@@ -88,7 +91,10 @@ class RouterSettings(ServiceSettings):
         0.0, ge=0, description="KV reservation lease, seconds (0 = worker default)"
     )
     predictor_alpha: float = Field(
-        0.2, gt=0, le=1, description="EWMA weight of the output-length predictor"
+        0.2,
+        gt=0,
+        le=1,
+        description="EWMA weight of the output-length predictor (only with --predictor ewma)",
     )
     predictor_initial: float = Field(
         64.0, gt=0, description="predicted output length before any request finished"
@@ -204,3 +210,12 @@ class RouterSettings(ServiceSettings):
     queue_timeout_s: float = Field(
         30.0, gt=0, description="longest wait for a slot before RESOURCE_EXHAUSTED, seconds"
     )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RouterSettings:
+        if "predictor_alpha" in self.model_fields_set and self.predictor != "ewma":
+            raise ValueError(
+                f"--predictor-alpha sets the EWMA predictor's weight; it does nothing with "
+                f"--predictor {self.predictor} (add --predictor ewma, or drop it)"
+            )
+        return self
