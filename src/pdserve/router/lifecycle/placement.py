@@ -4,7 +4,7 @@ Every instance that may hold state for a request (a decode reservation, a runnin
 prefill, a decode or colocated stream) is entered here, with the router-side
 registry charges taken for it; the decode ticket lives here too. The orchestrator
 moves a request between instances only through this object, and `close()` —
-called once, by `Orchestrator.run`, however the request ends — uncharges and
+called once per attempt, by `Orchestrator._attempt`, however the attempt ends — uncharges and
 aborts every instance still holding it. Aborts are idempotent on the workers.
 
 Lifecycle of one holding (keyed by instance id):
