@@ -6,7 +6,6 @@ from pdserve.router.scheduling.length import UNBOUNDED, LengthScheduling
 from pdserve.router.scheduling.policies import RouteRequest
 from pdserve.router.scheduling.predictor import EwmaPredictor, OraclePredictor
 from pdserve.router.scheduling.predictor.online import OnlineLengthPredictor
-from pdserve.v1 import common_pb2
 
 
 def job(rid="r", max_tokens=100, oracle=0, text=None):
@@ -15,7 +14,6 @@ def job(rid="r", max_tokens=100, oracle=0, text=None):
         rid,
         [1, 2, 3, 4, 5, 6, 7, 8],
         params,
-        common_pb2.SamplingParams(max_tokens=max_tokens),
         prompt_text=text,
         model="m",
         oracle_tokens=oracle,

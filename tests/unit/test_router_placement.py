@@ -188,7 +188,6 @@ class Cluster:
             request_id=rid,
             token_ids=list(range(1, 40)),
             params=SamplingParams(max_tokens=8),
-            sampling=common_pb2.SamplingParams(max_tokens=8),
         )
 
     def charges(self) -> dict[str, tuple[int, int]]:
@@ -497,7 +496,6 @@ async def test_a_one_token_request_is_prefill_only():
         request_id="r1",
         token_ids=list(range(1, 40)),
         params=SamplingParams(max_tokens=1),
-        sampling=common_pb2.SamplingParams(max_tokens=1),
     )
     out: list[int] = []
     await collect(c.orch, job, out)

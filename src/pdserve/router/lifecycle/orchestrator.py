@@ -48,9 +48,11 @@ from ..cluster.workers import (
     WorkerClients,
     cancelled_under_us,
     remote_error,
+    sampling_to_proto,
     settle,
+    stages_from_proto,
 )
-from ..job import Chunk, Deadlines, Job, add_stages
+from ..job import Chunk, Deadlines, Job
 from ..scheduling.admission import Capacity
 from ..scheduling.length import LengthScheduling, Prediction
 from ..scheduling.policies import PlacementPolicy, RouteRequest
@@ -218,7 +220,7 @@ class Orchestrator:
                 await placement.leave_now(decode)  # free the ticket before re-reserving
                 prefills.failed(failure, job.prefill_attempts)
                 continue
-            add_stages(job.stages, resp.stages)
+            job.stages.add(stages_from_proto(resp.stages))
             return resp.first_token_id
 
     async def _prefill_only(
@@ -236,7 +238,7 @@ class Orchestrator:
                 placement.leave(prefill)
                 prefills.failed(failure, job.prefill_attempts)
                 continue
-            add_stages(job.stages, resp.stages)
+            job.stages.add(stages_from_proto(resp.stages))
             return resp.first_token_id
 
     async def _prefill(
@@ -251,7 +253,7 @@ class Orchestrator:
             worker_pb2.PrefillRequest(
                 request_id=job.request_id,
                 token_ids=prompt,
-                sampling=job.sampling,
+                sampling=sampling_to_proto(job.params),
                 ticket=placement.ticket,
                 use_kvstore=self.use_kvstore,
             ),
@@ -303,7 +305,7 @@ class Orchestrator:
                 ticket_id=placement.ticket.ticket_id,
                 prompt_token_ids=prompt,
                 first_token_id=first,
-                sampling=job.sampling,
+                sampling=sampling_to_proto(job.params),
                 write_back=self.write_back,
             ),
             metadata=metadata_with_request_id(job.request_id),
@@ -375,7 +377,7 @@ class Orchestrator:
             lease_s=self.lease_s,
             # early admission: decoding starts the moment the KV lands
             prompt_token_ids=prompt,
-            sampling=job.sampling,
+            sampling=sampling_to_proto(job.params),
         )
 
     # ------------------------------------------------------------ colocated
@@ -392,7 +394,7 @@ class Orchestrator:
                 worker_pb2.WorkerGenerateRequest(
                     request_id=job.request_id,
                     token_ids=job.token_ids,
-                    sampling=job.sampling,
+                    sampling=sampling_to_proto(job.params),
                     use_kvstore=self.use_kvstore,
                     write_back=self.write_back,
                 ),
@@ -468,7 +470,7 @@ class Orchestrator:
                     )
                 first = False
                 if msg.finish_reason:
-                    add_stages(job.stages, msg.stages)
+                    job.stages.add(stages_from_proto(msg.stages))
                     finished = True
                     placement.leave(inst, abort=False)  # before yielding: we may be closed
                 yield Chunk(list(msg.token_ids), msg.finish_reason)
