@@ -21,6 +21,22 @@ class Deadlines:
     abort_s: float = 2.0
 
 
+@dataclass(frozen=True)
+class DecodeTicket:
+    """What a decode's Reserve answered (Ticket on the wire): where and how the prefill pushes
+    the KV. The router only holds it and hands it on; the worker checks it."""
+
+    ticket_id: int
+    decode_instance_id: str
+    ucx_worker_address: bytes
+    tag_base: int
+    lease_expiry_unix_s: float
+    num_blocks: int
+    kv_fingerprint: str
+    early_admission: bool
+    nonce: bytes
+
+
 @dataclass
 class Stages:
     """Where a request's time went (StageCosts on the wire), summed over its attempts."""

@@ -15,7 +15,7 @@ from pdserve.logging import get_logger
 from pdserve.rpc.channels import make_channel, metadata_with_request_id
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from ..job import Stages
+from ..job import DecodeTicket, Stages
 from .registry import Instance
 
 log = get_logger("pdserve.router.cluster.workers")
@@ -64,6 +64,19 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.seed is not None:
         sp.seed = params.seed
     return sp
+
+
+_TICKET_FIELDS = tuple(DecodeTicket.__dataclass_fields__)
+
+
+def ticket_from_proto(msg: worker_pb2.Ticket) -> DecodeTicket:
+    return DecodeTicket(**{f: getattr(msg, f) for f in _TICKET_FIELDS})
+
+
+def ticket_to_proto(ticket: DecodeTicket | None) -> worker_pb2.Ticket | None:
+    if ticket is None:
+        return None
+    return worker_pb2.Ticket(**{f: getattr(ticket, f) for f in _TICKET_FIELDS})
 
 
 def stages_from_proto(msg: common_pb2.StageCosts) -> Stages:

@@ -51,6 +51,8 @@ from ..cluster.workers import (
     sampling_to_proto,
     settle,
     stages_from_proto,
+    ticket_from_proto,
+    ticket_to_proto,
 )
 from ..job import Chunk, Deadlines, Job
 from ..scheduling.admission import Capacity
@@ -254,7 +256,7 @@ class Orchestrator:
                 request_id=job.request_id,
                 token_ids=prompt,
                 sampling=sampling_to_proto(job.params),
-                ticket=placement.ticket,
+                ticket=ticket_to_proto(placement.ticket),
                 use_kvstore=self.use_kvstore,
             ),
             timeout=self.deadlines.prefill_s,
@@ -361,7 +363,7 @@ class Orchestrator:
                     raise failure from None
                 continue
             job.decode_instance = decode.instance_id
-            placement.reserved(decode, resp.ticket)
+            placement.reserved(decode, ticket_from_proto(resp.ticket))
             self.length.placed(pred, decode.instance_id, len(prompt), route)
             return decode
 

@@ -30,10 +30,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from pdserve.v1 import worker_pb2
-
 from ..cluster.registry import Instance, Registry
 from ..cluster.workers import Aborter
+from ..job import DecodeTicket
 
 
 @dataclass
@@ -50,7 +49,7 @@ class RequestPlacement:
         self._aborter = aborter
         self._held: dict[str, _Holding] = {}
         self.decode: Instance | None = None  # the decode holding the ticket
-        self.ticket: worker_pb2.Ticket | None = None
+        self.ticket: DecodeTicket | None = None
         self.closed = False
 
     # ------------------------------------------------------------- queries
@@ -73,7 +72,7 @@ class RequestPlacement:
         held.tokens += tokens
         self._registry.charge(inst.instance_id, requests=requests, tokens=tokens)
 
-    def reserved(self, decode: Instance, ticket: worker_pb2.Ticket) -> None:
+    def reserved(self, decode: Instance, ticket: DecodeTicket) -> None:
         """Reserve on `decode` (charged when picked) returned `ticket`."""
         held = self._held.get(decode.instance_id)
         if held is None or held.requests < 1:
