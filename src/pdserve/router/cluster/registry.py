@@ -23,7 +23,6 @@ __all__ = ["LoadReport", "Registry"]
 _EXPIRED_KEPT = 1024  # expired instance ids remembered (for Registry.lost)  # LoadReport: the shared heartbeat load, re-exported
 
 
-
 class Role(enum.IntEnum):
     """A worker's role (the wire's WorkerRole numbers)."""
 
@@ -33,6 +32,17 @@ class Role(enum.IntEnum):
 
 
 ROLE_PREFILL, ROLE_DECODE, ROLE_COLOCATED = Role.PREFILL, Role.DECODE, Role.COLOCATED
+
+
+class State(enum.StrEnum):
+    """An instance's state: the worker's (heartbeats), or `FLIPPING` set by the router."""
+
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    FLIPPING = "flipping"
+
+
 ROLE_NAMES = {
     0: "unspecified",
     ROLE_PREFILL: "prefill",
@@ -50,7 +60,7 @@ class Instance:
     block_size: int
     load: LoadReport
     last_heartbeat: float
-    state: str = "serving"
+    state: State = State.SERVING
     suspect_since: float | None = None
     # Router-side counters: exact and current, unlike the heartbeat's load.
     inflight_requests: int = 0
@@ -131,7 +141,7 @@ class Registry:
         if role in (ROLE_PREFILL, ROLE_DECODE, ROLE_COLOCATED):
             inst.role = Role(role)
         if state:
-            inst.state = state
+            inst.state = State(state)
         if inst.suspect_since is not None and now - inst.suspect_since >= self.suspect_s:
             inst.suspect_since = None  # alive again: it heartbeats after the suspicion window
         self._changed()
