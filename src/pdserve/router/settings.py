@@ -97,7 +97,9 @@ class AdmissionSettings(SettingsGroup):
 
 
 class PlacementSettings(SettingsGroup):
-    """Where a request runs (scheduling/policies.py) and how much decode KV it reserves."""
+    """Where a request runs (scheduling/policies.py) and how much decode KV it reserves.
+    Predicted decode placement and KV headroom are off by default: both lost to counts and
+    no headroom on the CPU benchmark (docs/BENCHMARKS.md, "left off by default")."""
 
     policy: Literal["round_robin", "least_loaded", "prefix_aware"] = Field(
         "prefix_aware",
