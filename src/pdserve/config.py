@@ -13,6 +13,11 @@ Each service declares its own subclass in its package::
 
 Flags are generated from the fields: `--field-name VALUE`; bools as `--x/--no-x`; list/tuple
 fields take a comma-separated list or a JSON array, and may be repeated (values add up).
+
+Settings may come in **groups**: a field whose type is a `SettingsGroup` (a frozen pydantic
+model) nests its fields (`settings.admission.max_queue`), while its flags and environment
+names stay flat (`--max-queue`, `PDSERVE_MAX_QUEUE`), so a group's field names are unique
+across the whole settings class. `--help` lists each group under its own heading.
 Values are validated by pydantic, so a bad value (from the environment or a flag) fails
 with the flag, the env variable and the reason.
 """
@@ -29,9 +34,14 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal, TypeVar, Union
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 from pydantic_settings import SettingsError as _SourceError
 
 ENV_PREFIX = "PDSERVE_"
@@ -43,6 +53,51 @@ class SettingsError(ValueError):
 
 def _new_instance_id() -> str:
     return uuid.uuid4().hex[:12]
+
+
+class SettingsGroup(BaseModel):
+    """A group of settings (a field of a ServiceSettings); flat flags and env names."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _group(annotation: Any) -> type[SettingsGroup] | None:
+    ann = _strip_optional(annotation)
+    return ann if isinstance(ann, type) and issubclass(ann, SettingsGroup) else None
+
+
+def flat_fields(cls: type[BaseModel]) -> dict[str, tuple[str | None, FieldInfo]]:
+    """Every flag-level field: name -> (its group's field name or None, FieldInfo)."""
+    out: dict[str, tuple[str | None, FieldInfo]] = {}
+    for name, info in cls.model_fields.items():
+        group = _group(info.annotation)
+        if group is None:
+            out[name] = (None, info)
+            continue
+        for inner, inner_info in group.model_fields.items():
+            if inner in out or inner in cls.model_fields:
+                raise TypeError(f"{cls.__name__}: setting {inner!r} is declared twice")
+            out[inner] = (name, inner_info)
+    return out
+
+
+class _FlatGroupEnv(EnvSettingsSource):
+    """`PDSERVE_<FIELD>` for the fields of groups: {group: {field: value}}."""
+
+    def __call__(self) -> dict[str, Any]:
+        out: dict[str, dict[str, Any]] = {}
+        for name, (group, info) in flat_fields(self.settings_cls).items():
+            if group is None:
+                continue
+            env = _env_name(self.settings_cls, name)
+            raw = self.env_vars.get(env.lower() if not self.case_sensitive else env)
+            if raw is None:
+                continue
+            value: Any = raw
+            if _is_sequence(info.annotation):
+                value = _parse_sequence(raw)
+            out.setdefault(group, {})[name] = value
+        return out
 
 
 class ServiceSettings(BaseSettings):
@@ -87,6 +142,24 @@ class ServiceSettings(BaseSettings):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # flags (init) > env (flat names, groups too) > defaults
+        return (
+            init_settings,
+            env_settings,
+            _FlatGroupEnv(settings_cls),
+            dotenv_settings,
+            file_secret_settings,
+        )
 
 
 S = TypeVar("S", bound=BaseSettings)
@@ -184,13 +257,21 @@ class _Parser(argparse.ArgumentParser):
 def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
     """Add one flag per field of `cls`. Absent flags do not appear in the namespace
     (default=SUPPRESS), so the environment and the field defaults stay in charge."""
-    for name, info in cls.model_fields.items():
+    groups: dict[str, Any] = {}
+    for name, (group, info) in flat_fields(cls).items():
+        target: Any = parser
+        if group is not None:
+            if group not in groups:
+                title = _group(cls.model_fields[group].annotation)
+                doc = " ".join((title.__doc__ or "").split()) or None  # type: ignore[union-attr]
+                groups[group] = parser.add_argument_group(group, doc)
+            target = groups[group]
         flag = _flag(name)
         env = _env_name(cls, name)
         desc = info.description or name.replace("_", " ")
         help_text = f"{desc} [env {env}; default {_default_text(info)}]".replace("%", "%%")
         if _is_bool(info.annotation):
-            parser.add_argument(
+            target.add_argument(
                 flag,
                 dest=name,
                 action=argparse.BooleanOptionalAction,
@@ -213,7 +294,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
             kwargs["type"] = _parse_sequence
             kwargs["metavar"] = "A,B,..."
             kwargs["action"] = "extend"  # repeatable: --x a --x b,c -> [a, b, c]
-        parser.add_argument(flag, **kwargs)
+        target.add_argument(flag, **kwargs)
 
 
 def build_parser(
@@ -234,11 +315,17 @@ def _explain(cls: type[BaseSettings], exc: ValidationError) -> str:
     for err in exc.errors():
         loc = err.get("loc") or ()
         name = str(loc[0]) if loc else "?"
-        if name in cls.model_fields:
+        if _group(getattr(cls.model_fields.get(name), "annotation", None)) is not None:
+            loc = loc[1:]  # a group's field: named by its own (flat) flag
+            name = str(loc[0]) if loc else "?"
+        if name in flat_fields(cls):
             where = f"{_flag(name)} / {_env_name(cls, name)}"
         else:
             where = name
         got = err.get("input")
+        if not loc:  # a check across fields (model validator): its message names them
+            lines.append(str(err.get("msg")).removeprefix("Value error, "))
+            continue
         got_text = "" if isinstance(got, dict) else f" (got {got!r})"
         lines.append(f"invalid value for {where}: {err.get('msg')}{got_text}")
     return "; ".join(lines) or str(exc)
@@ -259,7 +346,7 @@ def load_settings(
     """
     parser = build_parser(cls, prog, exit_on_error=exit_on_error)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    overrides = vars(args)  # only the flags actually given (default=SUPPRESS)
+    overrides = nest(cls, vars(args))  # only the flags actually given (default=SUPPRESS)
     try:
         return cls(**overrides)
     except ValidationError as exc:
@@ -268,17 +355,32 @@ def load_settings(
         parser.error(str(exc))
 
 
+def nest(cls: type[BaseModel], flat: dict[str, Any]) -> dict[str, Any]:
+    """Flat {field: value} (flags) -> the settings' shape ({group: {field: value}})."""
+    fields = flat_fields(cls)
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        group = fields[name][0] if name in fields else None
+        if group is None:
+            out[name] = value
+        else:
+            out.setdefault(group, {})[name] = value
+    return out
+
+
 def settings_to_argv(settings: BaseSettings, *, only_set: bool = True) -> list[str]:
     """Turn settings back into flags (e.g. for a launcher that starts a service process).
 
     only_set=True emits only the fields explicitly set (by env or flags) on `settings`."""
-    names = settings.model_fields_set if only_set else set(type(settings).model_fields)
     argv: list[str] = []
-    for name in type(settings).model_fields:
-        if name not in names:
+    for name, (group, info) in flat_fields(type(settings)).items():
+        owner: Any = settings if group is None else getattr(settings, group)
+        if only_set and (
+            name not in owner.model_fields_set
+            or (group is not None and group not in settings.model_fields_set)
+        ):
             continue
-        value = getattr(settings, name)
-        info = type(settings).model_fields[name]
+        value = getattr(owner, name)
         flag = _flag(name)
         if _is_bool(info.annotation):
             if value is not None:

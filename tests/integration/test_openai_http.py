@@ -19,6 +19,7 @@ from pdserve.client import Client, ResourceExhausted, Unauthenticated
 from .conftest import BLOCK_SIZE, MAX_POS, VOCAB, start_cluster
 
 KEYS = {"alpha": "sk-alpha-secret", "beta": "sk-beta-secret"}
+MAX_BODY = 64 << 10  # --max-request-bytes of this module's router
 SYSTEM = (
     "You are the harbor master of a small fishing town. You answer questions about boats, "
     "tides, the weather and the fish market, briefly and politely."
@@ -43,7 +44,7 @@ def cluster(serving_model_dir, tmp_path_factory):
         prefill=1,
         decode=1,
         http_port=0,
-        router_args=["--api-keys-file", str(keys_file)],
+        router_args=["--api-keys-file", str(keys_file), "--max-request-bytes", str(MAX_BODY)],
         api_key=KEYS["beta"],
     )
     try:
@@ -288,3 +289,30 @@ def test_a_client_gone_before_its_answer_cancels_the_request(cluster, model_name
         prefill.signal(signal.SIGCONT)
     for name in ("prefill0", "decode0"):
         wait_until(lambda name=name: pool_idle(cluster, name), 30, f"{name} idle")
+
+
+def test_a_body_over_max_request_bytes_is_413_before_it_is_read(cluster, model_name):
+    """--max-request-bytes bounds HTTP bodies as it bounds gRPC messages: a declared
+    Content-Length over it is refused at once, a chunked body (no Content-Length) as soon as
+    the count passes it; the router keeps serving."""
+    url = cluster.http_url + "/completions"
+    auth = {"authorization": f"Bearer {KEYS['beta']}"}
+    big = json.dumps({"model": model_name, "prompt": "x" * (MAX_BODY + 1), "max_tokens": 1})
+    r = httpx.post(url, content=big, headers={**auth, "content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["param"] == "body" and str(MAX_BODY) in err["message"]
+
+    def chunks():  # 8 x 16 KiB, streamed with Transfer-Encoding: chunked
+        yield b'{"prompt": "'
+        for _ in range(8):
+            yield b"x" * (16 << 10)
+        yield b'", "max_tokens": 1}'
+
+    r = httpx.post(url, content=chunks(), headers=auth)
+    assert r.status_code == 413, r.text
+    # a body under the limit is served; the router is healthy
+    ok = {"model": model_name, "prompt": "hello", "max_tokens": 1, "user": "u" * (MAX_BODY // 2)}
+    r = httpx.post(url, json=ok, headers=auth)
+    assert r.status_code == 200, r.text
+    assert httpx.get(cluster.http_url.removesuffix("/v1") + "/health").status_code == 200

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.config import flat_fields
+
 yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +92,7 @@ def test_commands_run_existing_modules_with_known_flags(services, monkeypatch):
         for key in env:
             field = key.removeprefix("PDSERVE_").lower()
             if field not in ("log_format", "log_level"):
-                assert field in cls.model_fields, f"{name}: {key} is no setting of {cls}"
+                assert field in flat_fields(cls), f"{name}: {key} is no setting of {cls}"
         if module == "pdserve.worker":
             assert settings.role == name, f"{name} starts in role {settings.role}"
         for key in env:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.config import flat_fields
+
 yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -92,7 +94,7 @@ def test_four_services_and_their_commands(objects, monkeypatch):
             value = env.get("value", "10.0.0.1")  # fieldRef: the pod IP
             monkeypatch.setenv(env["name"], value)
             field = env["name"].removeprefix("PDSERVE_").lower()
-            assert field in cls.model_fields, f"{name}: {env['name']} is no setting"
+            assert field in flat_fields(cls), f"{name}: {env['name']} is no setting"
         settings = load_settings(cls, cmd[3:], prog=name, exit_on_error=False)
         for env in container.get("env", []):
             monkeypatch.delenv(env["name"])
@@ -104,7 +106,7 @@ def test_four_services_and_their_commands(objects, monkeypatch):
         assert container["resources"]["requests"]["cpu"], name
         if cmd[2] == "pdserve.router":
             assert ports["http"] == settings.http_port
-            assert settings.api_keys_file == "/etc/pdserve/keys.json"
+            assert settings.keys.api_keys_file == "/etc/pdserve/keys.json"
             kv_host, kv_port = settings.kvstore_addr.split(":")
             kvstore = _by_kind(objects, "Service")[kv_host]
             assert kvstore["spec"]["ports"][0]["port"] == int(kv_port)

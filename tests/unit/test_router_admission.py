@@ -49,7 +49,6 @@ def _job(rid: str, max_tokens: int, oracle: int) -> Job:
         rid,
         [1, 2, 3, 4],
         params,
-        common_pb2.SamplingParams(max_tokens=max_tokens),
         oracle_tokens=oracle,
     )
 

@@ -6,7 +6,6 @@ from pdserve.router.scheduling.length import UNBOUNDED, LengthScheduling
 from pdserve.router.scheduling.policies import RouteRequest
 from pdserve.router.scheduling.predictor import EwmaPredictor, OraclePredictor
 from pdserve.router.scheduling.predictor.online import OnlineLengthPredictor
-from pdserve.v1 import common_pb2
 
 
 def job(rid="r", max_tokens=100, oracle=0, text=None):
@@ -15,7 +14,6 @@ def job(rid="r", max_tokens=100, oracle=0, text=None):
         rid,
         [1, 2, 3, 4, 5, 6, 7, 8],
         params,
-        common_pb2.SamplingParams(max_tokens=max_tokens),
         prompt_text=text,
         model="m",
         oracle_tokens=oracle,
@@ -103,3 +101,37 @@ def test_oracle_metadata_parsing():
     assert oracle_tokens(Ctx((("pdserve-oracle-tokens", "lots"),))) == 0
     assert oracle_tokens(Ctx(())) == 0
     assert oracle_tokens(object()) == 0
+
+
+async def test_the_predictor_does_not_run_when_nothing_reads_it():
+    from pdserve.config import load_settings
+    from pdserve.router.app import RouterApp
+    from pdserve.router.settings import RouterSettings
+
+    calls = []
+
+    class Spy(EwmaPredictor):
+        def estimate(self, query):
+            calls.append(query)
+            return super().estimate(query)
+
+        def learn(self, query, actual):
+            calls.append(actual)
+
+    ls = LengthScheduling(Spy(initial=20), needed=False)
+    j = job("q", max_tokens=50)
+    t = await ls.predict(j, RouteRequest("q", j.token_ids), 4)
+    assert t.predicted_tokens == 50 and not t.estimated  # max_tokens stands in
+    ls.done(t, 10, finished=True)
+    assert calls == [] and ls.learned == 0
+    # the router's defaults read nothing; an SJF queue, predicted placement or KV headroom do
+    assert not RouterApp(RouterSettings())._predictions_needed()
+    for flags in (
+        ["--max-running", "4"],
+        ["--decode-placement", "predicted"],
+        ["--reserve-max-tokens", "32"],
+    ):
+        assert RouterApp(load_settings(RouterSettings, flags))._predictions_needed(), flags
+    assert not RouterApp(
+        load_settings(RouterSettings, ["--max-running", "4", "--queue-order", "fcfs"])
+    )._predictions_needed()

@@ -28,10 +28,7 @@ def make_job(prompt=(1, 2, 3), max_tokens=10, seed=5, stop=(STOP_TOKEN,)) -> Job
     params = SamplingParams(
         max_tokens=max_tokens, temperature=0.8, seed=seed, stop_token_ids=tuple(stop)
     )
-    sampling = common_pb2.SamplingParams(
-        max_tokens=max_tokens, temperature=0.8, seed=seed, stop_token_ids=list(stop)
-    )
-    return Job(request_id="r1", token_ids=list(prompt), params=params, sampling=sampling)
+    return Job(request_id="r1", token_ids=list(prompt), params=params)
 
 
 def test_continuation_bookkeeping():
@@ -39,20 +36,20 @@ def test_continuation_bookkeeping():
     job.stages.cached_tokens = 2
     c = continuation(job, [40, 41, 42], migration=1)
     assert c.token_ids == [1, 2, 3, 40, 41, 42]
-    assert c.params.max_tokens == 7 and c.sampling.max_tokens == 7
-    assert c.params.output_offset == 3 and c.sampling.output_offset == 3
+    assert c.params.max_tokens == 7
+    assert c.params.output_offset == 3
     # the context needed is unchanged: prompt + max_tokens
     assert len(c.token_ids) + c.params.max_tokens == len(job.token_ids) + job.params.max_tokens
-    assert c.params.seed == job.params.seed and c.sampling.seed == job.sampling.seed
-    assert c.params.stop_token_ids == (STOP_TOKEN,) and list(c.sampling.stop_token_ids) == [7]
+    assert c.params.seed == job.params.seed
+    assert c.params.stop_token_ids == (STOP_TOKEN,)
     assert c.request_id == "r1.m1"
     assert c.stages.cached_tokens == 0 and c.decode_instance == ""
     # the original is untouched
-    assert job.token_ids == [1, 2, 3] and job.sampling.max_tokens == 10
-    assert job.sampling.output_offset == 0
+    assert job.token_ids == [1, 2, 3] and job.params.max_tokens == 10
+    assert job.params.output_offset == 0
     # a second migration counts from the original job
     c2 = continuation(job, [40, 41, 42, 43, 44], migration=2)
-    assert c2.params.max_tokens == 5 and c2.sampling.output_offset == 5
+    assert c2.params.max_tokens == 5 and c2.params.output_offset == 5
     assert c2.request_id == "r1.m2"
     with pytest.raises(ValueError):
         continuation(job, [], migration=1)

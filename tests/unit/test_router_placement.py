@@ -13,7 +13,7 @@ import pytest
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import UnavailableError
 from pdserve.router.cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
-from pdserve.router.cluster.workers import Aborter
+from pdserve.router.cluster.workers import Aborter, ticket_from_proto
 from pdserve.router.lifecycle.orchestrator import Deadlines, Job, Orchestrator
 from pdserve.router.lifecycle.placement import RequestPlacement
 from pdserve.router.scheduling.policies import make_policy
@@ -188,7 +188,6 @@ class Cluster:
             request_id=rid,
             token_ids=list(range(1, 40)),
             params=SamplingParams(max_tokens=8),
-            sampling=common_pb2.SamplingParams(max_tokens=8),
         )
 
     def charges(self) -> dict[str, tuple[int, int]]:
@@ -396,7 +395,7 @@ async def test_close_releases_each_holding_once():
     c, aborter, pl = _placement()
     p0, d0 = c.registry.get("p0"), c.registry.get("d0")
     pl.charge(d0, requests=1)  # picked
-    pl.reserved(d0, worker_pb2.Ticket(ticket_id=3))
+    pl.reserved(d0, ticket_from_proto(worker_pb2.Ticket(ticket_id=3)))
     pl.charge(p0, requests=1, tokens=10)
     assert pl.holding() == ["d0", "p0"] and pl.ticket.ticket_id == 3
     pl.leave(p0, abort=False)
@@ -415,7 +414,7 @@ def test_reserved_needs_the_charge_taken_at_pick():
     c, _aborter, pl = _placement()
     d0 = c.registry.get("d0")
     with pytest.raises(RuntimeError, match="not charged"):
-        pl.reserved(d0, worker_pb2.Ticket(ticket_id=1))
+        pl.reserved(d0, ticket_from_proto(worker_pb2.Ticket(ticket_id=1)))
 
 
 async def test_a_burst_spreads_over_the_decodes():
@@ -442,7 +441,7 @@ async def test_leave_now_cancelled_still_sends_the_abort():
     c, aborter, pl = _placement()
     d0 = c.registry.get("d0")
     pl.charge(d0, requests=1)
-    pl.reserved(d0, worker_pb2.Ticket(ticket_id=3))
+    pl.reserved(d0, ticket_from_proto(worker_pb2.Ticket(ticket_id=3)))
     c.w["d0"].gate["Abort"] = gate = asyncio.Event()
     slow = c.w["d0"].Abort
 
@@ -497,7 +496,6 @@ async def test_a_one_token_request_is_prefill_only():
         request_id="r1",
         token_ids=list(range(1, 40)),
         params=SamplingParams(max_tokens=1),
-        sampling=common_pb2.SamplingParams(max_tokens=1),
     )
     out: list[int] = []
     await collect(c.orch, job, out)

@@ -59,3 +59,34 @@ def test_without_grace_the_close_is_the_instances_failure_not_a_cancel():
         asyncio.run(_abort_while_dropped(grace_s=0.0))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "Abort was cancelled" in err.value.details()
+
+
+def test_domain_types_convert_at_the_worker_client_boundary():
+    """The core holds DecodeTicket, Stages and SamplingParams; workers get every field."""
+    from pdserve.engine.params import SamplingParams
+    from pdserve.router.cluster.workers import (
+        sampling_to_proto,
+        stages_from_proto,
+        ticket_from_proto,
+        ticket_to_proto,
+    )
+    from pdserve.v1 import common_pb2, worker_pb2
+    from pdserve.worker.convert import sampling_from_proto
+
+    wire = worker_pb2.Ticket(
+        ticket_id=9, decode_instance_id="d", ucx_worker_address=b"ucx", tag_base=9 << 16,
+        lease_expiry_unix_s=12.5, num_blocks=3, kv_fingerprint="fp", early_admission=True,
+        nonce=b"n" * 16,
+    )  # fmt: skip
+    assert ticket_to_proto(ticket_from_proto(wire)) == wire
+    assert ticket_to_proto(None) is None
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.75, top_k=4, seed=3,
+                            stop_token_ids=(2, 5), ignore_eos=True, output_offset=11)  # fmt: skip
+    # what the worker reads (floats exact in float32: the wire type)
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+    assert not sampling_to_proto(SamplingParams()).HasField("seed")
+    costs = common_pb2.StageCosts(prefill_ms=1.5, transfer_bytes=10, cached_tokens=4)
+    st = stages_from_proto(costs)
+    assert (st.prefill_ms, st.transfer_bytes, st.cached_tokens) == (1.5, 10, 4)
+    st.add(stages_from_proto(costs), skip=st.PROMPT_ONLY)
+    assert (st.prefill_ms, st.cached_tokens) == (3.0, 4)

@@ -19,15 +19,16 @@ import time
 import grpc
 
 from pdserve.router.cluster.registry import ROLE_DECODE, Registry
-from pdserve.router.lifecycle import orchestrator as orch_mod
+from pdserve.router.job import Stages
 from pdserve.router.lifecycle.orchestrator import Chunk, Deadlines, Orchestrator
+from pdserve.v1 import common_pb2
 
 
 class _Msg:
     def __init__(self, finish: int = 0) -> None:
         self.token_ids = [7]
         self.finish_reason = finish
-        self.stages = None
+        self.stages = common_pb2.StageCosts()
 
 
 class _FakeCall:
@@ -49,7 +50,7 @@ class _Placement:
 
 
 class _Job:
-    stages = None
+    stages = Stages()
 
 
 async def _baseline_relay(call: _FakeCall, wait: float = 60.0):
@@ -67,7 +68,6 @@ async def measure(messages: int, streams: int, rounds: int) -> dict[str, list[fl
     reg = Registry()
     inst = reg.register("d1", "127.0.0.1:1", ROLE_DECODE, "fp", 16)
     orch = Orchestrator(reg, None, None, Deadlines())  # type: ignore[arg-type]
-    orch_mod.add_stages = lambda _total, _part: None  # the fake messages carry no stages
 
     async def baseline() -> None:
         async for _ in _baseline_relay(_FakeCall(messages)):

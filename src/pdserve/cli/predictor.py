@@ -1,5 +1,5 @@
 """`pdserve predictor train --data FILE --out DIR`: fit the offline length model
-(deterministic; the shipped default lives in pdserve/router/predictor/default).
+(deterministic; the shipped default lives in pdserve/router/scheduling/predictor/default).
 
 `pdserve predictor evaluate --data FILE [--predictor DIR] [--split val] [--online] --json`:
 Kendall tau (pooled and median per model), Spearman, MAE of log length, p90

@@ -53,7 +53,7 @@ class RouterApp(ServiceApp):
     public_services: tuple[str, ...] = (*PUBLIC_SERVICES, REFLECTION_SERVICE)
 
     def public_server_options(self):
-        limit = self.settings.max_request_bytes
+        limit = self.settings.limits.max_request_bytes
         return [
             *((k, v) for k, v in SERVER_OPTIONS if k != "grpc.max_receive_message_length"),
             ("grpc.max_receive_message_length", limit),
@@ -67,7 +67,10 @@ class RouterApp(ServiceApp):
         )
         self.demand = DecodeDemand()  # predicted decode demand (placement, flip, metrics)
         self.policy = make_policy(
-            settings.policy, settings.session_affinity, settings.decode_placement, self.demand
+            settings.placement.policy,
+            settings.placement.session_affinity,
+            settings.placement.decode_placement,
+            self.demand,
         )
         self.registry.on_forget(self.policy.forget)
         self.registry.on_forget(self.demand.forget)
@@ -84,13 +87,13 @@ class RouterApp(ServiceApp):
         self.http: HttpServer | None = None
         # Fails fast (before any port opens) on a bad keys file.
         self.keys = ApiKeys.load(
-            settings.api_key,
-            settings.api_keys_file,
-            max_concurrent=settings.key_max_concurrent,
-            tokens_per_minute=settings.key_tokens_per_minute,
+            settings.keys.api_key,
+            settings.keys.api_keys_file,
+            max_concurrent=settings.keys.key_max_concurrent,
+            tokens_per_minute=settings.keys.key_tokens_per_minute,
         )
         self._tasks: list[asyncio.Task] = []
-        self.flip: FlipController | None = None  # set when settings.flip_enabled
+        self.flip: FlipController | None = None  # set when settings.flip.flip_enabled
         self.length: LengthScheduling | None = None  # built in start() (loads the predictor)
         self.admission = self._admission()  # the one admission stage (scheduling/admission.py)
 
@@ -102,17 +105,19 @@ class RouterApp(ServiceApp):
     def _predictor(self) -> OutputLengthPredictor:
         s = self.settings
         predictor: OutputLengthPredictor
-        if s.predictor == "ewma":
-            predictor = EwmaPredictor(alpha=s.predictor_alpha, initial=s.predictor_initial)
+        if s.length.predictor == "ewma":
+            predictor = EwmaPredictor(
+                alpha=s.length.predictor_alpha, initial=s.length.predictor_initial
+            )
         else:
             from .scheduling.predictor.offline import DEFAULT_DIR, TextLengthModel
             from .scheduling.predictor.online import OnlineLengthPredictor
 
             text_model = None
-            if s.predictor_path != "none":
-                text_model = TextLengthModel.load(s.predictor_path or DEFAULT_DIR)
-            predictor = OnlineLengthPredictor(text_model, initial=s.predictor_initial)
-        return OraclePredictor(predictor) if s.predictor_oracle else predictor
+            if s.length.predictor_path != "none":
+                text_model = TextLengthModel.load(s.length.predictor_path or DEFAULT_DIR)
+            predictor = OnlineLengthPredictor(text_model, initial=s.length.predictor_initial)
+        return OraclePredictor(predictor) if s.length.predictor_oracle else predictor
 
     def _serving(self) -> int:
         """Decode (or colocated) instances serving now: the admission limit's unit."""
@@ -124,14 +129,14 @@ class RouterApp(ServiceApp):
         admission = Admission(
             self.raw_metrics,
             AdmissionConfig(
-                max_running=s.max_running,
-                max_running_per_decode=s.queue_max_running_per_decode,
-                max_queue=s.max_queue,
-                timeout_s=s.queue_timeout_s,
-                order=s.queue_order,
-                aging_tokens_per_s=s.queue_aging_tokens_per_s,
-                max_wait_s=s.queue_max_wait_s,
-                max_bypass=s.queue_max_bypass,
+                max_running=s.admission.max_running,
+                max_running_per_decode=s.admission.queue_max_running_per_decode,
+                max_queue=s.admission.max_queue,
+                timeout_s=s.admission.queue_timeout_s,
+                order=s.admission.queue_order,
+                aging_tokens_per_s=s.admission.queue_aging_tokens_per_s,
+                max_wait_s=s.admission.queue_max_wait_s,
+                max_bypass=s.admission.queue_max_bypass,
             ),
             serving=self._serving,
         )
@@ -142,13 +147,15 @@ class RouterApp(ServiceApp):
         """Whether anything reads the length prediction; when nothing does, the router does
         not run the predictor per request (nor learn)."""
         s = self.settings
-        sjf_queue = s.queue_order == "sjf" and (s.max_running or s.queue_max_running_per_decode)
+        sjf_queue = s.admission.queue_order == "sjf" and (
+            s.admission.max_running or s.admission.queue_max_running_per_decode
+        )
         return bool(
             sjf_queue
-            or s.decode_placement == "predicted"
-            or s.reserve_max_tokens > 0
-            or s.flip_enabled
-            or s.predictor_oracle
+            or s.placement.decode_placement == "predicted"
+            or s.placement.reserve_max_tokens > 0
+            or s.flip.flip_enabled
+            or s.length.predictor_oracle
         )
 
     def _length_scheduling(self, predictor: OutputLengthPredictor) -> LengthScheduling:
@@ -157,9 +164,9 @@ class RouterApp(ServiceApp):
             predictor,
             demand=self.demand,
             needed=self._predictions_needed(),
-            reserve_max_tokens=s.reserve_max_tokens,
-            oracle=s.predictor_oracle,
-            use_max_tokens=s.predictor_use_max_tokens,
+            reserve_max_tokens=s.placement.reserve_max_tokens,
+            oracle=s.length.predictor_oracle,
+            use_max_tokens=s.length.predictor_use_max_tokens,
             metrics=LengthMetrics(self.raw_metrics),
         )
 
@@ -171,22 +178,22 @@ class RouterApp(ServiceApp):
             self.policy,
             self.workers,
             Deadlines(
-                reserve_s=s.reserve_deadline_s,
-                kv_queue_s=s.kv_queue_timeout_s,
-                prefill_s=s.prefill_deadline_s,
-                first_token_s=s.first_token_deadline_s,
-                decode_idle_s=s.decode_idle_deadline_s,
-                abort_s=s.abort_deadline_s,
+                reserve_s=s.lifecycle.reserve_deadline_s,
+                kv_queue_s=s.admission.kv_queue_timeout_s,
+                prefill_s=s.lifecycle.prefill_deadline_s,
+                first_token_s=s.lifecycle.first_token_deadline_s,
+                decode_idle_s=s.lifecycle.decode_idle_deadline_s,
+                abort_s=s.lifecycle.abort_deadline_s,
             ),
             eos_token_ids=model.eos_token_ids,
-            max_prefill_attempts=s.max_prefill_attempts,
-            lease_s=s.lease_s,
+            max_prefill_attempts=s.lifecycle.max_prefill_attempts,
+            lease_s=s.lifecycle.lease_s,
             use_kvstore=with_kvstore,
             write_back=with_kvstore,
             hasher=self._prefix_hashes,
             length=length,
-            max_migrations=s.max_migrations,
-            migration_wait_s=s.migration_wait_s,
+            max_migrations=s.lifecycle.max_migrations,
+            migration_wait_s=s.lifecycle.migration_wait_s,
             on_migration=lambda reason: self.metrics.migrations.labels(reason).inc(),
             capacity=self.admission.capacity,
         )
@@ -206,7 +213,7 @@ class RouterApp(ServiceApp):
             self.keys,
             self.admission,
             kv,
-            limits=InputLimits.from_settings(s, self.model.max_model_len),
+            limits=InputLimits.from_settings(s.limits, self.model.max_model_len),
         )
         self.router_servicer = RouterServicer(self.front)
         router_pb2_grpc.add_RouterServicer_to_server(self.router_servicer, server)
@@ -219,11 +226,14 @@ class RouterApp(ServiceApp):
         enable_reflection(server, PUBLIC_SERVICES)
         if s.http_port is not None:
             self.http = HttpServer(
-                OpenAIApp(self.front).app, s.host, s.http_port, grace_s=s.grace_s
+                OpenAIApp(self.front, s.limits.max_request_bytes).app,
+                s.host,
+                s.http_port,
+                grace_s=s.grace_s,
             )
             await self.http.start()
         self._tasks.append(asyncio.create_task(self._housekeeping()))
-        if s.flip_enabled:
+        if s.flip.flip_enabled:
             self.flip = self._flip_controller()
             self._tasks.append(asyncio.create_task(self.flip.run()))
         log.info(
@@ -231,9 +241,9 @@ class RouterApp(ServiceApp):
             model=self.model.name or None,
             policy=self.policy.name,
             predictor=self.length.predictor.name,
-            queue=s.queue_order if self.admission.limit() else None,
+            queue=s.admission.queue_order if self.admission.limit() else None,
             kvstore=kv or None,
-            flip=s.flip_enabled,
+            flip=s.flip.flip_enabled,
             http_port=self.http.port if self.http else None,
             api_keys=len(self.keys) or "open",
         )
@@ -244,20 +254,20 @@ class RouterApp(ServiceApp):
     def _flip_controller(self) -> FlipController:
         s = self.settings
         thresholds = FlipThresholds(
-            prefill_tokens_full=s.flip_prefill_tokens,
-            decode_seqs_full=s.flip_decode_seqs,
-            starved=s.flip_starved,
-            ratio=s.flip_ratio,
-            ticks=s.flip_ticks,
-            cooldown_s=s.flip_cooldown_s,
+            prefill_tokens_full=s.flip.flip_prefill_tokens,
+            decode_seqs_full=s.flip.flip_decode_seqs,
+            starved=s.flip.flip_starved,
+            ratio=s.flip.flip_ratio,
+            ticks=s.flip.flip_ticks,
+            cooldown_s=s.flip.flip_cooldown_s,
         )
         return FlipController(
             self.registry,
             self.workers,
             FlipPolicy(thresholds),
             FlipMetrics(self.raw_metrics),
-            interval_s=s.flip_interval_s,
-            set_role_timeout_s=s.flip_timeout_s,
+            interval_s=s.flip.flip_interval_s,
+            set_role_timeout_s=s.flip.flip_timeout_s,
             on_role_changed=self.policy.forget,  # prefix LRU / session affinity of the old role
             demand=self.demand,
         )

@@ -1,9 +1,11 @@
 """What the router knows about one request while it runs (`Job`), what the orchestrator yields
-(`Chunk`), and the deadlines every worker call runs under. Plain data: no I/O."""
+(`Chunk`), what its stages cost (`Stages`), and the deadlines every worker call runs under.
+Plain domain data: no I/O, no protos held (the worker clients and the servicers convert;
+`Chunk.finish_reason` keeps the wire's FinishReason numbers)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pdserve.engine.params import SamplingParams
 from pdserve.v1 import common_pb2
@@ -19,15 +21,52 @@ class Deadlines:
     abort_s: float = 2.0
 
 
+@dataclass(frozen=True)
+class DecodeTicket:
+    """What a decode's Reserve answered (Ticket on the wire): where and how the prefill pushes
+    the KV. The router only holds it and hands it on; the worker checks it."""
+
+    ticket_id: int
+    decode_instance_id: str
+    ucx_worker_address: bytes
+    tag_base: int
+    lease_expiry_unix_s: float
+    num_blocks: int
+    kv_fingerprint: str
+    early_admission: bool
+    nonce: bytes
+
+
+@dataclass
+class Stages:
+    """Where a request's time went (StageCosts on the wire), summed over its attempts."""
+
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+    transfer_bytes: int = 0
+    decode_ms: float = 0.0
+    cached_tokens: int = 0  # prompt tokens reused (pool prefix cache or kvstore)
+    kvstore_tokens: int = 0  # of which fetched from the kvstore
+
+    # Costs that describe the client's prompt, not work: a migrated stream's continuation
+    # re-reads the prompt from a cache, which is not a cache hit of the client's.
+    PROMPT_ONLY = ("cached_tokens", "kvstore_tokens")
+
+    def add(self, part: Stages, *, skip: tuple[str, ...] = ()) -> None:
+        for f in fields(self):
+            if f.name not in skip:
+                setattr(self, f.name, getattr(self, f.name) + getattr(part, f.name))
+
+
 @dataclass
 class Job:
     request_id: str
     token_ids: list[int]
-    params: SamplingParams
-    sampling: common_pb2.SamplingParams  # forwarded to workers (max_tokens filled in)
+    params: SamplingParams  # validated; the worker clients send it (workers never see stops)
     session_id: str = ""
     # Filled while it runs:
-    stages: common_pb2.StageCosts = field(default_factory=common_pb2.StageCosts)
+    stages: Stages = field(default_factory=Stages)
     prefill_instance: str = ""
     decode_instance: str = ""
     prefill_attempts: int = 0
@@ -42,8 +81,3 @@ class Job:
 class Chunk:
     token_ids: list[int]
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-
-
-def add_stages(total: common_pb2.StageCosts, part: common_pb2.StageCosts) -> None:
-    for f in common_pb2.StageCosts.DESCRIPTOR.fields:
-        setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))

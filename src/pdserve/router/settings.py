@@ -1,34 +1,26 @@
-"""RouterSettings: env PDSERVE_<FIELD>, flags --<field-name> on top."""
+"""RouterSettings: the router's settings in groups (`settings.admission.max_queue`), with
+flat flags and environment names (`--max-queue`, `PDSERVE_MAX_QUEUE`): pdserve.config."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from pdserve.config import ServiceSettings
+from pdserve.config import ServiceSettings, SettingsGroup
 
 from .scheduling.overload_queue import DEFAULT_MAX_WAIT_S
 
 
-class RouterSettings(ServiceSettings):
-    """pdserve router: the public endpoint (Router) and the worker registry (Registry)."""
+class InputLimitSettings(SettingsGroup):
+    """Bounded input on the public plane: refused with INVALID_ARGUMENT (HTTP 400/413)
+    before any real work."""
 
-    port: int = Field(
-        50051, ge=0, le=65535, description="public gRPC port: the client API (0 = any free port)"
-    )
-    internal_port: int = Field(
-        50061, ge=0, le=65535,
-        description="internal gRPC port: the worker registry, mutual TLS (0 = any free port)",
-    )  # fmt: skip
-    max_instances_per_identity: int = Field(
-        0, ge=0,
-        description="most live instances one worker certificate may register (0 = no cap; "
-        "use 1 when every worker has its own certificate)",
-    )  # fmt: skip
-    # -- bounded input (public plane): refused with INVALID_ARGUMENT before any real work
     max_request_bytes: int = Field(
-        16 << 20, ge=1024, description="largest request message on the public port, bytes"
+        16 << 20,
+        ge=1024,
+        description="largest request on the public plane, bytes: a gRPC message, or an "
+        "HTTP body (413 when larger, refused before it is read whole)",
     )
     max_prompt_chars: int = Field(
         1_000_000, ge=1, description="longest text prompt (all chat messages together), chars"
@@ -39,9 +31,76 @@ class RouterSettings(ServiceSettings):
     max_prompt_tokens: int = Field(
         0, ge=0, description="most prompt tokens (0 = the model's context length)"
     )
-    model: str | None = Field(
-        None, description="model directory (tokenizer + config.json); none = token ids only"
+
+
+class KeySettings(SettingsGroup):
+    """API keys of the public plane and each key's default limits (frontdoor/auth.py)."""
+
+    api_key: list[str] = Field(
+        default_factory=list,
+        description="accepted API key (repeatable; none and no keys file = open API); "
+        "prefer --api-keys-file: flags show up in ps",
     )
+    api_keys_file: str | None = Field(
+        None, description='JSON keys file: {"keys": [{"name", "key", "max_concurrent", ...}]}'
+    )
+    key_max_concurrent: int = Field(
+        0, ge=0, description="default concurrent streams per API key (0 = unlimited)"
+    )
+    key_tokens_per_minute: int = Field(
+        0, ge=0, description="default tokens (prompt + completion) per minute per key (0 = off)"
+    )
+
+
+class AdmissionSettings(SettingsGroup):
+    """The one admission stage (scheduling/admission.py): the router's running limit,
+    its bounded ordered queue, and how long a request waits for worker capacity. Off
+    by default: the router cannot know a deployment's capacity before it is measured,
+    and the decodes' KV limits already turn overload into waiting."""
+
+    max_running: int = Field(
+        0, ge=0, description="requests the router runs at once; more wait (0 = unlimited)"
+    )
+    queue_max_running_per_decode: int = Field(
+        0,
+        ge=0,
+        description="router overload queue: requests running per decode (or colocated) "
+        "instance before new ones wait in the router (0 = no router queue)",
+    )
+    max_queue: int = Field(
+        256, ge=0, description="requests waiting for a slot (with --max-running) before 429"
+    )
+    queue_timeout_s: float = Field(
+        30.0, gt=0, description="longest wait for a slot before RESOURCE_EXHAUSTED, seconds"
+    )
+    queue_order: Literal["fcfs", "sjf"] = Field(
+        "sjf", description="overload queue order: sjf (shortest predicted first, aged) or fcfs"
+    )
+    queue_aging_tokens_per_s: float = Field(
+        64.0, ge=0, description="sjf aging: a waiter's predicted length shrinks this much per s"
+    )
+    queue_max_wait_s: float = Field(
+        DEFAULT_MAX_WAIT_S,
+        gt=0,
+        description="a waiter this old goes before everyone else, seconds (below "
+        "--queue-timeout-s, so that it matters)",
+    )
+    queue_max_bypass: float = Field(
+        2.0,
+        ge=0,
+        description="sjf: a waiter goes first once this many x its FCFS turn admissions "
+        "passed since it arrived (0 = no bound)",
+    )
+    kv_queue_timeout_s: float = Field(
+        30.0, ge=0, description="wait for free decode KV blocks before RESOURCE_EXHAUSTED, s"
+    )
+
+
+class PlacementSettings(SettingsGroup):
+    """Where a request runs (scheduling/policies.py) and how much decode KV it reserves.
+    Predicted decode placement and KV headroom are off by default: both lost to counts and
+    no headroom on the CPU benchmark (docs/BENCHMARKS.md, "left off by default")."""
+
     policy: Literal["round_robin", "least_loaded", "prefix_aware"] = Field(
         "prefix_aware",
         description="placement policy (prefix_aware: least loaded, preferring the prefill "
@@ -50,16 +109,69 @@ class RouterSettings(ServiceSettings):
     session_affinity: bool = Field(
         True, description="same session_id -> same prefill/colocated instance while it lives"
     )
-    heartbeat_interval_s: float = Field(
-        1.0, gt=0, description="heartbeat interval handed to workers, seconds"
+    decode_placement: Literal["count", "predicted"] = Field(
+        "count",
+        description="decode placement: count (the policy's request counts) or predicted "
+        "(least predicted KV footprint over the request's predicted lifetime)",
     )
-    heartbeat_timeout_s: float = Field(
-        3.0, gt=0, description="drop an instance silent for this long, seconds"
+    reserve_max_tokens: int = Field(
+        0,
+        ge=0,
+        description="decode KV headroom reserved for the predicted output (p90), at most "
+        "(0 = none: the decode grows the block table as it goes)",
     )
+
+
+class LengthSettings(SettingsGroup):
+    """The output-length predictor (scheduling/predictor/, scheduling/length.py). It
+    runs per request only when something reads it: an SJF queue, predicted decode
+    placement, KV headroom, or the flip controller."""
+
+    predictor: Literal["ewma", "online"] = Field(
+        "online",
+        description="output-length predictor: ewma (one number for all) or online (text "
+        "model + prefix/session memory + per-model calibration, learning from finished "
+        "requests)",
+    )
+    predictor_alpha: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="EWMA weight of the output-length predictor (only with --predictor ewma)",
+    )
+    predictor_initial: float = Field(
+        64.0, gt=0, description="predicted output length before any request finished"
+    )
+    predictor_path: str | None = Field(
+        None,
+        description="length model artifact DIR (pdserve predictor train); default: the "
+        "shipped one; 'none' = no text model (online memory only)",
+    )
+    predictor_oracle: bool = Field(
+        False,
+        description="BENCHMARK ONLY: trust the true output length a request carries in "
+        "its pdserve-oracle-tokens metadata",
+    )
+    predictor_use_max_tokens: bool = Field(
+        True,
+        description="let the predictor clamp to max_tokens (off for benchmarks whose "
+        "max_tokens is the true length)",
+    )
+
+    @model_validator(mode="after")
+    def _alpha_is_ewma_only(self) -> LengthSettings:
+        if "predictor_alpha" in self.model_fields_set and self.predictor != "ewma":
+            raise ValueError(
+                f"--predictor-alpha sets the EWMA predictor's weight; it does nothing with "
+                f"--predictor {self.predictor} (add --predictor ewma, or drop it)"
+            )
+        return self
+
+
+class LifecycleSettings(SettingsGroup):
+    """Deadlines, retries and migration of one request across workers (lifecycle/)."""
+
     reserve_deadline_s: float = Field(5.0, gt=0, description="Reserve RPC deadline, seconds")
-    kv_queue_timeout_s: float = Field(
-        30.0, ge=0, description="wait for free decode KV blocks before RESOURCE_EXHAUSTED, s"
-    )
     prefill_deadline_s: float = Field(120.0, gt=0, description="Prefill RPC deadline, seconds")
     first_token_deadline_s: float = Field(
         120.0, gt=0, description="wait for the first chunk of a Decode/Generate stream, seconds"
@@ -80,77 +192,16 @@ class RouterSettings(ServiceSettings):
     migration_wait_s: float = Field(
         10.0, ge=0, description="a moving stream waits this long for a free decode instance, s"
     )
-    kvstore_addr: str | None = Field(
-        None, description="HOST:PORT of the kvstore, handed to workers at registration"
-    )
-    use_kvstore: bool = Field(True, description="ask workers to use the kvstore when configured")
     lease_s: float = Field(
         0.0, ge=0, description="KV reservation lease, seconds (0 = worker default)"
     )
-    predictor_alpha: float = Field(
-        0.2, gt=0, le=1, description="EWMA weight of the output-length predictor"
-    )
-    predictor_initial: float = Field(
-        64.0, gt=0, description="predicted output length before any request finished"
-    )
-    # -- output-length prediction and the scheduling that reads it (length.py)
-    predictor: Literal["ewma", "online"] = Field(
-        "online",
-        description="output-length predictor: ewma (one number for all) or online (text "
-        "model + prefix/session memory + per-model calibration, learning from finished "
-        "requests)",
-    )
-    predictor_path: str | None = Field(
-        None,
-        description="length model artifact DIR (pdserve predictor train); default: the "
-        "shipped one; 'none' = no text model (online memory only)",
-    )
-    predictor_oracle: bool = Field(
-        False,
-        description="BENCHMARK ONLY: trust the true output length a request carries in "
-        "its pdserve-oracle-tokens metadata",
-    )
-    predictor_use_max_tokens: bool = Field(
-        True,
-        description="let the predictor clamp to max_tokens (off for benchmarks whose "
-        "max_tokens is the true length)",
-    )
-    decode_placement: Literal["count", "predicted"] = Field(
-        "count",
-        description="decode placement: count (the policy's request counts) or predicted "
-        "(least predicted KV footprint over the request's predicted lifetime)",
-    )
-    reserve_max_tokens: int = Field(
-        0,
-        ge=0,
-        description="decode KV headroom reserved for the predicted output (p90), at most "
-        "(0 = none: the decode grows the block table as it goes)",
-    )
-    queue_max_running_per_decode: int = Field(
-        0,
-        ge=0,
-        description="router overload queue: requests running per decode (or colocated) "
-        "instance before new ones wait in the router (0 = no router queue)",
-    )
-    queue_order: Literal["fcfs", "sjf"] = Field(
-        "sjf", description="overload queue order: sjf (shortest predicted first, aged) or fcfs"
-    )
-    queue_aging_tokens_per_s: float = Field(
-        64.0, ge=0, description="sjf aging: a waiter's predicted length shrinks this much per s"
-    )
-    queue_max_wait_s: float = Field(
-        DEFAULT_MAX_WAIT_S,
-        gt=0,
-        description="a waiter this old goes before everyone else, seconds (below "
-        "--queue-timeout-s, so that it matters)",
-    )
-    queue_max_bypass: float = Field(
-        2.0,
-        ge=0,
-        description="sjf: a waiter goes first once this many x its FCFS turn admissions "
-        "passed since it arrived (0 = no bound)",
-    )
-    # -- flip controller (flip.py): move workers between the prefill and decode pools
+
+
+class FlipSettings(SettingsGroup):
+    """The flip controller (flip/): moves workers between the prefill and decode pools.
+    Off by default: a flip drains a worker, which costs more than it saves until the
+    pools' pressures are measured for a workload."""
+
     flip_enabled: bool = Field(
         False, description="let the router flip workers between prefill and decode"
     )
@@ -174,33 +225,46 @@ class RouterSettings(ServiceSettings):
     flip_timeout_s: float = Field(
         120.0, gt=0, description="SetRole deadline (the worker drains first), seconds"
     )
-    # -- public front doors (frontdoor.py, auth.py, quota.py, http/)
+
+
+class RouterSettings(ServiceSettings):
+    """pdserve router: the public endpoint (Router) and the worker registry (Registry)."""
+
+    port: int = Field(
+        50051, ge=0, le=65535, description="public gRPC port: the client API (0 = any free port)"
+    )
+    internal_port: int = Field(
+        50061, ge=0, le=65535,
+        description="internal gRPC port: the worker registry, mutual TLS (0 = any free port)",
+    )  # fmt: skip
+    max_instances_per_identity: int = Field(
+        0, ge=0,
+        description="most live instances one worker certificate may register (0 = no cap; "
+        "use 1 when every worker has its own certificate)",
+    )  # fmt: skip
+    model: str | None = Field(
+        None, description="model directory (tokenizer + config.json); none = token ids only"
+    )
+    heartbeat_interval_s: float = Field(
+        1.0, gt=0, description="heartbeat interval handed to workers, seconds"
+    )
+    heartbeat_timeout_s: float = Field(
+        3.0, gt=0, description="drop an instance silent for this long, seconds"
+    )
+    kvstore_addr: str | None = Field(
+        None, description="HOST:PORT of the kvstore, handed to workers at registration"
+    )
+    use_kvstore: bool = Field(True, description="ask workers to use the kvstore when configured")
     http_port: int | None = Field(
         None,
         ge=0,
         le=65535,
         description="OpenAI-compatible HTTP API port (0 = pick a free port; unset = off)",
     )
-    api_key: list[str] = Field(
-        default_factory=list,
-        description="accepted API key (repeatable; none and no keys file = open API); "
-        "prefer --api-keys-file: flags show up in ps",
-    )
-    api_keys_file: str | None = Field(
-        None, description='JSON keys file: {"keys": [{"name", "key", "max_concurrent", ...}]}'
-    )
-    key_max_concurrent: int = Field(
-        0, ge=0, description="default concurrent streams per API key (0 = unlimited)"
-    )
-    key_tokens_per_minute: int = Field(
-        0, ge=0, description="default tokens (prompt + completion) per minute per key (0 = off)"
-    )
-    max_running: int = Field(
-        0, ge=0, description="requests the router runs at once; more wait (0 = unlimited)"
-    )
-    max_queue: int = Field(
-        256, ge=0, description="requests waiting for a slot (with --max-running) before 429"
-    )
-    queue_timeout_s: float = Field(
-        30.0, gt=0, description="longest wait for a slot before RESOURCE_EXHAUSTED, seconds"
-    )
+    limits: InputLimitSettings = Field(default_factory=InputLimitSettings)
+    keys: KeySettings = Field(default_factory=KeySettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    placement: PlacementSettings = Field(default_factory=PlacementSettings)
+    length: LengthSettings = Field(default_factory=LengthSettings)
+    lifecycle: LifecycleSettings = Field(default_factory=LifecycleSettings)
+    flip: FlipSettings = Field(default_factory=FlipSettings)

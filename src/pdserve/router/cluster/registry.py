@@ -10,6 +10,7 @@ testable with a fake clock. Invariants:
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -21,9 +22,27 @@ from pdserve.load import LoadReport
 __all__ = ["LoadReport", "Registry"]
 _EXPIRED_KEPT = 1024  # expired instance ids remembered (for Registry.lost)  # LoadReport: the shared heartbeat load, re-exported
 
-ROLE_PREFILL = 1
-ROLE_DECODE = 2
-ROLE_COLOCATED = 3
+
+class Role(enum.IntEnum):
+    """A worker's role (the wire's WorkerRole numbers)."""
+
+    PREFILL = 1
+    DECODE = 2
+    COLOCATED = 3
+
+
+ROLE_PREFILL, ROLE_DECODE, ROLE_COLOCATED = Role.PREFILL, Role.DECODE, Role.COLOCATED
+
+
+class State(enum.StrEnum):
+    """An instance's state: the worker's (heartbeats), or `FLIPPING` set by the router."""
+
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    FLIPPING = "flipping"
+
+
 ROLE_NAMES = {
     0: "unspecified",
     ROLE_PREFILL: "prefill",
@@ -36,12 +55,12 @@ ROLE_NAMES = {
 class Instance:
     instance_id: str
     address: str
-    role: int
+    role: Role
     model_fingerprint: str
     block_size: int
     load: LoadReport
     last_heartbeat: float
-    state: str = "serving"
+    state: State = State.SERVING
     suspect_since: float | None = None
     # Router-side counters: exact and current, unlike the heartbeat's load.
     inflight_requests: int = 0
@@ -95,7 +114,7 @@ class Registry:
         inst = Instance(
             instance_id=instance_id,
             address=address,
-            role=role,
+            role=Role(role),
             model_fingerprint=model_fingerprint,
             block_size=block_size,
             load=load or LoadReport(),
@@ -119,10 +138,10 @@ class Registry:
         now = self._clock()
         inst.last_heartbeat = now
         inst.load = load
-        if role:
-            inst.role = role
+        if role in (ROLE_PREFILL, ROLE_DECODE, ROLE_COLOCATED):
+            inst.role = Role(role)
         if state:
-            inst.state = state
+            inst.state = State(state)
         if inst.suspect_since is not None and now - inst.suspect_since >= self.suspect_s:
             inst.suspect_since = None  # alive again: it heartbeats after the suspicion window
         self._changed()

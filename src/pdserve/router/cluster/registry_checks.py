@@ -16,10 +16,12 @@ from pdserve.rpc.authz import current_peer
 from pdserve.rpc.ids import check_id
 from pdserve.v1 import common_pb2, router_pb2
 
+from .registry import State
+
 MAX_ADDRESS_CHARS = 255
 MAX_FINGERPRINT_CHARS = 256
 MAX_BLOCK_SIZE = 1024
-STATES = ("", "starting", "serving", "draining", "flipping")
+STATES = ("", *State)  # "" = unchanged
 ROLES = (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_COLOCATED)
 
 

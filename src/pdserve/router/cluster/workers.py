@@ -9,11 +9,13 @@ from collections.abc import Callable
 
 import grpc
 
+from pdserve.engine.params import SamplingParams
 from pdserve.errors import PdserveError
 from pdserve.logging import get_logger
 from pdserve.rpc.channels import make_channel, metadata_with_request_id
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+from ..job import DecodeTicket, Stages
 from .registry import Instance
 
 log = get_logger("pdserve.router.cluster.workers")
@@ -46,6 +48,48 @@ class CallLost(grpc.RpcError):
 
     def details(self) -> str:
         return self._details
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """The router's validated params as workers receive them (every field explicit)."""
+    sp = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        output_offset=params.output_offset,
+    )
+    if params.seed is not None:
+        sp.seed = params.seed
+    return sp
+
+
+_TICKET_FIELDS = tuple(DecodeTicket.__dataclass_fields__)
+
+
+def ticket_from_proto(msg: worker_pb2.Ticket) -> DecodeTicket:
+    return DecodeTicket(**{f: getattr(msg, f) for f in _TICKET_FIELDS})
+
+
+def ticket_to_proto(ticket: DecodeTicket | None) -> worker_pb2.Ticket | None:
+    if ticket is None:
+        return None
+    return worker_pb2.Ticket(**{f: getattr(ticket, f) for f in _TICKET_FIELDS})
+
+
+def stages_from_proto(msg: common_pb2.StageCosts) -> Stages:
+    """A worker's StageCosts as the router's `Stages`."""
+    return Stages(
+        queue_ms=msg.queue_ms,
+        prefill_ms=msg.prefill_ms,
+        transfer_ms=msg.transfer_ms,
+        transfer_bytes=msg.transfer_bytes,
+        decode_ms=msg.decode_ms,
+        cached_tokens=msg.cached_tokens,
+        kvstore_tokens=msg.kvstore_tokens,
+    )
 
 
 def cancelled_under_us() -> bool:

@@ -18,7 +18,7 @@ from pdserve.logging import get_logger
 from pdserve.rpc.metrics import Metrics
 from pdserve.v1 import worker_pb2
 
-from ..cluster.registry import Registry
+from ..cluster.registry import Registry, State
 from ..cluster.workers import WorkerClients, remote_error, settle
 from ..scheduling.demand import DecodeDemand
 from .policy import FlipDecision, FlipPolicy, InstanceLoad, direction
@@ -112,7 +112,7 @@ class FlipController:
             return False
         from_role, address = inst.role, inst.address
         way = direction(from_role, to_role)
-        inst.state = "flipping"  # candidates() skips it from now on: it gets no new work
+        inst.state = State.FLIPPING  # candidates() skips it from now on: it gets no new work
         self.flipping = instance_id
         self.metrics.in_progress.set(1)
         started = self._clock()
@@ -141,7 +141,7 @@ class FlipController:
         if inst is not None:  # None: it left meanwhile (it re-registers with its new role)
             inst.role = resp.role or to_role
             if inst.state == "flipping":
-                inst.state = "serving"
+                inst.state = State.SERVING
         if self._on_role_changed is not None:
             self._on_role_changed(instance_id)  # policies drop per-instance state (prefix LRU)
         self.metrics.flips.labels(way).inc()
@@ -154,4 +154,4 @@ class FlipController:
     def _unmark(self, instance_id: str) -> None:
         inst = self.registry.get(instance_id)
         if inst is not None and inst.state == "flipping":
-            inst.state = "serving"  # the next heartbeat reports the worker's own state
+            inst.state = State.SERVING  # the next heartbeat reports the worker's own state

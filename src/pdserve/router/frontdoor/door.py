@@ -14,6 +14,7 @@ HTTP: pdserve.router.frontdoor.http.errors).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 import uuid
@@ -252,17 +253,12 @@ class FrontDoor:
             self.limits.max_stop_strings,
             self.limits.max_stop_chars,
         )
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(request.sampling)
-        sampling.max_tokens = params.max_tokens
-        del sampling.stop[:]  # stop strings are the router's business
         self.totals.prompt_tokens += len(token_ids)
         self.metrics.prompt_tokens.inc(len(token_ids))
         return Job(
             request_id=worker_request_id(rid),
             token_ids=token_ids,
             params=params,
-            sampling=sampling,
             session_id=request.session_id,
             prompt_text=prompt_text,
             model=self.model.name,
@@ -279,7 +275,7 @@ class FrontDoor:
             prefill_instance=job.prefill_instance,
             decode_instance=job.decode_instance,
         )
-        usage.stages.CopyFrom(job.stages)
+        usage.stages.CopyFrom(common_pb2.StageCosts(**dataclasses.asdict(job.stages)))
         return usage
 
     def _observe(

@@ -30,9 +30,9 @@ import grpc
 
 from pdserve.errors import PdserveError, UnavailableError
 from pdserve.logging import get_logger
-from pdserve.v1 import common_pb2
 
 from ..cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
+from ..job import Stages
 from ..scheduling.admission import Capacity
 
 if TYPE_CHECKING:
@@ -42,9 +42,6 @@ log = get_logger("pdserve.router.lifecycle.migration")
 
 # Codes of a broken stream after which another worker can continue the request.
 MIGRATABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-# Stage costs that describe the client's prompt, not the work: the continuation's prefill
-# re-reads the prompt (and the tokens so far) from a cache, which is not a cache hit of theirs.
-_PROMPT_STAGES = ("cached_tokens", "kvstore_tokens")
 
 
 class StreamLost(UnavailableError):
@@ -70,17 +67,12 @@ def continuation(job: Job, emitted: Sequence[int], migration: int) -> Job:
     if k < 1 or left < 1:
         raise ValueError(f"nothing to continue: {k} of {job.params.max_tokens} tokens emitted")
     offset = job.params.output_offset + k
-    sampling = common_pb2.SamplingParams()
-    sampling.CopyFrom(job.sampling)
-    sampling.max_tokens = left
-    sampling.output_offset = offset
     return dataclasses.replace(
         job,
         request_id=f"{job.request_id}.m{migration}",  # never confused with the old attempt
         token_ids=[*job.token_ids, *emitted],
         params=dataclasses.replace(job.params, max_tokens=left, output_offset=offset),
-        sampling=sampling,
-        stages=common_pb2.StageCosts(),
+        stages=Stages(),
         prefill_instance="",
         decode_instance="",
         prefill_attempts=0,
@@ -90,11 +82,7 @@ def continuation(job: Job, emitted: Sequence[int], migration: int) -> Job:
 
 def fold(into: Job, part: Job) -> None:
     """Account a continuation's work on the client's job (stages, where it ran)."""
-    for f in common_pb2.StageCosts.DESCRIPTOR.fields:
-        if f.name not in _PROMPT_STAGES:
-            setattr(
-                into.stages, f.name, getattr(into.stages, f.name) + getattr(part.stages, f.name)
-            )
+    into.stages.add(part.stages, skip=Stages.PROMPT_ONLY)
     if part.decode_instance:
         into.decode_instance = part.decode_instance
     if part.prefill_instance:

@@ -48,19 +48,23 @@ from ..cluster.workers import (
     WorkerClients,
     cancelled_under_us,
     remote_error,
+    sampling_to_proto,
     settle,
+    stages_from_proto,
+    ticket_from_proto,
+    ticket_to_proto,
 )
-from ..job import Chunk, Deadlines, Job, add_stages
+from ..job import Chunk, Deadlines, Job
 from ..scheduling.admission import Capacity
 from ..scheduling.length import LengthScheduling, Prediction
 from ..scheduling.policies import PlacementPolicy, RouteRequest
 from ..scheduling.predictor import EwmaPredictor
 from .migration import Migrator, StreamLost
 from .placement import RequestPlacement
+from .retry import Tries
 
 log = get_logger("pdserve.router.lifecycle.orchestrator")
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
-ROLE_KINDS = {ROLE_PREFILL: "prefill", ROLE_DECODE: "decode", ROLE_COLOCATED: "colocated"}
 
 
 DECODE_WATCH_S = 0.25  # how often a running Prefill checks that its decode still lives
@@ -191,24 +195,20 @@ class Orchestrator:
         return the first token. On return `placement.decode`/`.ticket` hold the decode
         that will continue the request. A prefill failure releases the decode (it may be
         picked again) and retries on another prefill, up to max_prefill_attempts."""
-        tried: set[str] = set()
+        prefills = Tries(self.registry, ROLE_PREFILL, self.max_prefill_attempts)
         prompt = job.token_ids
         while True:
             decode = await self._reserve(job, route, placement, pred)
-            prefill = self._pick(ROLE_PREFILL, route, exclude=tried, decode=decode)
-            tried.add(prefill.instance_id)
+            prefill = self._pick(prefills, route, decode=decode)
             try:
                 resp = await self._prefill(job, placement, prefill, prompt)
             except _DecodeLost:  # the prefill is fine: retry it with another decode
                 log.warning("decode lost during prefill", instance=decode.instance_id)
-                tried.discard(prefill.instance_id)
+                prefills.forget(prefill)
                 placement.leave(prefill)
                 placement.leave(decode)  # it is gone: do not wait for its Abort
-                if job.prefill_attempts >= self.max_prefill_attempts:
-                    raise UnavailableError(
-                        "the decode instance was lost during prefill "
-                        f"({job.prefill_attempts} attempt(s))"
-                    ) from None
+                lost = UnavailableError(f"decode instance {decode.instance_id} was lost")
+                prefills.failed(lost, job.prefill_attempts)
                 continue
             except grpc.RpcError as err:
                 failure = self._failure(err, prefill, "prefill")
@@ -220,9 +220,9 @@ class Orchestrator:
                 )
                 placement.leave(prefill)
                 await placement.leave_now(decode)  # free the ticket before re-reserving
-                self._give_up_or_retry(failure, job, ROLE_PREFILL, tried)
+                prefills.failed(failure, job.prefill_attempts)
                 continue
-            add_stages(job.stages, resp.stages)
+            job.stages.add(stages_from_proto(resp.stages))
             return resp.first_token_id
 
     async def _prefill_only(
@@ -230,18 +230,17 @@ class Orchestrator:
     ) -> int:
         """Token 0 of a request that needs no other: Prefill without a ticket, retried on
         another prefill when one fails (up to max_prefill_attempts)."""
-        tried: set[str] = set()
+        prefills = Tries(self.registry, ROLE_PREFILL, self.max_prefill_attempts)
         while True:
-            prefill = self._pick(ROLE_PREFILL, route, exclude=tried)
-            tried.add(prefill.instance_id)
+            prefill = self._pick(prefills, route)
             try:
                 resp = await self._prefill(job, placement, prefill, job.token_ids)
             except grpc.RpcError as err:
                 failure = self._failure(err, prefill, "prefill")
                 placement.leave(prefill)
-                self._give_up_or_retry(failure, job, ROLE_PREFILL, tried)
+                prefills.failed(failure, job.prefill_attempts)
                 continue
-            add_stages(job.stages, resp.stages)
+            job.stages.add(stages_from_proto(resp.stages))
             return resp.first_token_id
 
     async def _prefill(
@@ -256,8 +255,8 @@ class Orchestrator:
             worker_pb2.PrefillRequest(
                 request_id=job.request_id,
                 token_ids=prompt,
-                sampling=job.sampling,
-                ticket=placement.ticket,
+                sampling=sampling_to_proto(job.params),
+                ticket=ticket_to_proto(placement.ticket),
                 use_kvstore=self.use_kvstore,
             ),
             timeout=self.deadlines.prefill_s,
@@ -308,7 +307,7 @@ class Orchestrator:
                 ticket_id=placement.ticket.ticket_id,
                 prompt_token_ids=prompt,
                 first_token_id=first,
-                sampling=job.sampling,
+                sampling=sampling_to_proto(job.params),
                 write_back=self.write_back,
             ),
             metadata=metadata_with_request_id(job.request_id),
@@ -327,20 +326,20 @@ class Orchestrator:
         every decode instance is full, up to `kv_queue_s`. Returns the decode, whose
         ticket is then `placement.ticket`."""
         prompt = job.token_ids
-        tried: set[str] = set()
+        decodes = Tries(self.registry, ROLE_DECODE)  # every live decode, then wait
         overloaded: OverloadedError | None = None
         deadline = time.monotonic() + self.deadlines.kv_queue_s
         while True:
             try:
-                decode = self._pick(ROLE_DECODE, route, exclude=tried)
+                decode = self._pick(decodes, route)
             except UnavailableError:
                 if overloaded is None:
                     raise
                 if not await self.capacity.wait(deadline):
                     raise overloaded from None
-                tried, overloaded = set(), None
+                decodes.reset()
+                overloaded = None
                 continue
-            tried.add(decode.instance_id)
             # Charged now, not when Reserve returns: concurrent picks see it at once. (It
             # may hold a reservation before we see the ticket: close() aborts it.)
             placement.charge(decode, requests=1)
@@ -355,14 +354,16 @@ class Orchestrator:
                 )
             except grpc.RpcError as err:
                 failure = self._failure(err, decode, "decode")
-                if failure.code not in RETRYABLE:
-                    raise failure from None
                 placement.leave(decode)
                 if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     overloaded = OverloadedError(str(failure))
+                if overloaded is None:
+                    decodes.failed(failure)  # (a full decode waits for capacity instead)
+                elif failure.code not in RETRYABLE:
+                    raise failure from None
                 continue
             job.decode_instance = decode.instance_id
-            placement.reserved(decode, resp.ticket)
+            placement.reserved(decode, ticket_from_proto(resp.ticket))
             self.length.placed(pred, decode.instance_id, len(prompt), route)
             return decode
 
@@ -378,17 +379,16 @@ class Orchestrator:
             lease_s=self.lease_s,
             # early admission: decoding starts the moment the KV lands
             prompt_token_ids=prompt,
-            sampling=job.sampling,
+            sampling=sampling_to_proto(job.params),
         )
 
     # ------------------------------------------------------------ colocated
     async def _colocated(
         self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
     ) -> AsyncIterator[Chunk]:
-        tried: set[str] = set()
+        tries = Tries(self.registry, ROLE_COLOCATED, self.max_prefill_attempts)
         while True:
-            inst = self._pick(ROLE_COLOCATED, route, exclude=tried)
-            tried.add(inst.instance_id)
+            inst = self._pick(tries, route)
             job.prefill_attempts += 1
             job.prefill_instance = job.decode_instance = inst.instance_id
             placement.charge(inst, requests=1, tokens=len(job.token_ids))
@@ -396,7 +396,7 @@ class Orchestrator:
                 worker_pb2.WorkerGenerateRequest(
                     request_id=job.request_id,
                     token_ids=job.token_ids,
-                    sampling=job.sampling,
+                    sampling=sampling_to_proto(job.params),
                     use_kvstore=self.use_kvstore,
                     write_back=self.write_back,
                 ),
@@ -409,7 +409,7 @@ class Orchestrator:
             except grpc.RpcError as err:  # only raised before the first chunk (see _relay)
                 failure = self._failure(err, inst, "colocated")
                 placement.leave(inst)
-                self._give_up_or_retry(failure, job, ROLE_COLOCATED, tried)
+                tries.failed(failure, job.prefill_attempts)
 
     # -------------------------------------------------------------- helpers
     def _predictor_block_size(self) -> int:
@@ -472,7 +472,7 @@ class Orchestrator:
                     )
                 first = False
                 if msg.finish_reason:
-                    add_stages(job.stages, msg.stages)
+                    job.stages.add(stages_from_proto(msg.stages))
                     finished = True
                     placement.leave(inst, abort=False)  # before yielding: we may be closed
                 yield Chunk(list(msg.token_ids), msg.finish_reason)
@@ -503,28 +503,13 @@ class Orchestrator:
             self.registry.mark_suspect(inst.instance_id)
         return failure
 
-    def _pick(
-        self, role: int, route: RouteRequest, exclude: set[str], decode: Instance | None = None
-    ) -> Instance:
-        cands = [c for c in self.registry.candidates(role) if c.instance_id not in exclude]
-        if not cands:
-            more = f" (tried {len(exclude)})" if exclude else ""
-            raise UnavailableError(f"no {ROLE_KINDS[role]} instance is available{more}")
-        if role == ROLE_DECODE:
-            return self.policy.pick_decode(route, cands)
-        inst = self.policy.pick_prefill(route, cands)
+    def _pick(self, tries: Tries, route: RouteRequest, decode: Instance | None = None) -> Instance:
+        """An untried instance of `tries`' role, chosen by the placement policy."""
+        if tries.role == ROLE_DECODE:
+            return tries.pick(lambda cands: self.policy.pick_decode(route, cands))
+        inst = tries.pick(lambda cands: self.policy.pick_prefill(route, cands))
         self.policy.on_routed(route, inst, decode)
         return inst
-
-    def _give_up_or_retry(self, failure: Exception, job: Job, role: int, tried: set[str]) -> None:
-        """Raise unless another attempt is allowed and an untried instance exists."""
-        if getattr(failure, "code", None) not in RETRYABLE:
-            raise failure
-        left = [c for c in self.registry.candidates(role) if c.instance_id not in tried]
-        if not left or job.prefill_attempts >= self.max_prefill_attempts:
-            raise UnavailableError(
-                f"prefill failed on {job.prefill_attempts} instance(s); last: {failure}"
-            ) from None
 
     def _finish_after_first(self, params: SamplingParams, token: int) -> int:
         if not params.ignore_eos and token in self.eos_token_ids:

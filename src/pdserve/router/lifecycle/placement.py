@@ -4,7 +4,7 @@ Every instance that may hold state for a request (a decode reservation, a runnin
 prefill, a decode or colocated stream) is entered here, with the router-side
 registry charges taken for it; the decode ticket lives here too. The orchestrator
 moves a request between instances only through this object, and `close()` —
-called once, by `Orchestrator.run`, however the request ends — uncharges and
+called once per attempt, by `Orchestrator._attempt`, however the attempt ends — uncharges and
 aborts every instance still holding it. Aborts are idempotent on the workers.
 
 Lifecycle of one holding (keyed by instance id):
@@ -30,10 +30,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from pdserve.v1 import worker_pb2
-
 from ..cluster.registry import Instance, Registry
 from ..cluster.workers import Aborter
+from ..job import DecodeTicket
 
 
 @dataclass
@@ -50,7 +49,7 @@ class RequestPlacement:
         self._aborter = aborter
         self._held: dict[str, _Holding] = {}
         self.decode: Instance | None = None  # the decode holding the ticket
-        self.ticket: worker_pb2.Ticket | None = None
+        self.ticket: DecodeTicket | None = None
         self.closed = False
 
     # ------------------------------------------------------------- queries
@@ -73,7 +72,7 @@ class RequestPlacement:
         held.tokens += tokens
         self._registry.charge(inst.instance_id, requests=requests, tokens=tokens)
 
-    def reserved(self, decode: Instance, ticket: worker_pb2.Ticket) -> None:
+    def reserved(self, decode: Instance, ticket: DecodeTicket) -> None:
         """Reserve on `decode` (charged when picked) returned `ticket`."""
         held = self._held.get(decode.instance_id)
         if held is None or held.requests < 1:

@@ -82,9 +82,52 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+class BodyTooLarge(Exception):
+    """A request body over the limit (HTTP 413); raised before it is read whole."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"body: the request body is larger than {limit} bytes (--max-request-bytes)"
+        )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most `limit` bytes: a declared Content-Length over it is
+    refused before any byte is read, and a body without one (chunked) is counted while it
+    streams and refused as soon as it passes the limit. Never holds more than `limit`
+    bytes (plus one chunk)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise BodyTooLarge(limit)
+        except ValueError:
+            raise InvalidRequestError("body", "bad Content-Length header") from None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(exc: BodyTooLarge) -> Response:
+    body = {
+        "error": {
+            "message": str(exc),
+            "type": "invalid_request_error",
+            "param": "body",
+            "code": "request_too_large",
+        }
+    }
+    return JSONResponse(body, status_code=413, headers={"connection": "close"})
+
+
 class OpenAIApp:
-    def __init__(self, front: FrontDoor) -> None:
+    def __init__(self, front: FrontDoor, max_body_bytes: int = 16 << 20) -> None:
         self.front = front
+        self.max_body_bytes = max_body_bytes  # --max-request-bytes, as on the gRPC door
         self.started = int(time.time())
         self.app = Starlette(
             routes=[
@@ -132,8 +175,9 @@ class OpenAIApp:
         chat = kind == "chat"
         try:
             key = self.front.authenticate(request.headers.get(AUTH_HEADER))
+            raw = await read_body(request, self.max_body_bytes)  # before any parsing
             try:
-                body = await request.json()
+                body = json.loads(raw)
             except ValueError:
                 raise InvalidRequestError("body", "is not valid JSON") from None
             req = parse(model, body)
@@ -151,6 +195,9 @@ class OpenAIApp:
                 raise UnavailableError("the request ended without a response") from None
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
+        except BodyTooLarge as exc:
+            log.info("request body too large", limit=self.max_body_bytes)
+            return _too_large(exc)
         except Exception as exc:
             return error_response(exc, chat)
         shaper = Shaper(kind, self.model_name, first.request_id, req.return_token_ids)  # type: ignore[arg-type]
