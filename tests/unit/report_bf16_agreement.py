@@ -1,7 +1,9 @@
 """Report (not a test): how often our bf16 engine agrees with transformers in bf16, per tiny
 family, on the inputs of test_model_vs_transformers (5 prompts x 40 greedy tokens per case).
 
-    PYTHONPATH=src python -m tests.unit.report_bf16_agreement
+    PYTHONPATH=src python -m tests.unit.report_bf16_agreement [--variant]
+
+--variant: the batch-variant attention (SDPA), for comparison.
 
 Per case: tokens equal to transformers' up to the first divergence (of 200), prompts whose 40
 tokens are all equal (of 5), and whether each divergence fell on a near-tie (reference top-2
@@ -49,6 +51,10 @@ def agreement(case: str, root: Path, tok_dir: Path) -> tuple[int, int, int, int,
 
 
 def main() -> int:
+    if "--variant" in sys.argv:
+        from pdserve.model.attention.torch import TorchAttentionBackend
+
+        TorchAttentionBackend.batch_invariant = False
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tok_dir = tiny_checkpoint(root / "tok", vocab=512)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-KV_TILE = 128  # keys per reduction tile of the P @ V GEMM and of the softmax normaliser
+KV_TILE = 64  # keys per reduction tile of the P @ V GEMM and of the softmax normaliser
 MIN_ROWS = 4  # MKL's float32 GEMM takes another kernel below 4 rows
 Q_BLOCK = 256  # query tokens per block of a long prefill (bounds the [rows, S] score memory)
 
