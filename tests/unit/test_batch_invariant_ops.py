@@ -143,3 +143,22 @@ def test_tied_head_rows_are_invariant(dtype):
     ref = linear_rows(x[:1], w)
     for m in (2, 3, 5, 64):
         assert torch.equal(linear_rows(x[:m], w)[:1], ref), f"rows {m}"
+
+
+def test_worker_flag_and_engine_config_reach_the_runner(monkeypatch, tmp_path):
+    """`--no-batch-invariant` / PDSERVE_BATCH_INVARIANT=0 -> EngineConfig -> attention + linears."""
+    from pdserve.config import load_settings
+    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.model.tiny import TinySpec, make_tiny
+    from pdserve.worker.settings import WorkerSettings
+
+    assert load_settings(WorkerSettings, []).batch_invariant is True
+    assert load_settings(WorkerSettings, ["--no-batch-invariant"]).batch_invariant is False
+    monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", "0")
+    assert load_settings(WorkerSettings, []).batch_invariant is False
+    model = make_tiny(tmp_path / "m", TinySpec(vocab=512, intermediate=2048))
+    for flag in (False, True):
+        e = LLMEngine(EngineConfig(model, dtype="float32", num_blocks=8, batch_invariant=flag))
+        assert e.runner.model.attn_backend.batch_invariant is flag
+        rows = {m.min_rows for m in e.runner.model.modules() if isinstance(m, PackedLinear)}
+        assert rows == ({2} if flag else {1}) or not packing_supported(torch.float32)

@@ -11,7 +11,7 @@ different bits, in fp32 and bf16 alike.
   - scores = q @ k^T by a float32 batched GEMM whose reduction axis is head_dim (fixed). The
     GEMM's per-element result depends on the row count only below MIN_ROWS rows (MKL takes
     another kernel for 1-3 rows), so query rows are padded to at least MIN_ROWS; it does not
-    depend on the key count (measured for every multiple of 64 up to 4096);
+    depend on the key count (measured for padded key counts from 64 to 4096);
   - keys are laid out in tiles of KV_TILE positions counted from position 0 of the sequence,
     padded with masked keys. Padding only ever adds whole tiles or masked slots whose
     probability is exactly 0, and adding an exact 0 changes no sum;
@@ -19,6 +19,10 @@ different bits, in fp32 and bf16 alike.
     (fixed length), then adds the tile sums in order (cumsum, sequential); P @ V is one GEMM
     per tile (reduction length KV_TILE: MKL's result for a longer reduction changes with its
     length, zeros or not) whose partial outputs are added in tile order the same way.
+These properties are measured, not promised by MKL / oneDNN: tests/unit/test_batch_invariant_ops.py
+checks them on the machine that runs the suite (another BLAS or torch build may differ).
+Padding keys of a decode batch are read from cache row 0 (finite values: the cache is zeroed at
+allocation and only ever holds computed K/V), so their exactly-0 weights contribute exact zeros.
 Query rows are independent, so long prefills are cut into row blocks (Q_BLOCK tokens) without
 changing any result, and each block only reads the key tiles its causal horizon reaches.
 """
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-KV_TILE = 128  # keys per reduction tile of the P @ V GEMM and of the softmax normaliser
+KV_TILE = 64  # keys per reduction tile of the P @ V GEMM and of the softmax normaliser
 MIN_ROWS = 4  # MKL's float32 GEMM takes another kernel below 4 rows
 Q_BLOCK = 256  # query tokens per block of a long prefill (bounds the [rows, S] score memory)
 
@@ -83,7 +87,7 @@ def tile_bias(
     m = (kpos <= qp[..., None]) & (kpos < ctx)  # [B, Tq, S]
     if window is not None:
         m &= kpos > qp[..., None] - window
-    bias = torch.zeros(m.shape).masked_fill_(~m, float("-inf"))
+    bias = torch.zeros(m.shape, device=qp.device).masked_fill_(~m, float("-inf"))
     return bias[:, None, :, None, :]
 
 
@@ -119,6 +123,6 @@ def attend_sequence(
 def _pad_keys(x: torch.Tensor, s: int) -> torch.Tensor:
     """[n, Hkv, D] -> [Hkv, s, D] float32, zero rows appended (masked, so never weighted)."""
     n, hkv, d = x.shape
-    out = torch.zeros(hkv, s, d)
+    out = torch.zeros(hkv, s, d, device=x.device)
     out[:, :n] = x.transpose(0, 1)
     return out
