@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,8 @@ def real_results(
     results: dict[str, Any] = {}
     for name, flags in arms.items():
         before = _probe(args)
-        print(f"== real arm {name}: pdserve up {shlex.join(flags + extra)}", flush=True)
+        print(f"== real arm {name}: pdserve up {shlex.join(flags + extra)}", file=sys.stderr,
+              flush=True)  # fmt: skip
         cluster = UpProcess(flags + extra, port=0, ready_timeout_s=args.ready_timeout,
                           log_path=out.parent / f"{out.stem}_{name}_up.log")  # fmt: skip
         arm_args = argparse.Namespace(**vars(args))
@@ -97,13 +99,14 @@ def real_results(
         if overhead is not None:
             # in modelled seconds, as the cluster's clock runs
             results[name]["path_overhead_s"] = overhead / arm_args.clock_scale
-            print(f"   request path overhead {overhead * 1e3:.2f} ms wall", flush=True)
+            print(f"   request path overhead {overhead * 1e3:.2f} ms wall", file=sys.stderr,
+                  flush=True)  # fmt: skip
         after = _probe(args)
         if before and after:
             factor = (before["factor"] + after["factor"]) / 2
             results[name]["contention"] = {"before": before, "after": after, "factor": factor}
             print(f"   contention factor {before['factor']:.2f} before, {after['factor']:.2f} "
-                  f"after: {factor:.2f}", flush=True)  # fmt: skip
+                  f"after: {factor:.2f}", file=sys.stderr, flush=True)  # fmt: skip
     return results
 
 
