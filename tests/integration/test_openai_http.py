@@ -18,6 +18,8 @@ from pdserve.client import Client, ResourceExhausted, Unauthenticated
 
 from .conftest import BLOCK_SIZE, MAX_POS, VOCAB, start_cluster
 
+pytestmark = pytest.mark.integration
+
 KEYS = {"alpha": "sk-alpha-secret", "beta": "sk-beta-secret"}
 SYSTEM = (
     "You are the harbor master of a small fishing town. You answer questions about boats, "
