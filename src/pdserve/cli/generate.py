@@ -105,6 +105,8 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
             raise InvalidRequestError("prompt", "this model has no tokenizer: use --prompt-ids")
         prompt_ids = tokenizer.encode(args.prompt)
 
+    # The router's detokenizer, fed as the router feeds it: the same text for the same tokens.
+    detok = tokenizer.detokenizer() if tokenizer is not None else None
     start = time.perf_counter()
     engine.add_request("cli", prompt_ids, params)
     token_ids: list[int] = []
@@ -115,12 +117,16 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
             token_ids += out.new_token_ids
             times += [time.perf_counter()] * len(out.new_token_ids)
             reason, cached = out.finish_reason, out.num_cached_tokens
+            if detok is not None:
+                detok.add(out.new_token_ids)
+    if detok is not None:
+        detok.flush()
     end = time.perf_counter()
     ttft = (times[0] - start) * 1e3 if times else 0.0
     tpot = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else 0.0
     return {
         "token_ids": token_ids,
-        "text": tokenizer.decode(token_ids) if tokenizer is not None else "",
+        "text": detok.text if detok is not None else "",
         "finish_reason": reason,
         "prompt_tokens": len(prompt_ids),
         "cached_tokens": cached,
