@@ -133,6 +133,7 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_ms": ttft,
         "tpot_ms": tpot,
         "e2e_ms": (end - start) * 1e3,
+        "dtype": engine.spec.dtype,  # resolved: what ran (never "auto")
     }
 
 
@@ -161,6 +162,9 @@ def run_remote(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["prompt"] = args.prompt
     with Client(args.addr, api_key=args.api_key) as client:
         r = client.generate(**kwargs)
+        usage = r.usage
+        served_by = (usage.decode_instance or usage.prefill_instance) if usage else ""
+        dtype = _served_dtype(client, served_by)
     return {
         "token_ids": list(r.token_ids),
         "text": r.text,
@@ -170,4 +174,18 @@ def run_remote(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_ms": r.ttft_ms,
         "tpot_ms": r.tpot_ms,
         "e2e_ms": r.e2e_ms,
+        "dtype": dtype,
     }
+
+
+def _served_dtype(client: Any, instance_id: str) -> str:
+    """The dtype of the worker that produced the tokens (from the router's Status), else
+    what the cluster serves; "" when the router cannot say."""
+    try:
+        status = client.status(timeout=5.0)
+    except Exception:  # the tokens are what matters; the dtype is a label
+        return ""
+    for inst in status.instances:
+        if inst.instance_id == instance_id and inst.dtype:
+            return inst.dtype
+    return status.dtype

@@ -74,6 +74,7 @@ class WorkerCore:
         _log.info(
             "worker loaded", role=self.role, model=self.model_dir, blocks=engine.num_blocks,
             block_size=engine.spec.block_size, kv_fingerprint=engine.kv_fingerprint[:16],
+            dtype=engine.spec.dtype, dtype_setting=s.dtype,  # served (resolved) and as asked
         )  # fmt: skip
 
     @property
