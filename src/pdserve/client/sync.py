@@ -21,7 +21,7 @@ import concurrent.futures
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Generic, TypeVar
 
 from .aio import DEFAULT_ADDR, AsyncClient
@@ -34,14 +34,16 @@ _SETTLE_S = 10.0  # how long a cancelled call may take to stop
 
 
 class _Call(Generic[T]):
-    """One awaitable run as a task on `loop`, started and cancelled from another thread."""
+    """One awaitable run as a task on `loop`, started and cancelled from another thread.
+    `make` builds the awaitable on the loop thread, when (and only if) it starts: a call
+    cancelled before it started leaves no coroutine behind."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, aw: Awaitable[T]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, make: Callable[[], Awaitable[T]]) -> None:
         self._loop = loop
-        self._aw = aw
-        self._coro = _await(aw)
+        self._make = make
         self._task: asyncio.Task[T] | None = None
         self._cancel_requested = False  # loop thread only
+        self.started = False  # set on the loop thread: the awaitable was built and scheduled
         self._done = threading.Event()
         self._outcome: tuple[bool, Any] = (False, concurrent.futures.CancelledError())
 
@@ -70,18 +72,20 @@ class _Call(Generic[T]):
     # loop thread
     def _start(self) -> None:
         if self._cancel_requested:  # the cancel overtook the start: never run it
-            self._coro.close()
-            if isinstance(self._aw, Coroutine):
-                self._aw.close()
             self._done.set()
             return
-        self._task = self._loop.create_task(self._coro)
+        self.started = True
+        # the awaitable itself (no wrapper coroutine): a task cancelled before its first step
+        # throws into it, so it never counts as "never awaited"
+        self._task = asyncio.ensure_future(self._make(), loop=self._loop)
         self._task.add_done_callback(self._finished)
 
     def _cancel(self) -> None:
         self._cancel_requested = True
         if self._task is not None:
             self._task.cancel()
+        else:  # not started, and it never will be
+            self._done.set()
 
     def _finished(self, task: asyncio.Task[T]) -> None:
         if task.cancelled():
@@ -91,10 +95,6 @@ class _Call(Generic[T]):
         else:
             self._outcome = (True, task.result())
         self._done.set()
-
-
-async def _await(aw: Awaitable[T]) -> T:
-    return await aw
 
 
 _END = object()
@@ -152,13 +152,17 @@ class Client:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the client's loop and wait. Interrupted (Ctrl-C), it cancels the
         coroutine and waits until it stopped before re-raising."""
-        call = _Call(self._loop, coro)
+        call: _Call[T] | None = None
         try:
+            call = _Call(self._loop, lambda: coro)
             call.start()
             return call.result()
         except BaseException:
-            call.cancel()
-            call.wait(_SETTLE_S)
+            if call is not None:
+                call.cancel()
+                call.wait(_SETTLE_S)
+            if call is None or not call.started:
+                coro.close()  # never ran: no "coroutine was never awaited"
             raise
 
     def generate_stream(
@@ -167,8 +171,12 @@ class Client:
         """Events as they arrive. Leaving early (break, close(), an exception or Ctrl-C in
         the caller's loop) cancels the call on the router before this generator closes."""
         q: queue.SimpleQueue = queue.SimpleQueue()
-        call = _Call(self._loop, _pump(self._aclient.generate_stream(timeout=timeout, **kwargs), q))
+        call: _Call[None] | None = None
         try:
+            call = _Call(
+                self._loop,
+                lambda: _pump(self._aclient.generate_stream(timeout=timeout, **kwargs), q),
+            )
             call.start()
             while True:
                 try:
@@ -181,8 +189,9 @@ class Client:
                     raise item.exc
                 yield item
         finally:
-            call.cancel()  # a no-op when the stream ended
-            call.wait(_SETTLE_S)
+            if call is not None:
+                call.cancel()  # a no-op when the stream ended
+                call.wait(_SETTLE_S)
 
     def generate(self, *, timeout: float | None = None, **kwargs: Any) -> GenerationResult:
         start = time.perf_counter()
