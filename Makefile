@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml services/*/pyproject.toml
 # the built-in tiny model (random weights: gibberish replies). The banner prints commands
 # that work as shown; ARGS passes more flags, e.g. make run ARGS="--model DIR --api-key KEY".
 run: setup
-	$(VENV)/bin/pdserve up --kvstore $(ARGS)
+	$(VENV)/bin/pdserve up $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -1,7 +1,8 @@
 """Start a whole pdserve deployment as local processes on 127.0.0.1.
 
-`Cluster` is what `pdserve up`, the benchmarks and the integration tests use: kvstore (optional)
--> router -> workers, each a real OS process running its service's `python -m` entry point.
+`Cluster` is what `pdserve up`, the benchmarks and the integration tests use: kvstore
+(`ClusterConfig.kvstore`: off unless asked for, so that tests and benchmarks choose; `pdserve up`
+asks for it unless `--no-kvstore`) -> router -> workers, each a real OS process running its service's `python -m` entry point.
 A process is ready when it prints the `PDSERVE_READY {json}` line (written by the shared server
 lifecycle); the cluster is ready when the router lists every worker as registered.
 Torch-free.

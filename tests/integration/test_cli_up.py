@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 READY = "PDSERVE_READY "
 
 
@@ -166,8 +168,9 @@ def test_sigterm_stops_everything(up):
     handle, _info, log_dir = up
     banner = "\n".join(handle.lines)
     pids = [int(p) for p in re.findall(r"\(pid (\d+), port", banner)]
-    assert len(pids) == 3, banner  # router, prefill0, decode0
-    assert sorted(p.stem for p in log_dir.glob("*.log")) == ["decode0", "prefill0", "router"]
+    assert len(pids) == 4, banner  # kvstore (on by default), router, prefill0, decode0
+    logs = sorted(p.stem for p in log_dir.glob("*.log"))
+    assert logs == ["decode0", "kvstore", "prefill0", "router"]
     assert all(_alive(pid) for pid in pids)
     handle.proc.send_signal(signal.SIGTERM)
     assert handle.proc.wait(60) == 0

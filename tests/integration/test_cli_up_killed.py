@@ -28,7 +28,7 @@ def test_sigkill_of_up_leaves_no_orphans(serving_model_dir, tmp_path):
     handle.wait_ready(180)
     handle.drain_output()
     pids = [int(p) for p in re.findall(r"\(pid (\d+), port", "\n".join(handle.lines))]
-    assert len(pids) == 3 and all(_alive(pid) for pid in pids)
+    assert len(pids) == 4 and all(_alive(pid) for pid in pids)  # with the kvstore (default)
     handle.proc.send_signal(signal.SIGKILL)
     handle.proc.wait(10)
     deadline = time.monotonic() + 30  # a hang guard: they drain and exit in seconds

@@ -11,6 +11,8 @@ import pytest
 
 from .conftest import counter, pool_idle, reference_tokens, start_cluster, wait_until, worker_info
 
+pytestmark = pytest.mark.integration
+
 HANG_GUARD_S = 15.0  # "promptly": an upper bound against hangs, not a latency claim
 
 

@@ -17,6 +17,8 @@ import pytest
 
 from .conftest import MAX_POS, VOCAB, reference_tokens, start_cluster
 
+pytestmark = pytest.mark.integration
+
 PHASE_GUARD_S = 30.0
 # Low thresholds and a fast tick so the tiny model's load is enough; see RouterSettings.flip_*.
 ROUTER_ARGS = [

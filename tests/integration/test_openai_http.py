@@ -18,6 +18,8 @@ from pdserve.client import Client, ResourceExhausted, Unauthenticated
 
 from .conftest import BLOCK_SIZE, MAX_POS, VOCAB, start_cluster
 
+pytestmark = pytest.mark.integration
+
 KEYS = {"alpha": "sk-alpha-secret", "beta": "sk-beta-secret"}
 MAX_BODY = 64 << 10  # --max-request-bytes of this module's router
 SYSTEM = (

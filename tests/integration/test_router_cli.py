@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from .test_router_fakes import FakeWorker, Log, RouterProcess, make_model_dir
+from .router_fakes import FakeWorker, Log, RouterProcess, make_model_dir
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import pytest
 from pdserve.client import AsyncClient, InvalidArgument, PdserveClientError, Unavailable
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
-from .test_router_fakes import (
+from .router_fakes import (
     FINGERPRINT,
     Behaviour,
     FakeWorker,

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from .conftest import pool_idle, reference_tokens, wait_until
+
+pytestmark = pytest.mark.integration
 
 PROMPT = list(range(3, 43))  # 40 tokens: 3 blocks
 

@@ -8,6 +8,8 @@ import pytest
 
 from .conftest import MAX_POS, VOCAB
 
+pytestmark = pytest.mark.integration
+
 GOOD = dict(token_ids=[5, 6, 7, 8], max_tokens=4, temperature=0.0, ignore_eos=True)
 
 CASES = {

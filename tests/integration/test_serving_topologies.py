@@ -20,6 +20,8 @@ from pdserve.worker.nonce import TOKEN_MESSAGE_INT32
 from .conftest import BLOCK_SIZE, counter, mixed_requests, reference_tokens, start_cluster
 from .conftest import worker_info as info_of
 
+pytestmark = pytest.mark.integration
+
 TOPOLOGIES = {
     "2p1d": dict(mode="disagg", prefill=2, decode=1),
     "1p2d": dict(mode="disagg", prefill=1, decode=2),

@@ -54,3 +54,25 @@ def test_http_port_defaults():
     assert _http_port(parse(["up"])) == 8000
     assert _http_port(parse(["up", "--port", "0"])) == 0  # side-by-side clusters never collide
     assert _http_port(parse(["up", "--port", "0", "--http-port", "9000"])) == 9000
+
+
+def test_kvstore_on_by_default():
+    """`pdserve up` starts the system the README describes, kvstore included."""
+    from pdserve.cli.main import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["up"]).kvstore is True
+    assert parse(["up", "--no-kvstore"]).kvstore is False
+    assert parse(["up", "--kvstore"]).kvstore is True
+
+
+def test_bench_arms_choose_the_kvstore():
+    """Benchmark arms keep their meaning: no kvstore unless the arm asks for it."""
+    from pdserve.bench.cluster import UpProcess
+
+    assert "--no-kvstore" in UpProcess([]).cmd
+    cmd = UpProcess(["--kvstore"]).cmd
+    assert cmd.index("--kvstore") > cmd.index("--no-kvstore")  # the arm's flag wins
+    from pdserve.cli.main import build_parser
+
+    assert build_parser().parse_args(cmd[cmd.index("up") :]).kvstore is True

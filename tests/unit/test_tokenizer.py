@@ -54,7 +54,7 @@ def test_incremental_detokenizer(tok, text):
     deltas = [det.add(i) for i in ids]
     deltas.append(det.flush())
     assert "".join(deltas) == text == det.text
-    assert all("\ufffd" not in d for d in deltas)
+    assert all("\ufffd" not in d for d in deltas)  # valid text: no replacement anywhere
 
 
 def test_detokenizer_holds_back_split_characters(tok):
@@ -76,27 +76,61 @@ def test_detokenizer_holds_back_split_characters(tok):
     head = tok.encode("🍞", add_special_tokens=False)
     assert len(head) > 1
     assert det.add(head[:-1]) == ""
-    assert "\ufffd" not in det.flush()  # an incomplete character is dropped, never U+FFFD
+    assert det.flush() == "\ufffd" == tok.decode(head[:-1])  # cut off: ends the text as U+FFFD
 
 
-def test_detokenizer_never_emits_replacement_chars(tok):
-    """A model may emit token sequences that are not UTF-8 (a lead byte then ASCII, a stray
-    continuation byte, a character cut off at the end): the bytes stay in the token ids but
-    no delta carries U+FFFD, and the valid text around them survives."""
-    import random
+def _stream(tok, ids, sizes) -> list[str]:
+    """Deltas of `ids` fed in chunks of the given sizes (cycled), then the flush."""
+    det, deltas, i, k = tok.detokenizer(), [], 0, 0
+    while i < len(ids):
+        n = sizes[k % len(sizes)]
+        deltas.append(det.add(ids[i : i + n]))
+        i, k = i + n, k + 1
+    deltas.append(det.flush())
+    assert "".join(deltas) == det.text
+    return deltas
 
-    lead = [i for i in range(tok.vocab_size) if tok.decode([i]).endswith("\ufffd")]
+
+def test_invalid_utf8_rule(tok):
+    """The one rule for bytes that are not UTF-8 (docs/HTTP_API.md, "Text"): U+FFFD followed
+    by text is final and sent; a trailing U+FFFD is held back while streaming (the next token
+    may complete the character) and flushed as U+FFFD at the end."""
+    from pdserve.model.tokenizer import detokenize
+
+    lead = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"]
     assert lead, "the vocabulary should have tokens ending mid-character"
     word = tok.encode(" harbor", add_special_tokens=False)
     det = tok.detokenizer()
-    out = det.add(lead[0]) + "".join(det.add(i) for i in word) + det.flush()
-    assert "\ufffd" not in out and out.endswith("harbor")
+    assert det.add(lead[0]) == ""  # may be the start of a character: held
+    middle = det.add(word)
+    assert middle.startswith("\ufffd") and middle.endswith("harbor")  # it never completed
+    assert det.flush() == ""
+    det = tok.detokenizer()
+    assert det.add(word) == " harbor" and det.add(lead[0]) == ""
+    assert det.flush() == "\ufffd"  # cut off at the end of the stream
+    ids = [*word, lead[0], *word, lead[0]]
+    assert detokenize(tok, ids) == tok.decode(ids) == " harbor\ufffd harbor\ufffd"
+
+
+def test_streamed_text_is_the_decoded_text_for_any_tokens(tok):
+    """Any token sequence, valid UTF-8 or not, fed in any chunking: the deltas concatenate
+    to tokenizer.decode(ids), and no delta before the flush ends in U+FFFD."""
+    import random
+
+    from pdserve.model.tokenizer import detokenize
+
     rng = random.Random(0)
-    for _ in range(100):
-        det = tok.detokenizer()
-        ids = [rng.randrange(tok.vocab_size) for _ in range(30)]
-        deltas = [det.add(i) for i in ids] + [det.flush()]
-        assert all("\ufffd" not in d for d in deltas)
+    with_fffd = 0
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        whole = tok.decode(ids)
+        with_fffd += "\ufffd" in whole
+        assert detokenize(tok, ids) == whole
+        for sizes in ([1], [2, 1, 3], [len(ids)]):
+            deltas = _stream(tok, ids, sizes)
+            assert "".join(deltas) == whole, (ids, sizes)
+            assert not any(d.endswith("\ufffd") for d in deltas[:-1]), (ids, sizes)
+    assert with_fffd > 20, "random ids should often be invalid UTF-8"
 
 
 def test_chat_template(tok):

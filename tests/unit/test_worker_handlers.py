@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -173,11 +174,19 @@ async def test_lease_expiry_aborts_an_admitted_request_nobody_collected(pair):
     await pair.assert_idle()
 
 
-async def test_a_dead_lease_is_not_live_for_drain(pair):
-    await pair.reserve("e3", lease_s=0.05)
-    await asyncio.sleep(0.06)
+async def test_a_dead_lease_is_not_live_for_drain(pair, monkeypatch):
+    """A lease that ran out counts as dead for a drain at once, even before its expiry timer
+    released it. The wall clock is moved past the lease (no sleep racing the timer)."""
+    import pdserve.worker.decode as decode_mod
+
+    await pair.reserve("e3", lease_s=30.0)
+    assert pair.decode.num_live_reservations == 1
+    past_the_lease = time.time() + 31.0
+    monkeypatch.setattr(decode_mod, "time", SimpleNamespace(time=lambda: past_the_lease))
     assert pair.decode.num_live_reservations == 0  # a drain does not wait for it
-    await wait_for(lambda: pair.decode.num_reserved == 0)
+    assert pair.decode.num_reserved == 1  # still held: the timer has not fired
+    monkeypatch.undo()
+    assert await pair.decode.abort("e3")
     await pair.assert_idle()
 
 

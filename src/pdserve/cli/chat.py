@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import closing
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -105,10 +106,13 @@ class ChatLoop:
     def reply(self, text: str) -> None:
         usage = None
         try:
-            for ev in self.session.stream(text):
-                self.out.write(ev.text)
-                self.out.flush()
-                usage = ev.usage or usage
+            # closing(): on Ctrl-C the call is cancelled here, not whenever the generator is
+            # collected (where a second Ctrl-C would be swallowed as "Exception ignored")
+            with closing(self.session.stream(text)) as events:
+                for ev in events:
+                    self.out.write(ev.text)
+                    self.out.flush()
+                    usage = ev.usage or usage
         except KeyboardInterrupt:
             self._interrupted = True
             self.out.write("\n")
@@ -174,6 +178,8 @@ def _readline() -> None:
 def run(args: argparse.Namespace) -> int:
     from pdserve.client import ChatSession, Client, PdserveClientError, Unavailable
 
+    from .interrupt import InterruptGuard
+
     interactive = sys.stdin.isatty()
     if interactive:
         _readline()
@@ -198,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
                     f"pdserve chat: {status.model or 'model'} at {args.addr}; /help for commands",
                     file=sys.stderr,
                 )
-            return ChatLoop(session, sys.stdout, sys.stderr, interactive).run()
+            with InterruptGuard():  # no Ctrl-C is lost while the main thread blocks
+                return ChatLoop(session, sys.stdout, sys.stderr, interactive).run()
     except PdserveClientError as exc:
         print(f"error: {type(exc).__name__}: {exc.message}", file=sys.stderr)
         return 1

@@ -114,6 +114,8 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
             raise InvalidRequestError("prompt", "this model has no tokenizer: use --prompt-ids")
         prompt_ids = tokenizer.encode(args.prompt)
 
+    # The router's detokenizer, fed as the router feeds it: the same text for the same tokens.
+    detok = tokenizer.detokenizer() if tokenizer is not None else None
     start = time.perf_counter()
     engine.add_request("cli", prompt_ids, params)
     token_ids: list[int] = []
@@ -124,18 +126,23 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
             token_ids += out.new_token_ids
             times += [time.perf_counter()] * len(out.new_token_ids)
             reason, cached = out.finish_reason, out.num_cached_tokens
+            if detok is not None:
+                detok.add(out.new_token_ids)
+    if detok is not None:
+        detok.flush()
     end = time.perf_counter()
     ttft = (times[0] - start) * 1e3 if times else 0.0
     tpot = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else 0.0
     return {
         "token_ids": token_ids,
-        "text": tokenizer.decode(token_ids) if tokenizer is not None else "",
+        "text": detok.text if detok is not None else "",
         "finish_reason": reason,
         "prompt_tokens": len(prompt_ids),
         "cached_tokens": cached,
         "ttft_ms": ttft,
         "tpot_ms": tpot,
         "e2e_ms": (end - start) * 1e3,
+        "dtype": engine.spec.dtype,  # resolved: what ran (never "auto")
     }
 
 
@@ -164,6 +171,9 @@ def run_remote(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["prompt"] = args.prompt
     with Client(args.addr, api_key=args.api_key) as client:
         r = client.generate(**kwargs)
+        usage = r.usage
+        served_by = (usage.decode_instance or usage.prefill_instance) if usage else ""
+        dtype = _served_dtype(client, served_by)
     return {
         "token_ids": list(r.token_ids),
         "text": r.text,
@@ -173,4 +183,18 @@ def run_remote(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_ms": r.ttft_ms,
         "tpot_ms": r.tpot_ms,
         "e2e_ms": r.e2e_ms,
+        "dtype": dtype,
     }
+
+
+def _served_dtype(client: Any, instance_id: str) -> str:
+    """The dtype of the worker that produced the tokens (from the router's Status), else
+    what the cluster serves; "" when the router cannot say."""
+    try:
+        status = client.status(timeout=5.0)
+    except Exception:  # the tokens are what matters; the dtype is a label
+        return ""
+    for inst in status.instances:
+        if inst.instance_id == instance_id and inst.dtype:
+            return inst.dtype
+    return status.dtype

@@ -23,6 +23,14 @@ def _step_ms(ewma: float) -> str:
     return f"{ewma:.1f}" if ewma > 0 else "-"
 
 
+def _dtype(status) -> str:
+    """The dtype the workers serve, and the checkpoint's when it differs (e.g. `auto` serves
+    a float32 checkpoint in bfloat16 on a CPU with AVX512-BF16/AMX)."""
+    served = status.dtype or "- (no worker registered)"
+    ckpt = getattr(status, "checkpoint_dtype", "")
+    return f"{served} (checkpoint: {ckpt})" if ckpt and ckpt != status.dtype else served
+
+
 def format_table(status) -> str:
     """Plain-text table of a pdserve.client.ClusterStatus."""
     header = (
@@ -35,6 +43,7 @@ def format_table(status) -> str:
         "FREE/TOTAL BLOCKS",
         "STEP MS",
         "HB AGE",
+        "DTYPE",
     )
     rows = [header]
     for i in status.instances:
@@ -49,6 +58,7 @@ def format_table(status) -> str:
                 f"{int(i.load['free_blocks'])}/{int(i.load['total_blocks'])}",
                 _step_ms(i.load.get("step_ms_ewma", 0.0)),
                 f"{i.heartbeat_age_s:.1f}s",
+                i.dtype or "-",
             )
         )
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
@@ -61,7 +71,7 @@ def format_table(status) -> str:
         "",
         f"model: {status.model or '-'}    kvstore: {status.kvstore_address or '-'}",
         f"vocab: {status.vocab_size or '-'}    context: {status.context_length or '-'}    "
-        f"block size: {status.block_size or '-'}    dtype: {status.dtype or '-'}",
+        f"block size: {status.block_size or '-'}    dtype: {_dtype(status)}",
         f"requests: {status.requests_total} total, {status.requests_running} running",
         f"prompt tokens: {status.prompt_tokens_total}, cached: {status.cached_tokens_total} "
         f"(hit rate {status.cache_hit_rate:.1%})",

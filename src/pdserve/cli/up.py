@@ -14,7 +14,7 @@ DEFAULT_HTTP_PORT = 8000
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "up",
-        help="start router + workers (+ kvstore) as local processes",
+        help="start kvstore + router + workers as local processes",
         description="Start a pdserve deployment on 127.0.0.1 and keep it in the foreground; "
         "Ctrl-C or SIGTERM stops all of it.",
     )
@@ -26,8 +26,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kvstore",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="start the host-memory KV store",
+        default=True,
+        help="start the host-memory KV store, part of the system: prefix KV reuse across "
+        "workers and turns (default: on; --no-kvstore runs without it)",
     )
     p.add_argument("--kvstore-capacity-bytes", type=int, default=1 << 30)
     p.add_argument("--port", type=int, default=50051, help="router port (0 = any free port)")

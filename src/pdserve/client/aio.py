@@ -103,6 +103,7 @@ def _status(resp: router_pb2.StatusResponse) -> ClusterStatus:
                 heartbeat_age_s=i.heartbeat_age_s,
                 load={f: getattr(i.load, f) for f in load_fields},
                 model_fingerprint=i.model_fingerprint,
+                dtype=i.dtype,
             )
             for i in resp.instances
         ],
@@ -120,6 +121,7 @@ def _status(resp: router_pb2.StatusResponse) -> ClusterStatus:
         predictor_kendall_tau=resp.predictor_kendall_tau,
         predictor_observed=resp.predictor_observed,
         queue_waiting=resp.queue_waiting,
+        checkpoint_dtype=resp.checkpoint_dtype,
     )
 
 

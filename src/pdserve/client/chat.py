@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import closing
 from typing import Any
 
 from .aio import AsyncClient
@@ -65,10 +66,13 @@ class ChatSession:
         self._h = _History(self._h.system, None, self._h.defaults)
 
     def stream(self, text: str, **overrides: Any) -> Iterator[GenerationEvent]:
+        """The reply's events; the turn enters the history only when the reply completed.
+        Closing it early (or Ctrl-C) cancels the call at once (see Client.generate_stream)."""
         parts: list[str] = []
-        for ev in self.client.generate_stream(**self._h.request(text, overrides)):
-            parts.append(ev.text)
-            yield ev
+        with closing(self.client.generate_stream(**self._h.request(text, overrides))) as events:
+            for ev in events:
+                parts.append(ev.text)
+                yield ev
         self._h.commit(text, "".join(parts))
 
     def send(self, text: str, **overrides: Any) -> GenerationResult:

@@ -69,6 +69,7 @@ class InstanceInfo:
     heartbeat_age_s: float
     load: dict[str, float]
     model_fingerprint: str = ""
+    dtype: str = ""  # the dtype it serves (resolved)
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,12 @@ class ClusterStatus:
     vocab_size: int = 0  # 0 = unknown (router without --model)
     context_length: int = 0
     block_size: int = 0
-    dtype: str = ""
+    dtype: str = ""  # what the registered workers serve (resolved; "a,b" if they differ)
     predictor: str = ""
     predictor_kendall_tau: float = 0.0  # running, over the router's recent finished requests
     predictor_observed: int = 0
     queue_waiting: int = 0
+    checkpoint_dtype: str = ""  # config.json's torch_dtype; `dtype` is what the workers serve
 
     @property
     def cache_hit_rate(self) -> float:
@@ -107,6 +109,7 @@ class ClusterStatus:
             "context_length": self.context_length,
             "block_size": self.block_size,
             "dtype": self.dtype,
+            "checkpoint_dtype": self.checkpoint_dtype,
             "model": self.model,
             "kvstore_address": self.kvstore_address,
             "predictor": self.predictor,

@@ -160,20 +160,24 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into complete UTF-8 text deltas.
+    """Turns a stream of token ids into text deltas: THE detokenizer of every path (the
+    router's gRPC and HTTP doors, `pdserve generate --model` in process).
 
-    Keeps two offsets into the ids: text of ids[prefix:read] was already emitted; on each
-    new token it decodes ids[prefix:] and emits what lies beyond the prefix text, unless
-    the decoded tail ends in U+FFFD (a multi-byte character split across tokens), in
-    which case it holds back until a later token completes it. Decoding from `prefix`
-    (not from 0) keeps each step O(window). `flush()` returns whatever is held back at the
-    end of a stream.
+    The rule (docs/HTTP_API.md, "Text"): a request's text is `decode(all its tokens)`, with
+    bytes that are not UTF-8 decoded to U+FFFD (one per maximal invalid subpart, as Python
+    and Rust do). Streamed or not, the deltas concatenate to exactly that text:
+    - while streaming, a trailing run of U+FFFD is held back: it may be a multi-byte
+      character split across tokens, which the next token completes;
+    - as soon as text follows it, a U+FFFD is final (bytes that can never complete, e.g. a
+      lead byte followed by ASCII, or a stray continuation byte) and is sent;
+    - at the end of the stream (`flush`), what is held is sent as decoded: an incomplete
+      character cut off by max_tokens or a stop ends the text as U+FFFD.
+    A delta returned by `add` therefore never ends in U+FFFD; only `flush`'s may.
 
-    Deltas never contain U+FFFD: a byte sequence that is not UTF-8 (a model may emit any
-    token order, e.g. a lead byte followed by ASCII, a stray continuation byte, or a
-    character cut off by max_tokens) decodes to replacement characters, which used to leak
-    into the text; they are dropped (the token ids still carry every byte). The cost: a
-    model that really means U+FFFD loses it from the text."""
+    Keeps two offsets into the ids: text of ids[prefix:read] was already emitted; each step
+    decodes ids[prefix:] and emits what lies beyond the prefix text. `prefix` only moves to
+    a point where the decoded text ended on a complete character, so decoding from it (not
+    from 0: each step is O(window)) gives the same characters as decoding everything."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
@@ -184,23 +188,30 @@ class IncrementalDetokenizer:
         self.text = ""  # everything emitted so far
 
     def add(self, token_ids: int | Sequence[int]) -> str:
-        """Append token(s); return the new complete text (possibly "")."""
+        """Append token(s); return the new final text (possibly "")."""
         self.ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
         prefix_text = self._tok.decode(self.ids[self._prefix : self._read], self._skip)
         full = self._tok.decode(self.ids[self._prefix :], self._skip)
         if len(full) <= len(prefix_text) or full.endswith(REPLACEMENT_CHAR):
-            return ""
-        delta = full[len(prefix_text) :].replace(REPLACEMENT_CHAR, "")
+            return ""  # nothing new, or it may end mid-character: hold it back
+        delta = full[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
         return delta
 
     def flush(self) -> str:
-        """End of stream: emit the held-back tail even if incomplete."""
+        """End of stream: emit what is held back, an incomplete character as U+FFFD."""
         prefix_text = self._tok.decode(self.ids[self._prefix : self._read], self._skip)
         full = self._tok.decode(self.ids[self._prefix :], self._skip)
         delta = full[len(prefix_text) :] if len(full) > len(prefix_text) else ""
-        delta = delta.replace(REPLACEMENT_CHAR, "")
         self._prefix = self._read = len(self.ids)
         self.text += delta
         return delta
+
+
+def detokenize(tokenizer: Tokenizer, token_ids: Sequence[int]) -> str:
+    """A whole request's text by the streaming rule (equal to tokenizer.decode(token_ids))."""
+    detok = tokenizer.detokenizer()
+    detok.add(token_ids)
+    detok.flush()
+    return detok.text

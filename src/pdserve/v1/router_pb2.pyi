@@ -84,7 +84,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("instance_id", "address", "role", "state", "load", "heartbeat_age_s", "model_fingerprint")
+    __slots__ = ("instance_id", "address", "role", "state", "load", "heartbeat_age_s", "model_fingerprint", "dtype")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class InstanceStatus(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     role: _common_pb2.Role
@@ -99,10 +100,11 @@ class InstanceStatus(_message.Message):
     load: _common_pb2.WorkerLoad
     heartbeat_age_s: float
     model_fingerprint: str
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    dtype: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("instances", "requests_total", "requests_running", "prompt_tokens_total", "cached_tokens_total", "model", "kvstore_address", "vocab_size", "context_length", "block_size", "dtype", "predictor", "predictor_kendall_tau", "predictor_observed", "queue_waiting")
+    __slots__ = ("instances", "requests_total", "requests_running", "prompt_tokens_total", "cached_tokens_total", "model", "kvstore_address", "vocab_size", "context_length", "block_size", "dtype", "predictor", "predictor_kendall_tau", "predictor_observed", "queue_waiting", "checkpoint_dtype")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,7 @@ class StatusResponse(_message.Message):
     PREDICTOR_KENDALL_TAU_FIELD_NUMBER: _ClassVar[int]
     PREDICTOR_OBSERVED_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAITING_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     requests_total: int
     requests_running: int
@@ -133,23 +136,26 @@ class StatusResponse(_message.Message):
     predictor_kendall_tau: float
     predictor_observed: int
     queue_waiting: int
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_running: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., model: _Optional[str] = ..., kvstore_address: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., predictor: _Optional[str] = ..., predictor_kendall_tau: _Optional[float] = ..., predictor_observed: _Optional[int] = ..., queue_waiting: _Optional[int] = ...) -> None: ...
+    checkpoint_dtype: str
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_running: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., model: _Optional[str] = ..., kvstore_address: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., predictor: _Optional[str] = ..., predictor_kendall_tau: _Optional[float] = ..., predictor_observed: _Optional[int] = ..., queue_waiting: _Optional[int] = ..., checkpoint_dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("instance_id", "address", "role", "model_fingerprint", "block_size", "load")
+    __slots__ = ("instance_id", "address", "role", "model_fingerprint", "block_size", "load", "dtype")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     role: _common_pb2.Role
     model_fingerprint: str
     block_size: int
     load: _common_pb2.WorkerLoad
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+    dtype: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s", "kvstore_address")

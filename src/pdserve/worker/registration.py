@@ -93,6 +93,7 @@ class Registration:
                 model_fingerprint=core.engine.model_fingerprint,
                 block_size=core.engine.spec.block_size,
                 load=core.load_snapshot().to_proto(),
+                dtype=core.engine.spec.dtype,
             ),
             timeout=5.0,
         )

@@ -65,6 +65,7 @@ class Instance:
     # Router-side counters: exact and current, unlike the heartbeat's load.
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    dtype: str = ""  # what it serves, resolved ("" from a worker that does not say)
 
     @property
     def role_name(self) -> str:
@@ -96,6 +97,7 @@ class Registry:
         model_fingerprint: str,
         block_size: int,
         load: LoadReport | None = None,
+        dtype: str = "",
     ) -> Instance:
         if not instance_id:
             raise InvalidRequestError("instance_id", "must not be empty")
@@ -119,6 +121,7 @@ class Registry:
             block_size=block_size,
             load=load or LoadReport(),
             last_heartbeat=self._clock(),
+            dtype=dtype,
         )
         old = self._instances.get(instance_id)
         if old is not None:  # re-registration (e.g. after a role flip) keeps router counters

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from pdserve.errors import InvalidRequestError, OverloadedError, PermissionDeniedError
+from pdserve.model.dtypes import DTYPE_NAMES
 from pdserve.rpc.authz import current_peer
 from pdserve.rpc.ids import check_id
 from pdserve.v1 import common_pb2, router_pb2
@@ -60,6 +61,8 @@ def check_register(req: router_pb2.RegisterRequest) -> None:
         )
     if not 1 <= req.block_size <= MAX_BLOCK_SIZE:
         raise InvalidRequestError("block_size", f"must be in [1, {MAX_BLOCK_SIZE}]")
+    if req.dtype and req.dtype not in DTYPE_NAMES:
+        raise InvalidRequestError("dtype", f"must be empty or one of {', '.join(DTYPE_NAMES)}")
     check_load(req.load)
 
 

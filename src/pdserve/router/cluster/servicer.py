@@ -45,6 +45,7 @@ class RegistryServicer(router_pb2_grpc.RegistryServicer):
             request.model_fingerprint,
             request.block_size,
             LoadReport.from_proto(request.load),
+            request.dtype,
         )
         self.owners.claim(inst.instance_id)
         log.info(

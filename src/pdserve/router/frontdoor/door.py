@@ -197,7 +197,8 @@ class FrontDoor:
             vocab_size=vocab,
             context_length=context,
             block_size=instances[0].block_size if instances else 0,
-            dtype=self.model.dtype,
+            dtype=",".join(sorted({i.dtype for i in instances if i.dtype})),  # what is served
+            checkpoint_dtype=self.model.dtype,
         )
         length = self.orch.length
         resp.predictor = length.predictor.name
@@ -215,6 +216,7 @@ class FrontDoor:
                     load=common_pb2.WorkerLoad(**inst.load.__dict__),
                     heartbeat_age_s=self.registry.heartbeat_age(inst),
                     model_fingerprint=inst.model_fingerprint,
+                    dtype=inst.dtype,
                 )
             )
         return resp

@@ -1,5 +1,5 @@
-"""Token ids -> text deltas for one request: incremental detokenization (only
-complete UTF-8 characters leave) followed by the stop-string matcher. Feeds
+"""Token ids -> text deltas for one request: incremental detokenization (the U+FFFD
+rule of docs/HTTP_API.md, "Text") followed by the stop-string matcher. Feeds
 one token at a time so a stop string is attributed to the token completing it."""
 
 from __future__ import annotations

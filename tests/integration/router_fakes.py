@@ -1,4 +1,4 @@
-"""Test doubles for the router tests (no tests here): a model directory with a
+"""Test doubles for the router tests (a helper module, not collected): a model directory with a
 real byte-level BPE tokenizer but no weights, the router as a real process, and
 fake Worker servicers with deterministic tokens that log every call."""
 

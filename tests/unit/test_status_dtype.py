@@ -1,0 +1,57 @@
+"""The served dtype in the router's bookkeeping and in `pdserve status`: a registration
+carries the resolved dtype (checked: never `auto`, never junk), the registry keeps it, and
+the table shows it next to the checkpoint's when they differ."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.client.results import ClusterStatus, InstanceInfo
+from pdserve.errors import InvalidRequestError
+from pdserve.router.registry import ROLE_COLOCATED, Registry
+from pdserve.router.registry_checks import check_register
+from pdserve.v1 import common_pb2, router_pb2
+
+
+def _register(dtype: str) -> router_pb2.RegisterRequest:
+    return router_pb2.RegisterRequest(
+        instance_id="w0", address="127.0.0.1:7000", role=common_pb2.ROLE_COLOCATED,
+        model_fingerprint="abc", block_size=16, dtype=dtype,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["", "float32", "bfloat16"])
+def test_register_accepts_a_resolved_dtype(dtype):
+    check_register(_register(dtype))
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp32", "x" * 1000])
+def test_register_refuses_anything_else_naming_the_field(dtype):
+    with pytest.raises(InvalidRequestError) as err:
+        check_register(_register(dtype))
+    assert err.value.field == "dtype"
+
+
+def test_registry_keeps_the_dtype():
+    reg = Registry()
+    inst = reg.register("w0", "127.0.0.1:7000", ROLE_COLOCATED, "abc", 16, dtype="bfloat16")
+    assert inst.dtype == "bfloat16" and reg.instances()[0].dtype == "bfloat16"
+
+
+def _status(dtype: str, ckpt: str) -> ClusterStatus:
+    inst = InstanceInfo(
+        "w0", "127.0.0.1:7000", "colocated", "serving", 0.1,
+        {"num_running": 0, "num_waiting": 0, "free_blocks": 8, "total_blocks": 8},
+        dtype=dtype,
+    )  # fmt: skip
+    return ClusterStatus([inst], 0, 0, 0, 0, "m", "", dtype=dtype, checkpoint_dtype=ckpt)
+
+
+def test_table_shows_the_served_dtype_and_the_checkpoints():
+    from pdserve.cli.status import format_table
+
+    table = format_table(_status("bfloat16", "float32"))
+    assert "dtype: bfloat16 (checkpoint: float32)" in table
+    assert "DTYPE" in table.splitlines()[0] and "bfloat16" in table.splitlines()[1]
+    assert "dtype: float32\n" in format_table(_status("float32", "float32")) + "\n"
+    assert _status("bfloat16", "float32").to_dict()["checkpoint_dtype"] == "float32"
