@@ -12,7 +12,7 @@ from pdserve.worker.main import _aliased
 
 
 def test_emulated_dir_serves_text_with_the_stated_tokenizer(tmp_path, make_tiny_dirs):
-    from pdserve.router.model_info import ModelInfo
+    from pdserve.router.frontdoor.model_info import ModelInfo
 
     tok = make_tiny_dirs["llama"]
     out = make_emulated_dir(tmp_path / "emu", "llama3-8b", tok, extra={"hardware": "h100"})

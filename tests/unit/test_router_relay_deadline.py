@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from pdserve.router.orchestrator import Orchestrator
-from pdserve.router.registry import ROLE_DECODE, Registry
 
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import DeadlineError
-from pdserve.router import orchestrator as orch_mod
+from pdserve.router.cluster.registry import ROLE_DECODE, Registry
 from pdserve.router.job import Deadlines, Job
-from pdserve.v1 import common_pb2
+from pdserve.router.lifecycle import orchestrator as orch_mod
+from pdserve.router.lifecycle.orchestrator import Orchestrator
 
 
 class Msg:
@@ -50,9 +49,7 @@ class QuietCall:
 
 
 def _job() -> Job:
-    sampling = common_pb2.SamplingParams(max_tokens=10)
-    return Job(request_id="r1", token_ids=[1, 2], params=SamplingParams(max_tokens=10),
-               sampling=sampling)  # fmt: skip
+    return Job(request_id="r1", token_ids=[1, 2], params=SamplingParams(max_tokens=10))
 
 
 @pytest.mark.parametrize("wait_for", [False, True])
@@ -62,7 +59,7 @@ def test_a_silent_stream_hits_its_deadline(monkeypatch, wait_for: bool, sent: in
     monkeypatch.setattr(orch_mod, "RELAY_WAIT_FOR", wait_for)
     reg = Registry(heartbeat_timeout_s=3600.0)
     inst = reg.register("d1", "127.0.0.1:2", ROLE_DECODE, "fp", 16)
-    orch = Orchestrator(reg, None, None, None, Deadlines(first_token_s=0.05, decode_idle_s=0.1))
+    orch = Orchestrator(reg, None, None, Deadlines(first_token_s=0.05, decode_idle_s=0.1))
     call = QuietCall(sent)
 
     async def scenario() -> list:

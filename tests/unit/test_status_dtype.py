@@ -8,8 +8,8 @@ import pytest
 
 from pdserve.client.results import ClusterStatus, InstanceInfo
 from pdserve.errors import InvalidRequestError
-from pdserve.router.registry import ROLE_COLOCATED, Registry
-from pdserve.router.registry_checks import check_register
+from pdserve.router.cluster.registry import ROLE_COLOCATED, Registry
+from pdserve.router.cluster.registry_checks import check_register
 from pdserve.v1 import common_pb2, router_pb2
 
 
