@@ -66,3 +66,14 @@ def test_helper_modules_hold_no_tests_and_test_modules_hold_some():
                 assert tests, f"{folder}/{p.name} holds no tests: name it as a helper"
             else:
                 assert not tests, f"{folder}/{p.name} is not collected but defines {tests}"
+
+
+def test_the_slow_list_names_tests_that_exist():
+    from .conftest import SLOW
+
+    for name, tests in SLOW.items():
+        path = TESTS / "unit" / name
+        assert path.exists(), f"SLOW lists {name}, which is gone"
+        defined = set(_tests_in(_parse(path)))
+        missing = sorted(set(tests or ()) - defined)
+        assert not missing, f"SLOW lists {name}::{missing}, which are gone"

@@ -21,7 +21,7 @@ import concurrent.futures
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Generic, TypeVar
 
 from .aio import DEFAULT_ADDR, AsyncClient
@@ -105,7 +105,7 @@ class _Raised:
         self.exc = exc
 
 
-async def _pump(agen: AsyncIterator[GenerationEvent], q: queue.SimpleQueue) -> None:
+async def _pump(agen: AsyncGenerator[GenerationEvent, None], q: queue.SimpleQueue) -> None:
     """The only code that iterates `agen`: every event, then _END or the error, into `q`."""
     try:
         async for ev in agen:
