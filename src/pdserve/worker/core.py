@@ -200,27 +200,6 @@ class WorkerCore:
                 self._idle.set()
 
     # ------------------------------------------------------------------ requests
-    async def reserve(
-        self,
-        request_id: str,
-        num_prompt_tokens: int,
-        lease_s: float,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams | None,
-        num_predicted_tokens: int = 0,
-    ) -> Ticket:
-        """Reserve KV for a request; it is admitted as soon as its KV and token 0 arrive.
-        `num_predicted_tokens`: output-length headroom the router asks for (best effort)."""
-        self._accept("decode", "colocated")
-        return await self.parts.decode.reserve(
-            request_id,
-            num_prompt_tokens,
-            lease_s or None,
-            prompt_token_ids,
-            params,
-            num_predicted_tokens,
-        )
-
     async def prefill(
         self,
         request_id: str,
@@ -239,16 +218,21 @@ class WorkerCore:
     async def decode(
         self,
         request_id: str,
-        ticket_id: int,
         prompt_token_ids: Sequence[int],
-        first_token: int,
+        params: SamplingParams,
+        lease_s: float = 0.0,
+        num_predicted_tokens: int = 0,
         write_back: bool = False,
-    ) -> AsyncIterator[TokenEvent]:
-        self._accept("decode", "colocated", finishing=True)
+    ) -> AsyncIterator[Ticket | TokenEvent]:
+        """Reserve KV for a request (yields the ticket), then its tokens after token 0: it is
+        admitted as soon as its KV and token 0 arrive. `num_predicted_tokens`: output-length
+        headroom the router asks for (best effort)."""
+        self._accept("decode", "colocated")
         with self._track(len(prompt_token_ids)):
             events = self.parts.decode.decode(
-                request_id, ticket_id, prompt_token_ids, first_token, write_back
-            )
+                request_id, prompt_token_ids, params, lease_s or None, num_predicted_tokens,
+                write_back,
+            )  # fmt: skip
             async for ev in events:
                 yield ev
 
