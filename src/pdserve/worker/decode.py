@@ -13,7 +13,7 @@ Lifecycle of a reservation (one per ticket, owned by its Decode stream):
                 receives, release the request's blocks in the engine (idempotent, by request id)
 Invariants: the engine owns the blocks (by request id), so a cancelled stream or a lost handler
 state can never leak them: `abort(request_id)` always frees them. A reservation is counted
-(num_reserved) until it is admitted or released.
+(num_reserved) until it is released, or admitted with its stream attached.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ class Reservation:
     created: float
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenEvent | exc | None
     state: ResState = ResState.RECEIVING
-    abandoned: bool = False  # its Decode stream left before the request finished
+    attached: bool = False  # its Decode stream relays it (after sending the ticket)
+    abandoned: bool = False  # that stream left before the request finished
     expiry_timer: asyncio.TimerHandle | None = None
     pump: asyncio.Task | None = None
     last_layer_at: float | None = None
@@ -251,7 +252,8 @@ class DecodeHandler:
         """Write the received KV into the reserved blocks and admit the request, in ONE
         engine command (the blocks become the sequence's own); then yield its tokens."""
         res.state = ResState.ADMITTED  # from here an abort goes to the engine's sequence
-        self._forget(res)  # no longer a reservation (nor under its lease): a sequence
+        if res.attached:  # its stream owns it now: no longer a reservation under a lease
+            self._forget(res)
         outputs = await self._engine.admit_prefilled(
             res.request_id, res.prompt_token_ids, first, res.params, res.staging,
             hold_on_finish=self._kv_reuse.enabled,
@@ -301,6 +303,9 @@ class DecodeHandler:
         generated: list[int] = []
         try:
             yield ticket
+            res.attached = True  # (an unattached one, admitted, is aborted at lease expiry)
+            if res.state is ResState.ADMITTED:
+                self._forget(res)
             while (item := await res.events.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
@@ -316,8 +321,8 @@ class DecodeHandler:
                 if res.state is ResState.RECEIVING:
                     self._in_background(self._release(res))
                 else:
-                    self._forget(res)
                     self._engine.abort_nowait(res.request_id)
+            self._forget(res)
             publish = write_back and reason not in (None, "abort")
             self._kv_reuse.finish(res.request_id, [*res.prompt_token_ids, *generated], publish)
 
@@ -370,7 +375,8 @@ class DecodeHandler:
         if not was_receiving:
             return
         if res.pump is not None and res.pump is not asyncio.current_task():
-            res.pump.cancel()
+            res.pump.cancel()  # (if it never ran, it queues nothing: the stream hears here)
+            res.events.put_nowait(UnavailableError(f"request {res.request_id} was released"))
         # (Layers that already arrived were counted as received when they did.)
         await asyncio.gather(*(h.cancel() for h in res.handles), return_exceptions=True)
 
