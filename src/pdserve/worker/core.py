@@ -161,7 +161,7 @@ class WorkerCore:
 
     async def _wait_quiet(self) -> None:
         """Until no request runs here and no live reservation waits for its Decode: a ticket
-        between Reserve and Decode is in-flight work too (its prefill is running elsewhere).
+        of an open Decode stream waiting for its KV is in-flight work too (its prefill is running elsewhere).
         Bounded: every reservation ends by admission, abort or lease expiry, and one whose
         lease is over is not waited for."""
         decode = self._parts.decode if self._parts is not None else None
@@ -224,7 +224,7 @@ class WorkerCore:
         num_predicted_tokens: int = 0,
         write_back: bool = False,
     ) -> AsyncIterator[Ticket | TokenEvent]:
-        """Reserve KV for a request (yields the ticket), then its tokens after token 0: it is
+        """The Decode stream: reserve KV for a request (yields the ticket), then its tokens after token 0: it is
         admitted as soon as its KV and token 0 arrive. `num_predicted_tokens`: output-length
         headroom the router asks for (best effort)."""
         self._accept("decode", "colocated")
