@@ -214,8 +214,7 @@ def test_public_limits_refuse_before_tokenizing():
 
 @pytest.mark.parametrize("lease", [math.nan, math.inf, -math.inf, -1.0, 1e308, 601.0])
 def test_lease_bounds(lease):
-    from pdserve.v1 import worker_pb2
-    from pdserve.v1 import common_pb2
+    from pdserve.v1 import common_pb2, worker_pb2
     from pdserve.worker.checks import WorkerLimits, check_decode
 
     lim = WorkerLimits(vocab_size=100, max_model_len=64, block_size=16, max_lease_s=600.0)
