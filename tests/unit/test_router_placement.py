@@ -100,7 +100,6 @@ class FakeWorker:
         if method in self.cancel:
             raise asyncio.CancelledError  # as grpc.aio ends a call whose channel closed
 
-
     def Prefill(self, req, timeout=None, metadata=None):
         self.prefills.append(req)
 

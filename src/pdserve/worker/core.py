@@ -160,9 +160,8 @@ class WorkerCore:
         return role
 
     async def _wait_quiet(self) -> None:
-        """Until no request runs here and no live reservation waits for its Decode: a ticket
-        of an open Decode stream waiting for its KV is in-flight work too (its prefill is running elsewhere).
-        Bounded: every reservation ends by admission, abort or lease expiry, and one whose
+        """Until no request runs here (an open Decode stream counts from its reserve: its
+        prefill runs elsewhere) and no live reservation is left. Bounded: every reservation ends by admission, abort or lease expiry, and one whose
         lease is over is not waited for."""
         decode = self._parts.decode if self._parts is not None else None
         while self._inflight or (decode is not None and decode.num_live_reservations):
@@ -171,12 +170,10 @@ class WorkerCore:
             else:
                 await asyncio.sleep(0.02)  # reservations have no event of their own
 
-    def _accept(self, *roles: str, finishing: bool = False) -> None:
-        """Refuse a call this worker cannot take in its current state and role. `finishing`:
-        the call completes work accepted earlier (a Decode of a ticket this worker issued),
-        so it is accepted while flipping or draining; new work is not."""
-        allowed = ("serving", "flipping", "draining") if finishing else ("serving",)
-        if self.state not in allowed:
+    def _accept(self, *roles: str) -> None:
+        """Refuse a call this worker cannot take in its current state and role (every call is
+        new work: a Decode stream opened before a drain or flip is in flight, not refused)."""
+        if self.state != "serving":
             raise UnavailableError(f"worker {self.instance_id} is {self.state}")
         if self.role not in roles:
             # UNAVAILABLE, not FAILED_PRECONDITION: the router's view of a role can lag one
