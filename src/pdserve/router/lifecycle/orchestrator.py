@@ -196,7 +196,7 @@ class Orchestrator:
 
     async def _place_and_prefill(
         self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
-    ):
+    ) -> tuple[int, grpc.aio.UnaryStreamCall]:
         """Reserve on a decode (its Decode stream), prefill `prompt` on a prefill that pushes
         the KV to it, return the first token and the stream. On return
         `placement.decode`/`.ticket` hold the decode that will continue the request. A
@@ -307,7 +307,9 @@ class Orchestrator:
                 call.cancel()
                 task.cancel()
 
-    async def _decode(self, job: Job, placement: RequestPlacement, stream) -> AsyncIterator[Chunk]:
+    async def _decode(
+        self, job: Job, placement: RequestPlacement, stream: grpc.aio.UnaryStreamCall
+    ) -> AsyncIterator[Chunk]:
         """Relay the tokens after token 0 from the Decode stream whose ticket the prefill
         used. A failure ends this attempt; `Migrator` continues the request elsewhere."""
         decode = placement.decode
@@ -319,8 +321,9 @@ class Orchestrator:
 
     async def _reserve(
         self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
-    ) -> Instance:
-        """Reserve on a decode instance; another one when it is dead or full; wait for
+    ) -> tuple[Instance, grpc.aio.UnaryStreamCall]:
+        """Open the Decode stream on a decode instance (its first message is the ticket);
+        another one when it is dead or full; wait for
         capacity (the admission stage's `Capacity`: woken when the cluster changes) while
         every decode instance is full, up to `kv_queue_s`. Returns the decode, whose
         ticket is then `placement.ticket`, and its open Decode stream (ticket read)."""
@@ -352,7 +355,6 @@ class Orchestrator:
                 stream.cancel()
                 if not isinstance(err, grpc.RpcError):
                     raise
-
                 failure = self._failure(err, decode, "decode")
                 placement.leave(decode)
                 if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -367,7 +369,7 @@ class Orchestrator:
             self.length.placed(pred, decode.instance_id, len(prompt), route)
             return decode, stream
 
-    async def _read_ticket(self, stream) -> DecodeTicket:
+    async def _read_ticket(self, stream: grpc.aio.UnaryStreamCall) -> DecodeTicket:
         """The Decode stream's first message (its ticket), within `reserve_s`."""
         try:
             msg = await asyncio.wait_for(stream.read(), self.deadlines.reserve_s)
