@@ -132,7 +132,7 @@ class Behaviour:
     prefill_error: grpc.StatusCode | None = None  # Prefill fails with this status
     decode_error: grpc.StatusCode | None = None  # Decode fails with this status at once
     decode_gate: asyncio.Event | None = None  # Decode waits for it before streaming
-    reserve_gate: asyncio.Event | None = None  # Reserve waits for it before answering
+    reserve_gate: asyncio.Event | None = None  # Decode waits for it before its ticket
     prefill_gate: asyncio.Event | None = None  # Prefill waits for it before answering
     decode_forever: bool = False  # Decode streams until cancelled/aborted
     script: list[int] | None = None  # tokens to emit after the first (else counting)
@@ -260,18 +260,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         rid = md.get("x-request-id", "<no x-request-id>")
         return rid if rid == request.request_id else f"{rid}!={request.request_id}"
 
-    async def Reserve(self, request, context):
-        self.log.calls.append((self.instance_id, "Reserve", self._rid(request, context)))
+    def _ticket(self, request) -> worker_pb2.TokenChunk:
         self.aborted.discard(request.request_id)  # a retry re-reserves under the same id
         self.tickets += 1
-        if self.b.reserve_gate is not None:
-            await self.b.reserve_gate.wait()
-        return worker_pb2.ReserveResponse(
+        return worker_pb2.TokenChunk(
             ticket=worker_pb2.Ticket(
                 ticket_id=self.tickets,
                 decode_instance_id=self.instance_id,
                 tag_base=1000,
-                num_blocks=(request.num_prompt_tokens + 3) // 4,
+                num_blocks=(len(request.prompt_token_ids) + 3) // 4,
             )
         )
 
@@ -312,11 +309,22 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             )
 
     async def Decode(self, request, context):
+        """The ticket first (the reservation), then the tokens after token 0 (the fake
+        computes token 0 as the fake prefill does: it has the prompt)."""
         self.log.calls.append((self.instance_id, "Decode", self._rid(request, context)))
+        ticket = self._ticket(request)
+        if self.b.reserve_gate is not None:
+            await self.b.reserve_gate.wait()
+        yield ticket
         if self.b.decode_error is not None:
             await context.abort(self.b.decode_error, f"{self.instance_id} decode is broken")
+        first = (
+            self.b.first_token
+            if self.b.first_token is not None
+            else fake_first_token(request.prompt_token_ids)
+        )
         async for chunk in self._stream(
-            request.request_id, request.first_token_id, request.sampling.max_tokens, context
+            request.request_id, first, request.sampling.max_tokens, context
         ):
             yield chunk
 

@@ -1,9 +1,11 @@
-"""Early admission at the worker API: the decode starts a request the moment its KV and token 0
-land, before any Decode call; a Decode call then collects the stream. A request nobody
-collects counts as an expired lease (and is aborted if still running); its blocks come back."""
+"""Admission at the worker API, with real processes: one Decode stream reserves (its first
+message is the ticket), the decode starts the request the moment its KV and token 0 land from
+the prefill, and the same stream carries the tokens after token 0. A stream whose KV never
+comes ends at its lease (counted as expired); one that leaves before its KV frees its blocks."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -20,65 +22,59 @@ def _stub(cluster, name: str) -> worker_pb2_grpc.WorkerStub:
     return worker_pb2_grpc.WorkerStub(channel)
 
 
-def _reserve_and_prefill(cluster, request_id: str, lease_s: float, max_tokens: int):
+def _open(cluster, request_id: str, lease_s: float, max_tokens: int):
+    """A Decode stream and its ticket (the first message, which carries no tokens)."""
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ticket = (
-        _stub(cluster, "decode0")
-        .Reserve(
-            worker_pb2.ReserveRequest(
-                request_id=request_id,
-                num_prompt_tokens=len(PROMPT),
-                lease_s=lease_s,
-                prompt_token_ids=PROMPT,
-                sampling=sampling,
-            ),
-            timeout=10,
-        )
-        .ticket
-    )
-    assert ticket.early_admission
-    first = _stub(cluster, "prefill0").Prefill(
-        worker_pb2.PrefillRequest(
-            request_id=request_id, token_ids=PROMPT, sampling=sampling, ticket=ticket
+    stream = _stub(cluster, "decode0").Decode(
+        worker_pb2.DecodeRequest(
+            request_id=request_id, prompt_token_ids=PROMPT, sampling=sampling, lease_s=lease_s
         ),
-        timeout=30,
+        timeout=60,
     )
-    return ticket, sampling, first.first_token_id
+    head = next(stream)
+    assert head.HasField("ticket") and not head.token_ids
+    return stream, head.ticket, sampling
 
 
-def test_decode_collects_a_request_admitted_before_it(cluster_1p1d, reference_engine):
+def test_decode_stream_admits_on_arrival_and_carries_the_rest(cluster_1p1d, reference_engine):
     from pdserve.engine.params import SamplingParams
 
     cluster = cluster_1p1d
     admitted = counter(cluster, "decode0", "decode_admitted")
-    ticket, sampling, first = _reserve_and_prefill(cluster, "early-1", 20.0, 8)
-    # admitted by the decode on KV arrival, before any Decode call
-    wait_until(lambda: counter(cluster, "decode0", "decode_admitted") > admitted, 10, "admission")
-    chunks = _stub(cluster, "decode0").Decode(
-        worker_pb2.DecodeRequest(
-            request_id="early-1",
-            ticket_id=ticket.ticket_id,
-            prompt_token_ids=PROMPT,
-            first_token_id=first,
-            sampling=sampling,
+    stream, ticket, sampling = _open(cluster, "early-1", 20.0, 8)
+    first = _stub(cluster, "prefill0").Prefill(
+        worker_pb2.PrefillRequest(
+            request_id="early-1", token_ids=PROMPT, sampling=sampling, ticket=ticket
         ),
         timeout=30,
     )
-    tokens = [first] + [t for c in chunks for t in c.token_ids]
+    tokens = [first.first_token_id] + [t for c in stream for t in c.token_ids]
     expected = reference_engine.generate(
         [PROMPT], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     )[0]
     assert tokens == expected
+    assert counter(cluster, "decode0", "decode_admitted") > admitted
     wait_until(lambda: pool_idle(cluster, "decode0"), 10, "decode pool idle")
 
 
-def test_uncollected_request_expires_and_frees_its_blocks(cluster_1p1d):
+def test_a_stream_whose_kv_never_comes_ends_at_its_lease(cluster_1p1d):
     cluster = cluster_1p1d
     expired = counter(cluster, "decode0", "decode_leases_expired")
-    _reserve_and_prefill(cluster, "early-orphan", 2.0, 200)  # nobody calls Decode
+    stream, _, _ = _open(cluster, "early-orphan", 2.0, 200)  # no prefill ever pushes
+    with pytest.raises(grpc.RpcError) as ei:
+        list(stream)
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
     wait_until(
         lambda: counter(cluster, "decode0", "decode_leases_expired") > expired,
         15,
-        "lease expiry of the uncollected request",
+        "lease expiry of the reservation",
     )
     wait_until(lambda: pool_idle(cluster, "decode0"), 15, "decode pool idle")
+
+
+def test_a_stream_left_before_its_kv_frees_its_blocks(cluster_1p1d):
+    cluster = cluster_1p1d
+    stream, _, _ = _open(cluster, "early-left", 30.0, 200)
+    assert not pool_idle(cluster, "decode0")  # the reservation holds blocks
+    stream.cancel()
+    wait_until(lambda: pool_idle(cluster, "decode0"), 10, "decode pool idle")

@@ -68,8 +68,8 @@ def _probe_calls(channel) -> list:
         lambda: reg.Register(
             router_pb2.RegisterRequest(instance_id="x", address="127.0.0.1:1"), timeout=5
         ),
-        lambda: wrk.Reserve(
-            worker_pb2.ReserveRequest(request_id="x", num_prompt_tokens=4), timeout=5
+        lambda: list(
+            wrk.Decode(worker_pb2.DecodeRequest(request_id="x", prompt_token_ids=[1]), timeout=5)
         ),
         lambda: wrk.SetRole(worker_pb2.SetRoleRequest(role=common_pb2.ROLE_DECODE), timeout=5),
         lambda: kv.Clear(kvstore_pb2.ClearRequest(), timeout=5),
@@ -150,8 +150,10 @@ WRONG_ROLE = [
     (
         "worker",
         "decode0",
-        lambda ch: worker_pb2_grpc.WorkerStub(ch).Reserve(
-            worker_pb2.ReserveRequest(request_id="r", num_prompt_tokens=4), timeout=5
+        lambda ch: list(
+            worker_pb2_grpc.WorkerStub(ch).Decode(
+                worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=[1, 2]), timeout=5
+            )
         ),
     ),
     (
@@ -359,13 +361,13 @@ def test_undecodable_bodies_are_invalid_argument(cluster):
                 list(call(body, timeout=10))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
     with cluster.internal_channel("decode0", as_name="router") as ch:
-        call = ch.unary_unary(
-            "/pdserve.v1.Worker/Reserve",
+        call = ch.unary_stream(
+            "/pdserve.v1.Worker/Decode",
             request_serializer=lambda b: b,
             response_deserializer=lambda b: b,
         )
         with pytest.raises(grpc.RpcError) as info:
-            call(b"\x0a\x02\xff\xfe", timeout=10)
+            list(call(b"\x0a\x02\xff\xfe", timeout=10))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     router_log = (cluster.log_dir / "router.log").read_text()
     assert "Traceback" not in router_log
@@ -374,11 +376,14 @@ def test_undecodable_bodies_are_invalid_argument(cluster):
 @pytest.mark.parametrize("lease", [math.nan, math.inf, -math.inf, -1.0, 1e308])
 def test_bad_lease_is_invalid_argument_and_leaks_nothing(cluster, lease):
     with cluster.internal_channel("decode0", as_name="router") as ch:
+        req = worker_pb2.DecodeRequest(
+            request_id="lease-1",
+            prompt_token_ids=list(range(8)),
+            sampling=common_pb2.SamplingParams(max_tokens=4),
+            lease_s=lease,
+        )
         with pytest.raises(grpc.RpcError) as info:
-            worker_pb2_grpc.WorkerStub(ch).Reserve(
-                worker_pb2.ReserveRequest(request_id="lease-1", num_prompt_tokens=8, lease_s=lease),
-                timeout=10,
-            )
+            list(worker_pb2_grpc.WorkerStub(ch).Decode(req, timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "lease_s" in info.value.details()
     wait_until(lambda: pool_idle(cluster, "decode0"), 10, "decode pool idle")
@@ -443,16 +448,13 @@ def test_kv_without_the_ticket_nonce_is_discarded(cluster):
         cluster.internal_channel("prefill0", as_name="router") as pch,
     ):
         dec, pre = worker_pb2_grpc.WorkerStub(dch), worker_pb2_grpc.WorkerStub(pch)
-        ticket = dec.Reserve(
-            worker_pb2.ReserveRequest(
-                request_id="nonce-1",
-                num_prompt_tokens=len(prompt),
-                lease_s=20.0,
-                prompt_token_ids=prompt,
-                sampling=sampling,
+        stream = dec.Decode(
+            worker_pb2.DecodeRequest(
+                request_id="nonce-1", prompt_token_ids=prompt, sampling=sampling, lease_s=20.0
             ),
-            timeout=10,
-        ).ticket
+            timeout=30,
+        )
+        ticket = next(stream).ticket
         assert len(ticket.nonce) == 16
         forged = worker_pb2.Ticket()
         forged.CopyFrom(ticket)
@@ -467,16 +469,6 @@ def test_kv_without_the_ticket_nonce_is_discarded(cluster):
             lambda: counter(cluster, "decode0", "decode_nonce_mismatch") > before, 10, "mismatch"
         )
         with pytest.raises(grpc.RpcError) as info:
-            list(
-                dec.Decode(
-                    worker_pb2.DecodeRequest(
-                        request_id="nonce-1",
-                        ticket_id=ticket.ticket_id,
-                        prompt_token_ids=prompt,
-                        first_token_id=1,
-                    ),
-                    timeout=10,
-                )
-            )
-    assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+            list(stream)  # the stream ends with the discarded KV
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     wait_until(lambda: pool_idle(cluster, "decode0"), 10, "decode pool idle")

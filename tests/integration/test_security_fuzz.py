@@ -154,23 +154,22 @@ valid_ids = st.from_regex(r"[A-Za-z0-9_.:-]{1,20}", fullmatch=True)
 
 
 @st.composite
-def reserve_requests(draw) -> worker_pb2.ReserveRequest:
+def decode_requests(draw) -> worker_pb2.DecodeRequest:
     """Mostly well-formed except for one or two fields, so the checks deep in the call are
     reached (a random request would be refused at its first field)."""
-    n = draw(st.one_of(st.integers(1, 64), st.integers(0, 300), uint32))
     prompt = draw(
         st.one_of(
             st.just([]),
-            st.lists(st.integers(0, VOCAB - 1), min_size=min(n, 64), max_size=min(n, 64)),
+            st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=64),
             tokens,
         )
     )
-    req = worker_pb2.ReserveRequest(
+    req = worker_pb2.DecodeRequest(
         request_id=draw(st.one_of(valid_ids, valid_ids, ids)),
-        num_prompt_tokens=n,
         num_predicted_tokens=draw(st.one_of(st.integers(0, 64), uint32)),
         lease_s=draw(st.one_of(EDGE_FLOATS, st.floats(0, 5), doubles)),
         prompt_token_ids=prompt,
+        write_back=draw(st.booleans()),
     )
     if draw(st.booleans()):
         req.sampling.CopyFrom(draw(sampling()))
@@ -178,7 +177,8 @@ def reserve_requests(draw) -> worker_pb2.ReserveRequest:
 
 
 def test_fuzz_worker_api_as_the_router(cluster):
-    """Reserve (aborted after), Abort, Decode, Info, SetRole with invalid roles on the decode;
+    """Decode (its ticket read, then left and aborted), Abort, Info, SetRole with invalid
+    roles on the decode;
     Prefill with random tickets on the prefill."""
     with (
         cluster.internal_channel("decode0", as_name="router") as dch,
@@ -188,23 +188,17 @@ def test_fuzz_worker_api_as_the_router(cluster):
         kv_fp = dec.Info(worker_pb2.InfoRequest(), timeout=5).kv_fingerprint
 
         @FUZZ
-        @given(reserve_requests())
-        def reserve(req):
-            if _code(lambda: dec.Reserve(req, timeout=10)) == grpc.StatusCode.OK:
-                _code(lambda: dec.Abort(worker_pb2.AbortRequest(request_id=req.request_id)))
+        @given(decode_requests())
+        def decode(req):
+            def ticket() -> None:
+                stream = dec.Decode(req, timeout=10)
+                try:
+                    next(stream)
+                finally:
+                    stream.cancel()
 
-        @FUZZ
-        @given(ids, uint64, tokens, int32, sampling(), st.booleans())
-        def decode(rid, ticket_id, prompt, first, sp, write_back):
-            req = worker_pb2.DecodeRequest(
-                request_id=rid,
-                ticket_id=ticket_id,
-                prompt_token_ids=prompt,
-                first_token_id=first,
-                sampling=sp,
-                write_back=write_back,
-            )
-            _code(lambda: dec.Decode(req, timeout=10))
+            if _code(ticket) == grpc.StatusCode.OK:
+                _code(lambda: dec.Abort(worker_pb2.AbortRequest(request_id=req.request_id)))
 
         @settings(FUZZ, max_examples=40)
         @given(
@@ -238,7 +232,6 @@ def test_fuzz_worker_api_as_the_router(cluster):
             _code(lambda: dec.SetRole(worker_pb2.SetRoleRequest(role=role), timeout=5))
             _code(lambda: dec.Info(worker_pb2.InfoRequest(), timeout=5))
 
-        reserve()
         decode()
         prefill()
         misc()

@@ -71,7 +71,7 @@ class StreamCall:
 
 
 class FakeWorker:
-    """One worker's RPCs. A decode "allocates" on Reserve before answering (as the real
+    """One worker's RPCs. A decode "allocates" when its Decode stream opens, before the ticket (as the real
     one does), frees on Abort or when its stream finishes; `reserved` is what it holds."""
 
     def __init__(self, iid: str) -> None:
@@ -84,6 +84,7 @@ class FakeWorker:
         self.prefills: list[worker_pb2.PrefillRequest] = []
         self.empty: set[str] = set()  # stream methods that end before their first message
         self.jitter: random.Random | None = None  # random sleeps (0-2 ms) at every step
+        self.mid_waiting = False  # a Decode stream waits at its "Decode.mid" gate
 
     async def _pause(self) -> None:
         if self.jitter is not None:
@@ -99,13 +100,6 @@ class FakeWorker:
         if method in self.cancel:
             raise asyncio.CancelledError  # as grpc.aio ends a call whose channel closed
 
-    async def Reserve(self, req, timeout=None, metadata=None):
-        self.reserved.add(req.request_id)
-        await self._enter("Reserve")
-        return worker_pb2.ReserveResponse(
-            ticket=worker_pb2.Ticket(ticket_id=7, decode_instance_id=self.iid)
-        )
-
     def Prefill(self, req, timeout=None, metadata=None):
         self.prefills.append(req)
 
@@ -116,10 +110,18 @@ class FakeWorker:
         return UnaryCall(go())
 
     def Decode(self, req, metadata=None):
+        """The reservation (gates/failures keyed "Decode" apply before the ticket), the
+        ticket, then the tokens after token 0 ("Decode.mid" gates the second one)."""
+
         async def go():
+            self.reserved.add(req.request_id)
             await self._enter("Decode")
+            yield worker_pb2.TokenChunk(
+                ticket=worker_pb2.Ticket(ticket_id=7, decode_instance_id=self.iid)
+            )
             for i, tok in enumerate(REST):
                 if i == 1 and "Decode.mid" in self.gate:
+                    self.mid_waiting = True
                     await self.gate["Decode.mid"].wait()
                 await self._pause()
                 last = i == len(REST) - 1
@@ -232,7 +234,7 @@ async def test_finished_request_is_released_without_aborts():
     await collect(c.orch, c.job(), out)
     await c.orch.close()
     assert out == [FIRST, *REST]
-    assert c.w["d0"].calls == ["Reserve", "Decode"]
+    assert c.w["d0"].calls == ["Decode"]
     assert c.w["p0"].calls == ["Prefill"]
     assert c.charges() == {} and c.reserved() == {}
 
@@ -249,12 +251,12 @@ async def test_charges_while_prefilling():
     assert c.charges() == {}
 
 
-async def test_cancel_while_reserve_in_flight_aborts_the_decode():
+async def test_cancel_before_the_ticket_aborts_the_decode():
     # The decode allocated, but the router never saw the ticket.
     c = Cluster()
-    c.w["d0"].gate["Reserve"] = asyncio.Event()
-    await cancel_when(c, lambda: "Reserve" in c.w["d0"].calls)
-    assert c.w["d0"].calls == ["Reserve", "Abort"]
+    c.w["d0"].gate["Decode"] = asyncio.Event()
+    await cancel_when(c, lambda: "Decode" in c.w["d0"].calls)
+    assert c.w["d0"].calls == ["Decode", "Abort"]
     assert c.w["p0"].calls == []
     assert c.charges() == {} and c.reserved() == {}
 
@@ -264,17 +266,17 @@ async def test_cancel_during_prefill_aborts_prefill_and_decode():
     c.w["p0"].gate["Prefill"] = asyncio.Event()
     await cancel_when(c, lambda: "Prefill" in c.w["p0"].calls)
     assert c.w["p0"].calls == ["Prefill", "Abort"]
-    assert c.w["d0"].calls == ["Reserve", "Abort"]
+    assert c.w["d0"].calls == ["Decode", "Abort"]
     assert c.charges() == {} and c.reserved() == {}
 
 
 async def test_cancel_mid_stream_aborts_only_the_decode():
     c = Cluster()
     c.w["d0"].gate["Decode.mid"] = asyncio.Event()
-    out = await cancel_when(c, lambda: len(c.w["d0"].calls) == 2)
+    out = await cancel_when(c, lambda: c.w["d0"].mid_waiting)
     assert out[:1] == [FIRST]
     assert c.w["p0"].calls == ["Prefill"]  # it had finished: nothing to abort
-    assert c.w["d0"].calls == ["Reserve", "Decode", "Abort"]
+    assert c.w["d0"].calls == ["Decode", "Abort"]
     assert c.charges() == {} and c.reserved() == {}
 
 
@@ -284,7 +286,7 @@ async def test_consumer_closing_after_first_token_aborts_the_decode():
     assert (await anext(gen)).token_ids == [FIRST]
     await gen.aclose()  # e.g. a stop string matched
     await c.orch.close()
-    assert c.w["d0"].calls == ["Reserve", "Abort"]
+    assert c.w["d0"].calls == ["Decode", "Abort"]
     assert c.charges() == {} and c.reserved() == {}
 
 
@@ -298,7 +300,7 @@ async def test_prefill_failure_releases_decode_before_retrying_elsewhere():
     assert out == [FIRST, *REST]
     assert job.prefill_attempts == 2 and job.prefill_instance == "p1"
     # the first ticket is aborted (awaited) before the decode is asked again
-    assert c.w["d0"].calls == ["Reserve", "Abort", "Reserve", "Decode"]
+    assert c.w["d0"].calls == ["Decode", "Abort", "Decode"]
     assert c.w["p0"].calls == ["Prefill", "Abort"]
     assert c.registry.get("p0").suspect_since is not None
     assert c.charges() == {} and c.reserved() == {}
@@ -316,12 +318,12 @@ async def test_non_retryable_prefill_failure_raises_and_releases():
 
 async def test_full_decode_is_skipped_for_another():
     c = Cluster(decodes=("d0", "d1"))
-    c.w["d0"].fail["Reserve"] = grpc.StatusCode.RESOURCE_EXHAUSTED
+    c.w["d0"].fail["Decode"] = grpc.StatusCode.RESOURCE_EXHAUSTED
     job = c.job()
     await collect(c.orch, job, [])
     await c.orch.close()
     assert job.decode_instance == "d1"
-    assert c.w["d0"].calls == ["Reserve", "Abort"]
+    assert c.w["d0"].calls == ["Decode", "Abort"]
     assert c.charges() == {} and c.reserved() == {}
 
 
@@ -339,7 +341,7 @@ async def test_colocated_failure_before_first_chunk_retries():
 
 
 async def test_cancel_storm_leaves_nothing_held():
-    # 300 requests, 16-32 in flight, each cancelled at a random moment (during Reserve,
+    # 300 requests, 16-32 in flight, each cancelled at a random moment (before the ticket,
     # Prefill, the first token or the stream) or left to finish; prefill failures and full
     # decodes mixed in. Afterwards no decode holds a reservation and no charge is left.
     rng = random.Random(8)
@@ -351,7 +353,7 @@ async def test_cancel_storm_leaves_nothing_held():
     async def one(i: int) -> None:
         nonlocal done, cancelled
         c.w["p1"].fail = {"Prefill": grpc.StatusCode.UNAVAILABLE} if i % 7 == 0 else {}
-        c.w["d1"].fail = {"Reserve": grpc.StatusCode.RESOURCE_EXHAUSTED} if i % 5 == 0 else {}
+        c.w["d1"].fail = {"Decode": grpc.StatusCode.RESOURCE_EXHAUSTED} if i % 5 == 0 else {}
         c.registry.get("p1").suspect_since = None
         task = asyncio.create_task(collect(c.orch, c.job(f"r{i}"), []))
         limit = None if rng.random() < 0.3 else rng.random() * 0.02  # None: let it finish
@@ -418,19 +420,19 @@ def test_reserved_needs_the_charge_taken_at_pick():
 
 
 async def test_a_burst_spreads_over_the_decodes():
-    """Concurrent requests pick their decode before any Reserve returns: each pick must
+    """Concurrent requests pick their decode before any ticket comes: each pick must
     see the earlier ones (the charge is taken at pick time), so a burst does not all land
     on the decode that looked idle."""
     c = Cluster(decodes=("d0", "d1"))
     c.orch.policy = make_policy("least_loaded", False)
     for d in ("d0", "d1"):
-        c.w[d].gate["Reserve"] = asyncio.Event()  # every Reserve waits until all picked
+        c.w[d].gate["Decode"] = asyncio.Event()  # every ticket waits until all picked
     jobs = [c.job(f"r{i}") for i in range(8)]
     tasks = [asyncio.create_task(collect(c.orch, j, [])) for j in jobs]
     await until(lambda: len(c.w["d0"].calls) + len(c.w["d1"].calls) == 8)
-    assert (c.w["d0"].calls, c.w["d1"].calls) == (["Reserve"] * 4, ["Reserve"] * 4)
+    assert (c.w["d0"].calls, c.w["d1"].calls) == (["Decode"] * 4, ["Decode"] * 4)
     for d in ("d0", "d1"):
-        c.w[d].gate["Reserve"].set()
+        c.w[d].gate["Decode"].set()
     await asyncio.gather(*tasks)
     await c.orch.close()
     assert sorted(j.decode_instance for j in jobs) == ["d0"] * 4 + ["d1"] * 4
@@ -462,11 +464,11 @@ async def test_leave_now_cancelled_still_sends_the_abort():
 
 
 async def test_a_reserve_cancelled_by_a_channel_close_goes_to_another_decode():
-    """The router closes the channel of an instance that expired; a Reserve in flight on it
+    """The router closes the channel of an instance that expired; a Decode stream waiting for its ticket on it
     ends cancelled. That is the instance's failure (retry elsewhere), not the client's
     cancel."""
     c = Cluster(decodes=("d0", "d1"))
-    c.w["d0"].cancel.add("Reserve")
+    c.w["d0"].cancel.add("Decode")
     out: list[int] = []
     job = c.job()
     await collect(c.orch, job, out)

@@ -75,7 +75,7 @@ def test_domain_types_convert_at_the_worker_client_boundary():
 
     wire = worker_pb2.Ticket(
         ticket_id=9, decode_instance_id="d", ucx_worker_address=b"ucx", tag_base=9 << 16,
-        lease_expiry_unix_s=12.5, num_blocks=3, kv_fingerprint="fp", early_admission=True,
+        lease_expiry_unix_s=12.5, num_blocks=3, kv_fingerprint="fp",
         nonce=b"n" * 16,
     )  # fmt: skip
     assert ticket_to_proto(ticket_from_proto(wire)) == wire

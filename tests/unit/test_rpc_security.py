@@ -66,7 +66,7 @@ W, R, A, K = (Identity(r, "x") for r in ("worker", "router", "admin", "kvstore")
     "method, allowed, denied",
     [
         ("/pdserve.v1.Registry/Register", [W], [R, A, K]),
-        ("/pdserve.v1.Worker/Reserve", [R], [W, A, K]),
+        ("/pdserve.v1.Worker/Decode", [R], [W, A, K]),
         ("/pdserve.v1.Worker/SetRole", [R], [W, A, K]),
         ("/pdserve.v1.Worker/Info", [R, A], [W, K]),
         ("/pdserve.v1.KVStore/BeginPut", [W], [R, A, K]),
@@ -214,15 +214,22 @@ def test_public_limits_refuse_before_tokenizing():
 
 @pytest.mark.parametrize("lease", [math.nan, math.inf, -math.inf, -1.0, 1e308, 601.0])
 def test_lease_bounds(lease):
-    from pdserve.v1 import worker_pb2
-    from pdserve.worker.checks import WorkerLimits, check_reserve
+    from pdserve.v1 import common_pb2, worker_pb2
+    from pdserve.worker.checks import WorkerLimits, check_decode
 
     lim = WorkerLimits(vocab_size=100, max_model_len=64, block_size=16, max_lease_s=600.0)
-    ok = worker_pb2.ReserveRequest(request_id="r", num_prompt_tokens=4, lease_s=30.0)
-    check_reserve(ok, lim)
-    bad = worker_pb2.ReserveRequest(request_id="r", num_prompt_tokens=4, lease_s=lease)
+    sp = common_pb2.SamplingParams(max_tokens=4)
+    ok = worker_pb2.DecodeRequest(
+        request_id="r", prompt_token_ids=[1, 2, 3, 4], sampling=sp, lease_s=30.0
+    )
+    check_decode(ok, lim)
+    bad = worker_pb2.DecodeRequest(
+        request_id="r", prompt_token_ids=[1, 2, 3, 4], sampling=sp, lease_s=lease
+    )
     with pytest.raises(InvalidRequestError, match="lease_s"):
-        check_reserve(bad, lim)
+        check_decode(bad, lim)
+    with pytest.raises(InvalidRequestError, match="sampling"):
+        check_decode(worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=[1]), lim)
 
 
 def test_ticket_checks():

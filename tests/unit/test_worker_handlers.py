@@ -1,6 +1,7 @@
 """The prefill and decode handlers in one process: two engines on the tiny llama, a fake
-transport between them. reserve -> prefill push -> admit -> Decode stream -> release, abort at
-each stage, lease expiry, a cancelled Reserve; block accounting checked after each (and by the
+transport between them. Decode stream (reserve, ticket) -> prefill push -> admit -> tokens ->
+release, abort at each stage, the stream leaving before its KV, lease expiry of a bare
+reservation, a cancelled reserve; block accounting checked after each (and by the
 make_engine fixture at teardown: every block free, integrity holds)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.params import SamplingParams
-from pdserve.errors import DeadlineError, InvalidRequestError, NotFoundError, UnavailableError
+from pdserve.errors import DeadlineError, InvalidRequestError, UnavailableError
 from pdserve.worker.decode import DecodeHandler
 from pdserve.worker.kv_reuse import KVReuse
 from pdserve.worker.prefill import PrefillHandler
@@ -47,9 +48,15 @@ class Pair:
     async def reserve(self, rid: str, params=GREEDY, lease_s: float | None = None):
         return await self.decode.reserve(rid, len(PROMPT), lease_s, PROMPT, params)
 
-    async def collect(self, rid: str, ticket, first: int) -> list[int]:
-        tokens = [first]
-        async for ev in self.decode.decode(rid, ticket.ticket_id, PROMPT, first):
+    async def open(self, rid: str, params=GREEDY, lease_s: float | None = None):
+        """A Decode stream and its first message, the ticket."""
+        stream = self.decode.decode(rid, PROMPT, params, lease_s)
+        return stream, await stream.__anext__()
+
+    @staticmethod
+    async def collect(stream, first: int) -> list[int]:
+        tokens = [first]  # (the stream sends the tokens after token 0)
+        async for ev in stream:
             tokens += ev.token_ids
         return tokens
 
@@ -84,18 +91,40 @@ async def wait_for(pred, timeout: float = 5.0) -> None:
 
 async def test_reserve_admit_stream_release_matches_one_engine(pair, make_engine):
     ref = make_engine().generate([PROMPT], GREEDY)[0]
-    ticket = await pair.reserve("r1")
-    assert ticket.num_blocks == 3 and ticket.early_admission
+    stream, ticket = await pair.open("r1")
+    assert ticket.num_blocks == 3
     ins = await pair.d_engine.inspect()
     assert (ins.num_reservations, ins.num_reserved_blocks) == (1, 3)
     assert ins.num_free_blocks == ins.num_blocks - 3
+    assert pair.decode.num_reserved == 1
     first, stages = await pair.prefill.prefill("r1", PROMPT, GREEDY, ticket, False)
     assert stages.transfer_bytes > 0
-    await wait_for(lambda: pair.decode.counters["admitted"] == 1)  # before any Decode call
+    await wait_for(lambda: pair.decode.counters["admitted"] == 1)  # on arrival of KV + token 0
     ins = await pair.d_engine.inspect()
     assert ins.num_reservations == 0  # the blocks are the sequence's now
-    assert pair.decode.num_reserved == 1  # counted until its Decode call attaches
-    assert await pair.collect("r1", ticket, first) == ref
+    assert await pair.collect(stream, first) == ref
+    assert pair.decode.num_reserved == 0
+    await pair.assert_idle()
+
+
+async def test_stream_leaving_before_its_kv_frees_the_reservation(pair):
+    """The cancel that lands between reserve and token 0: the stream goes, the blocks and
+    receives go with it, and a prefill that pushes later finds no receiver."""
+    stream, ticket = await pair.open("s1")
+    await stream.aclose()
+    await wait_for(lambda: pair.decode.num_reserved == 0)
+    await pair.assert_idle()
+    with pytest.raises(DeadlineError):
+        await pair.prefill.prefill("s1", PROMPT, GREEDY, ticket, False)
+    await pair.assert_idle()
+
+
+async def test_abort_of_an_open_stream_before_its_kv_ends_it(pair):
+    stream, _ = await pair.open("s2")
+    assert await pair.decode.abort("s2")
+    await pair.assert_idle()
+    with pytest.raises(UnavailableError):
+        await stream.__anext__()
     await pair.assert_idle()
 
 
@@ -107,8 +136,6 @@ async def test_abort_after_reserve_frees_at_once_and_prefill_fails(pair):
     with pytest.raises(DeadlineError):  # the decode's receives are gone
         await pair.prefill.prefill("a1", PROMPT, GREEDY, ticket, False)
     await pair.assert_idle()
-    with pytest.raises(NotFoundError):
-        await pair.collect("a1", ticket, 0)
 
 
 async def test_abort_after_admission_before_decode_call(pair):
@@ -120,9 +147,8 @@ async def test_abort_after_admission_before_decode_call(pair):
 
 
 async def test_decode_call_leaving_mid_stream_stops_the_sequence(pair):
-    ticket = await pair.reserve("a3", LONG)
-    first, _ = await pair.prefill.prefill("a3", PROMPT, LONG, ticket, False)
-    stream = pair.decode.decode("a3", ticket.ticket_id, PROMPT, first)
+    stream, ticket = await pair.open("a3", LONG)
+    await pair.prefill.prefill("a3", PROMPT, LONG, ticket, False)
     got = 0
     async for ev in stream:
         got += len(ev.token_ids)

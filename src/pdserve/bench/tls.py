@@ -2,7 +2,7 @@
 the same process and run (alternating rounds, so machine load hits both arms alike).
 
 Two shapes of call, the ones on a request's path:
-- unary: a Reserve-sized request and reply (the router's Reserve/Prefill/Register/Heartbeat);
+- unary: a Prefill-sized request and a small reply (the router's Prefill/Register/Heartbeat);
 - stream: a Decode-like server stream of N TokenChunk messages of one token each (the cost
   per streamed token is what adds to TPOT).
 
@@ -27,10 +27,8 @@ from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
 class _Worker(worker_pb2_grpc.WorkerServicer):
-    async def Reserve(self, request, context):
-        return worker_pb2.ReserveResponse(
-            ticket=worker_pb2.Ticket(ticket_id=1 << 16, ucx_worker_address=b"x" * 300)
-        )
+    async def Prefill(self, request, context):
+        return worker_pb2.PrefillResponse(first_token_id=1)
 
     async def Decode(self, request, context):
         for i in range(request.sampling.max_tokens):
@@ -41,13 +39,15 @@ async def _arm(addr: str, files: TlsFiles | None, calls: int, chunks: int) -> di
     channel = secure_channel(addr, files) if files else aio.insecure_channel(addr)
     async with channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
-        req = worker_pb2.ReserveRequest(
-            request_id="bench", num_prompt_tokens=128, prompt_token_ids=list(range(128))
+        req = worker_pb2.PrefillRequest(
+            request_id="bench",
+            token_ids=list(range(128)),
+            ticket=worker_pb2.Ticket(ticket_id=1 << 16, ucx_worker_address=b"x" * 300),
         )
-        await stub.Reserve(req)  # connect (the handshake is paid once per channel)
+        await stub.Prefill(req)  # connect (the handshake is paid once per channel)
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(calls):
-            await stub.Reserve(req)
+            await stub.Prefill(req)
         unary_us = (time.perf_counter() - t0) / calls * 1e6
         unary_cpu_us = (time.process_time() - c0) / calls * 1e6
         dreq = worker_pb2.DecodeRequest(

@@ -23,7 +23,7 @@ class Deadlines:
 
 @dataclass(frozen=True)
 class DecodeTicket:
-    """What a decode's Reserve answered (Ticket on the wire): where and how the prefill pushes
+    """What a decode's Decode stream sent first (Ticket on the wire): where and how the prefill pushes
     the KV. The router only holds it and hands it on; the worker checks it."""
 
     ticket_id: int
@@ -33,7 +33,6 @@ class DecodeTicket:
     lease_expiry_unix_s: float
     num_blocks: int
     kv_fingerprint: str
-    early_admission: bool
     nonce: bytes
 
 

@@ -171,7 +171,9 @@ class LengthSettings(SettingsGroup):
 class LifecycleSettings(SettingsGroup):
     """Deadlines, retries and migration of one request across workers (lifecycle/)."""
 
-    reserve_deadline_s: float = Field(5.0, gt=0, description="Reserve RPC deadline, seconds")
+    reserve_deadline_s: float = Field(
+        5.0, gt=0, description="deadline for a Decode stream's ticket (the reservation), seconds"
+    )
     prefill_deadline_s: float = Field(120.0, gt=0, description="Prefill RPC deadline, seconds")
     first_token_deadline_s: float = Field(
         120.0, gt=0, description="wait for the first chunk of a Decode/Generate stream, seconds"

@@ -35,9 +35,8 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "/pdserve.v1.Registry/Heartbeat": frozenset({WORKER}),
     "/pdserve.v1.Registry/Deregister": frozenset({WORKER}),
     # worker control: only the router
-    "/pdserve.v1.Worker/Reserve": frozenset({ROUTER}),
     "/pdserve.v1.Worker/Prefill": frozenset({ROUTER}),
-    "/pdserve.v1.Worker/Decode": frozenset({ROUTER}),
+    "/pdserve.v1.Worker/Decode": frozenset({ROUTER}),  # reserves too (no Reserve method)
     "/pdserve.v1.Worker/Generate": frozenset({ROUTER}),
     "/pdserve.v1.Worker/Abort": frozenset({ROUTER}),
     "/pdserve.v1.Worker/SetRole": frozenset({ROUTER}),

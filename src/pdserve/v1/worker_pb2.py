@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xd6\x01\n\x06Ticket\x12\x11\n\tticket_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x1a\n\x12ucx_worker_address\x18\x03 \x01(\x0c\x12\x10\n\x08tag_base\x18\x04 \x01(\x04\x12\x1b\n\x13lease_expiry_unix_s\x18\x05 \x01(\x01\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x16\n\x0ekv_fingerprint\x18\x07 \x01(\t\x12\x17\n\x0f\x65\x61rly_admission\x18\x08 \x01(\x08\x12\r\n\x05nonce\x18\t \x01(\x0c\"\xb6\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14num_predicted_tokens\x18\x03 \x01(\r\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"5\n\x0fReserveResponse\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\"\x9e\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x06ticket\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x13\n\x0buse_kvstore\x18\x05 \x01(\x08\"Q\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12&\n\x06stages\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.StageCosts\"\xaa\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tticket_id\x18\x02 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nwrite_back\x18\x06 \x01(\x08\"\x95\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0buse_kvstore\x18\x04 \x01(\x08\x12\x12\n\nwrite_back\x18\x05 \x01(\x08\"x\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12&\n\x06stages\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.StageCosts\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"0\n\x0eSetRoleRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\"1\n\x0fSetRoleResponse\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\"\x0e\n\x0c\x44rainRequest\"\"\n\rDrainResponse\x12\x11\n\tremaining\x18\x01 \x01(\r\"\r\n\x0bInfoRequest\"\xd3\x02\n\nWorkerInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05state\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x16\n\x0ekv_fingerprint\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x08 \x01(\x04\x12$\n\x04load\x18\t \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x36\n\x08\x63ounters\x18\n \x03(\x0b\x32$.pdserve.v1.WorkerInfo.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x91\x04\n\x06Worker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12G\n\x08Generate\x12!.pdserve.v1.WorkerGenerateRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x42\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x1b.pdserve.v1.SetRoleResponse\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse\x12\x37\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xd4\x01\n\x06Ticket\x12\x11\n\tticket_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x1a\n\x12ucx_worker_address\x18\x03 \x01(\x0c\x12\x10\n\x08tag_base\x18\x04 \x01(\x04\x12\x1b\n\x13lease_expiry_unix_s\x18\x05 \x01(\x01\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x16\n\x0ekv_fingerprint\x18\x07 \x01(\t\x12\r\n\x05nonce\x18\t \x01(\x0cJ\x04\x08\x08\x10\tR\x0f\x65\x61rly_admission\"\x9e\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x06ticket\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x13\n\x0buse_kvstore\x18\x05 \x01(\x08\"Q\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12&\n\x06stages\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.StageCosts\"\xd5\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nwrite_back\x18\x06 \x01(\x08\x12\x1c\n\x14num_predicted_tokens\x18\x07 \x01(\r\x12\x0f\n\x07lease_s\x18\x08 \x01(\x01J\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05R\tticket_idR\x0e\x66irst_token_id\"\x95\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0buse_kvstore\x18\x04 \x01(\x08\x12\x12\n\nwrite_back\x18\x05 \x01(\x08\"\x9c\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12&\n\x06stages\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.StageCosts\x12\"\n\x06ticket\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Ticket\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"0\n\x0eSetRoleRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\"1\n\x0fSetRoleResponse\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\"\x0e\n\x0c\x44rainRequest\"\"\n\rDrainResponse\x12\x11\n\tremaining\x18\x01 \x01(\r\"\r\n\x0bInfoRequest\"\xd3\x02\n\nWorkerInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05state\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x16\n\x0ekv_fingerprint\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x08 \x01(\x04\x12$\n\x04load\x18\t \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x36\n\x08\x63ounters\x18\n \x03(\x0b\x32$.pdserve.v1.WorkerInfo.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xcd\x03\n\x06Worker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12G\n\x08Generate\x12!.pdserve.v1.WorkerGenerateRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x42\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x1b.pdserve.v1.SetRoleResponse\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse\x12\x37\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,39 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERINFO_COUNTERSENTRY']._loaded_options = None
   _globals['_WORKERINFO_COUNTERSENTRY']._serialized_options = b'8\001'
   _globals['_TICKET']._serialized_start=65
-  _globals['_TICKET']._serialized_end=279
-  _globals['_RESERVEREQUEST']._serialized_start=282
-  _globals['_RESERVEREQUEST']._serialized_end=464
-  _globals['_RESERVERESPONSE']._serialized_start=466
-  _globals['_RESERVERESPONSE']._serialized_end=519
-  _globals['_PREFILLREQUEST']._serialized_start=522
-  _globals['_PREFILLREQUEST']._serialized_end=680
-  _globals['_PREFILLRESPONSE']._serialized_start=682
-  _globals['_PREFILLRESPONSE']._serialized_end=763
-  _globals['_DECODEREQUEST']._serialized_start=766
-  _globals['_DECODEREQUEST']._serialized_end=936
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=939
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=1088
-  _globals['_TOKENCHUNK']._serialized_start=1090
-  _globals['_TOKENCHUNK']._serialized_end=1210
-  _globals['_ABORTREQUEST']._serialized_start=1212
-  _globals['_ABORTREQUEST']._serialized_end=1246
-  _globals['_ABORTRESPONSE']._serialized_start=1248
-  _globals['_ABORTRESPONSE']._serialized_end=1278
-  _globals['_SETROLEREQUEST']._serialized_start=1280
-  _globals['_SETROLEREQUEST']._serialized_end=1328
-  _globals['_SETROLERESPONSE']._serialized_start=1330
-  _globals['_SETROLERESPONSE']._serialized_end=1379
-  _globals['_DRAINREQUEST']._serialized_start=1381
-  _globals['_DRAINREQUEST']._serialized_end=1395
-  _globals['_DRAINRESPONSE']._serialized_start=1397
-  _globals['_DRAINRESPONSE']._serialized_end=1431
-  _globals['_INFOREQUEST']._serialized_start=1433
-  _globals['_INFOREQUEST']._serialized_end=1446
-  _globals['_WORKERINFO']._serialized_start=1449
-  _globals['_WORKERINFO']._serialized_end=1788
-  _globals['_WORKERINFO_COUNTERSENTRY']._serialized_start=1741
-  _globals['_WORKERINFO_COUNTERSENTRY']._serialized_end=1788
-  _globals['_WORKER']._serialized_start=1791
-  _globals['_WORKER']._serialized_end=2320
+  _globals['_TICKET']._serialized_end=277
+  _globals['_PREFILLREQUEST']._serialized_start=280
+  _globals['_PREFILLREQUEST']._serialized_end=438
+  _globals['_PREFILLRESPONSE']._serialized_start=440
+  _globals['_PREFILLRESPONSE']._serialized_end=521
+  _globals['_DECODEREQUEST']._serialized_start=524
+  _globals['_DECODEREQUEST']._serialized_end=737
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=740
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=889
+  _globals['_TOKENCHUNK']._serialized_start=892
+  _globals['_TOKENCHUNK']._serialized_end=1048
+  _globals['_ABORTREQUEST']._serialized_start=1050
+  _globals['_ABORTREQUEST']._serialized_end=1084
+  _globals['_ABORTRESPONSE']._serialized_start=1086
+  _globals['_ABORTRESPONSE']._serialized_end=1116
+  _globals['_SETROLEREQUEST']._serialized_start=1118
+  _globals['_SETROLEREQUEST']._serialized_end=1166
+  _globals['_SETROLERESPONSE']._serialized_start=1168
+  _globals['_SETROLERESPONSE']._serialized_end=1217
+  _globals['_DRAINREQUEST']._serialized_start=1219
+  _globals['_DRAINREQUEST']._serialized_end=1233
+  _globals['_DRAINRESPONSE']._serialized_start=1235
+  _globals['_DRAINRESPONSE']._serialized_end=1269
+  _globals['_INFOREQUEST']._serialized_start=1271
+  _globals['_INFOREQUEST']._serialized_end=1284
+  _globals['_WORKERINFO']._serialized_start=1287
+  _globals['_WORKERINFO']._serialized_end=1626
+  _globals['_WORKERINFO_COUNTERSENTRY']._serialized_start=1579
+  _globals['_WORKERINFO_COUNTERSENTRY']._serialized_end=1626
+  _globals['_WORKER']._serialized_start=1629
+  _globals['_WORKER']._serialized_end=2090
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Ticket(_message.Message):
-    __slots__ = ("ticket_id", "decode_instance_id", "ucx_worker_address", "tag_base", "lease_expiry_unix_s", "num_blocks", "kv_fingerprint", "early_admission", "nonce")
+    __slots__ = ("ticket_id", "decode_instance_id", "ucx_worker_address", "tag_base", "lease_expiry_unix_s", "num_blocks", "kv_fingerprint", "nonce")
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -16,7 +16,6 @@ class Ticket(_message.Message):
     LEASE_EXPIRY_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    EARLY_ADMISSION_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ticket_id: int
     decode_instance_id: str
@@ -25,31 +24,8 @@ class Ticket(_message.Message):
     lease_expiry_unix_s: float
     num_blocks: int
     kv_fingerprint: str
-    early_admission: bool
     nonce: bytes
-    def __init__(self, ticket_id: _Optional[int] = ..., decode_instance_id: _Optional[str] = ..., ucx_worker_address: _Optional[bytes] = ..., tag_base: _Optional[int] = ..., lease_expiry_unix_s: _Optional[float] = ..., num_blocks: _Optional[int] = ..., kv_fingerprint: _Optional[str] = ..., early_admission: _Optional[bool] = ..., nonce: _Optional[bytes] = ...) -> None: ...
-
-class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "num_predicted_tokens", "lease_s", "prompt_token_ids", "sampling")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_PREDICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    LEASE_S_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    num_prompt_tokens: int
-    num_predicted_tokens: int
-    lease_s: float
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_predicted_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
-
-class ReserveResponse(_message.Message):
-    __slots__ = ("ticket",)
-    TICKET_FIELD_NUMBER: _ClassVar[int]
-    ticket: Ticket
-    def __init__(self, ticket: _Optional[_Union[Ticket, _Mapping]] = ...) -> None: ...
+    def __init__(self, ticket_id: _Optional[int] = ..., decode_instance_id: _Optional[str] = ..., ucx_worker_address: _Optional[bytes] = ..., tag_base: _Optional[int] = ..., lease_expiry_unix_s: _Optional[float] = ..., num_blocks: _Optional[int] = ..., kv_fingerprint: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "ticket", "use_kvstore")
@@ -74,20 +50,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., stages: _Optional[_Union[_common_pb2.StageCosts, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "ticket_id", "prompt_token_ids", "first_token_id", "sampling", "write_back")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "write_back", "num_predicted_tokens", "lease_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WRITE_BACK_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREDICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    ticket_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    first_token_id: int
     sampling: _common_pb2.SamplingParams
     write_back: bool
-    def __init__(self, request_id: _Optional[str] = ..., ticket_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., write_back: _Optional[bool] = ...) -> None: ...
+    num_predicted_tokens: int
+    lease_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., write_back: _Optional[bool] = ..., num_predicted_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "use_kvstore", "write_back")
@@ -104,14 +80,16 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., use_kvstore: _Optional[bool] = ..., write_back: _Optional[bool] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "stages")
+    __slots__ = ("token_ids", "finish_reason", "stages", "ticket")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
     stages: _common_pb2.StageCosts
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stages: _Optional[_Union[_common_pb2.StageCosts, _Mapping]] = ...) -> None: ...
+    ticket: Ticket
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stages: _Optional[_Union[_common_pb2.StageCosts, _Mapping]] = ..., ticket: _Optional[_Union[Ticket, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -36,11 +36,6 @@ class WorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Reserve = channel.unary_unary(
-                '/pdserve.v1.Worker/Reserve',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
-                _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/pdserve.v1.Worker/Prefill',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
@@ -83,13 +78,6 @@ class WorkerServicer:
     travel here: they go over UCX, addressed by the ticket.
     """
 
-    def Reserve(self, request, context):
-        """decode: reserve KV blocks for an incoming request and post UCX receives.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Prefill(self, request, context):
         """prefill: compute the prompt's KV, push it layer by layer to the ticket's
         decode instance, return the first token. Without a ticket (only for
@@ -100,7 +88,10 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """decode: continue a reserved, KV-complete request; streams tokens.
+        """decode: reserve KV blocks for an incoming request, post the UCX receives and send the
+        ticket as the first message (no tokens); the request is admitted as soon as its KV and
+        token 0 arrive from the prefill, and its tokens after token 0 follow on this stream.
+        Leaving the stream (or Abort) frees the reservation at any point.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -141,11 +132,6 @@ class WorkerServicer:
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Reserve': grpc.unary_unary_rpc_method_handler(
-                    servicer.Reserve,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
-            ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
@@ -193,33 +179,6 @@ class Worker:
     """Control API of a prefill / decode / colocated worker. Bulk KV bytes never
     travel here: they go over UCX, addressed by the ticket.
     """
-
-    @staticmethod
-    def Reserve(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.Worker/Reserve',
-            pdserve_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Prefill(request,

@@ -55,17 +55,6 @@ def check_lease(lease_s: float, lim: WorkerLimits) -> None:
         )
 
 
-def check_reserve(req: worker_pb2.ReserveRequest, lim: WorkerLimits) -> None:
-    check_id("request_id", req.request_id)
-    if not 1 <= req.num_prompt_tokens <= lim.max_model_len:
-        raise InvalidRequestError("num_prompt_tokens", f"must be in [1, {lim.max_model_len}]")
-    if req.num_predicted_tokens > lim.max_model_len:
-        raise InvalidRequestError("num_predicted_tokens", f"at most {lim.max_model_len}")
-    check_lease(req.lease_s, lim)
-    if req.prompt_token_ids:
-        check_tokens("prompt_token_ids", req.prompt_token_ids, lim)
-
-
 def check_tag_base(field: str, tag: int) -> None:
     if tag == 0 or tag & ((1 << LAYER_BITS) - 1):
         raise InvalidRequestError(field, "must be a ticket's base tag (non-zero, low 16 bits 0)")
@@ -107,12 +96,14 @@ def check_prefill(req: worker_pb2.PrefillRequest, lim: WorkerLimits) -> None:
 
 
 def check_decode(req: worker_pb2.DecodeRequest, lim: WorkerLimits) -> None:
+    """The one call that reserves and decodes: its prompt, sampling, headroom and lease."""
     check_id("request_id", req.request_id)
-    if req.ticket_id == 0:
-        raise InvalidRequestError("ticket_id", "must be set")
     check_tokens("prompt_token_ids", req.prompt_token_ids, lim)
-    if not 0 <= req.first_token_id < lim.vocab_size:
-        raise InvalidRequestError("first_token_id", f"must be in [0, {lim.vocab_size})")
+    if not req.HasField("sampling"):
+        raise InvalidRequestError("sampling", "required with Decode")
+    if req.num_predicted_tokens > lim.max_model_len:
+        raise InvalidRequestError("num_predicted_tokens", f"at most {lim.max_model_len}")
+    check_lease(req.lease_s, lim)
 
 
 def check_generate(req: worker_pb2.WorkerGenerateRequest, lim: WorkerLimits) -> None:

@@ -45,7 +45,6 @@ def ticket_to_proto(t: Ticket) -> worker_pb2.Ticket:
         lease_expiry_unix_s=t.lease_expiry_unix_s,
         num_blocks=t.num_blocks,
         kv_fingerprint=t.kv_fingerprint,
-        early_admission=t.early_admission,
         nonce=t.nonce,
     )
 
@@ -59,7 +58,6 @@ def ticket_from_proto(p: worker_pb2.Ticket) -> Ticket:
         lease_expiry_unix_s=p.lease_expiry_unix_s,
         num_blocks=p.num_blocks,
         kv_fingerprint=p.kv_fingerprint,
-        early_admission=p.early_admission,
         nonce=bytes(p.nonce),
     )
 

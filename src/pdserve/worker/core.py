@@ -161,9 +161,8 @@ class WorkerCore:
         return role
 
     async def _wait_quiet(self) -> None:
-        """Until no request runs here and no live reservation waits for its Decode: a ticket
-        between Reserve and Decode is in-flight work too (its prefill is running elsewhere).
-        Bounded: every reservation ends by admission, abort or lease expiry, and one whose
+        """Until no request runs here (an open Decode stream counts from its reserve: its
+        prefill runs elsewhere) and no live reservation is left. Bounded: every reservation ends by admission, abort or lease expiry, and one whose
         lease is over is not waited for."""
         decode = self._parts.decode if self._parts is not None else None
         while self._inflight or (decode is not None and decode.num_live_reservations):
@@ -172,12 +171,10 @@ class WorkerCore:
             else:
                 await asyncio.sleep(0.02)  # reservations have no event of their own
 
-    def _accept(self, *roles: str, finishing: bool = False) -> None:
-        """Refuse a call this worker cannot take in its current state and role. `finishing`:
-        the call completes work accepted earlier (a Decode of a ticket this worker issued),
-        so it is accepted while flipping or draining; new work is not."""
-        allowed = ("serving", "flipping", "draining") if finishing else ("serving",)
-        if self.state not in allowed:
+    def _accept(self, *roles: str) -> None:
+        """Refuse a call this worker cannot take in its current state and role (every call is
+        new work: a Decode stream opened before a drain or flip is in flight, not refused)."""
+        if self.state != "serving":
             raise UnavailableError(f"worker {self.instance_id} is {self.state}")
         if self.role not in roles:
             # UNAVAILABLE, not FAILED_PRECONDITION: the router's view of a role can lag one
@@ -201,27 +198,6 @@ class WorkerCore:
                 self._idle.set()
 
     # ------------------------------------------------------------------ requests
-    async def reserve(
-        self,
-        request_id: str,
-        num_prompt_tokens: int,
-        lease_s: float,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams | None,
-        num_predicted_tokens: int = 0,
-    ) -> Ticket:
-        """Reserve KV for a request; it is admitted as soon as its KV and token 0 arrive.
-        `num_predicted_tokens`: output-length headroom the router asks for (best effort)."""
-        self._accept("decode", "colocated")
-        return await self.parts.decode.reserve(
-            request_id,
-            num_prompt_tokens,
-            lease_s or None,
-            prompt_token_ids,
-            params,
-            num_predicted_tokens,
-        )
-
     async def prefill(
         self,
         request_id: str,
@@ -240,16 +216,21 @@ class WorkerCore:
     async def decode(
         self,
         request_id: str,
-        ticket_id: int,
         prompt_token_ids: Sequence[int],
-        first_token: int,
+        params: SamplingParams,
+        lease_s: float = 0.0,
+        num_predicted_tokens: int = 0,
         write_back: bool = False,
-    ) -> AsyncIterator[TokenEvent]:
-        self._accept("decode", "colocated", finishing=True)
+    ) -> AsyncIterator[Ticket | TokenEvent]:
+        """The Decode stream: reserve KV for a request (yields the ticket), then its tokens after token 0: it is
+        admitted as soon as its KV and token 0 arrive. `num_predicted_tokens`: output-length
+        headroom the router asks for (best effort)."""
+        self._accept("decode", "colocated")
         with self._track(len(prompt_token_ids)):
             events = self.parts.decode.decode(
-                request_id, ticket_id, prompt_token_ids, first_token, write_back
-            )
+                request_id, prompt_token_ids, params, lease_s or None, num_predicted_tokens,
+                write_back,
+            )  # fmt: skip
             async for ev in events:
                 yield ev
 

@@ -1,18 +1,19 @@
-"""Decode role: reserve KV blocks for an incoming request, receive its KV and token 0 over UCX,
-admit it to the continuous batch the moment they land, and stream its tokens to the Decode call.
+"""Decode role: one Decode stream per request reserves KV blocks, sends the ticket, receives
+the KV and token 0 over UCX, admits the request to the continuous batch the moment they land,
+and streams its tokens after token 0.
 
-Lifecycle of a reservation (one per ticket; Reserve always carries the prompt and sampling):
+Lifecycle of a reservation (one per ticket, owned by its Decode stream):
     reserve  -> blocks reserved in the engine under the request id; one UCX receive posted per
-                layer (tag_base + l) and one for token 0 (tag_base + num_layers); a pump task
+                layer (tag_base + l) and one for token 0 (tag_base + num_layers); a pump task;
+                the stream sends the ticket
     admit    -> everything arrived (bounded by the lease): the pump writes the KV into the
                 blocks and admits the request in one engine command (the blocks become the
-                sequence's own), then queues its tokens
-    decode   -> the Decode call attaches and relays the queued tokens
-    release  -> abort, lease expiry or a failed transfer: cancel the receives, release the
-                request's blocks in the engine (idempotent, keyed by request id)
-Invariants: the engine owns the blocks (by request id), so a cancelled Reserve or a lost handler
+                sequence's own), then queues its tokens, which the stream relays
+    release  -> abort, the stream left, lease expiry or a failed transfer: cancel the
+                receives, release the request's blocks in the engine (idempotent, by request id)
+Invariants: the engine owns the blocks (by request id), so a cancelled stream or a lost handler
 state can never leak them: `abort(request_id)` always frees them. A reservation is counted
-(num_reserved) until its Decode call attaches or it is released.
+(num_reserved) until it is released, or admitted with its stream attached.
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ import numpy as np
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import (
-    FailedPreconditionError,
     InvalidRequestError,
-    NotFoundError,
     OverloadedError,
     UnavailableError,
 )
@@ -71,8 +70,8 @@ class Reservation:
     created: float
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenEvent | exc | None
     state: ResState = ResState.RECEIVING
-    attached: bool = False  # a Decode call is relaying this request
-    abandoned: bool = False  # that call left before the request finished
+    attached: bool = False  # its Decode stream relays it (after sending the ticket)
+    abandoned: bool = False  # that stream left before the request finished
     expiry_timer: asyncio.TimerHandle | None = None
     pump: asyncio.Task | None = None
     last_layer_at: float | None = None
@@ -119,7 +118,7 @@ class DecodeHandler:
 
     @property
     def num_reserved(self) -> int:
-        """Reservations waiting for their KV or for their Decode call."""
+        """Reservations waiting for their KV."""
         return len(self._by_ticket)
 
     @property
@@ -205,7 +204,6 @@ class DecodeHandler:
             lease_expiry_unix_s=time.time() + lease_s,
             num_blocks=n,
             kv_fingerprint=self._kv_fingerprint,
-            early_admission=True,
             nonce=new_nonce(),
         )
         res = Reservation(
@@ -235,7 +233,7 @@ class DecodeHandler:
                     f"KV for {res.request_id} arrived without its ticket's nonce: discarded"
                 )
             first = int(res.token_buf[0])
-            events.put_nowait(TokenEvent([first]))  # token 0, for the consistency check
+            events.put_nowait(TokenEvent([first]))  # token 0: the stream keeps, not sends, it
             async for ev in self._admit_to_engine(res, first):
                 if res.abandoned:  # its Decode call left before the sequence joined
                     self._engine.abort_nowait(res.request_id)
@@ -254,6 +252,8 @@ class DecodeHandler:
         """Write the received KV into the reserved blocks and admit the request, in ONE
         engine command (the blocks become the sequence's own); then yield its tokens."""
         res.state = ResState.ADMITTED  # from here an abort goes to the engine's sequence
+        if res.attached:  # its stream owns it now: no longer a reservation under a lease
+            self._forget(res)
         outputs = await self._engine.admit_prefilled(
             res.request_id, res.prompt_token_ids, first, res.params, res.staging,
             hold_on_finish=self._kv_reuse.enabled,
@@ -284,44 +284,52 @@ class DecodeHandler:
     async def decode(
         self,
         request_id: str,
-        ticket_id: int,
         prompt_token_ids: Sequence[int],
-        first_token: int,
+        params: SamplingParams,
+        lease_s: float | None = None,
+        num_predicted_tokens: int = 0,
         write_back: bool = False,
-    ) -> AsyncIterator[TokenEvent]:
-        """The Decode call: relay what the pump queued; then publish the conversation's
-        blocks to the kvstore (`write_back`) or release what the engine kept for that."""
-        res = self._by_ticket.get(ticket_id)
-        if res is None or res.attached or res.state is ResState.RELEASED:
-            raise NotFoundError(f"ticket {ticket_id:#x} is unknown, expired or already used")
-        if res.request_id != request_id:
-            raise InvalidRequestError("request_id", "does not match the ticket's request")
-        if list(prompt_token_ids) != res.prompt_token_ids:
-            raise InvalidRequestError("prompt_token_ids", "differ from the ones reserved")
-        self._forget(res)
-        res.attached = True
+    ) -> AsyncIterator[Ticket | TokenEvent]:
+        """The Decode stream: reserve and yield the ticket, then relay what the pump queues
+        (the tokens after token 0, which came from the prefill); then publish the
+        conversation's blocks to the kvstore (`write_back`) or release what the engine kept
+        for that. Leaving the stream early releases the reservation or stops the sequence."""
+        prompt = list(prompt_token_ids)
+        ticket = await self.reserve(
+            request_id, len(prompt), lease_s, prompt, params, num_predicted_tokens
+        )
+        res = self._by_ticket[ticket.ticket_id]
         reason: str | None = None
-        generated = [first_token]
+        generated: list[int] = []
         try:
-            head = await res.events.get()
-            if isinstance(head, BaseException):
-                raise head
-            if head is None or head.token_ids != [first_token]:
-                raise FailedPreconditionError(
-                    f"token 0 over UCX ({head and head.token_ids}) differs from {first_token}"
-                )
+            yield ticket
+            res.attached = True  # (an unattached one, admitted, is aborted at lease expiry)
+            if res.state is ResState.ADMITTED:
+                self._forget(res)
             while (item := await res.events.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
+                if not generated:  # token 0 (the router has it from the prefill)
+                    generated.extend(item.token_ids)
+                    continue
                 reason = item.finish_reason
                 generated.extend(item.token_ids)
                 yield item
         finally:
-            if reason is None:  # the caller went away (or failed): stop the sequence
+            if reason is None:  # the caller went away (or failed): stop the request
                 res.abandoned = True  # in case the pump admits it only after this
-                self._engine.abort_nowait(res.request_id)
+                if res.state is ResState.RECEIVING:
+                    self._in_background(self._release(res))
+                else:
+                    self._engine.abort_nowait(res.request_id)
+            self._forget(res)
             publish = write_back and reason not in (None, "abort")
             self._kv_reuse.finish(res.request_id, [*res.prompt_token_ids, *generated], publish)
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------------ release
     async def abort(self, request_id: str) -> bool:
@@ -351,12 +359,10 @@ class DecodeHandler:
         )  # fmt: skip
         res.abandoned = True
         self._forget(res)
-        if res.state is ResState.ADMITTED:  # admitted, but no Decode call came to collect it
+        if res.state is ResState.ADMITTED:  # (admission forgets it first: not reached)
             self._engine.abort_nowait(res.request_id)
         else:
-            task = asyncio.ensure_future(self._release(res))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(self._release(res))
 
     async def _release(self, res: Reservation) -> None:
         """Stop receiving and free the request's blocks (any state; idempotent)."""
@@ -369,7 +375,8 @@ class DecodeHandler:
         if not was_receiving:
             return
         if res.pump is not None and res.pump is not asyncio.current_task():
-            res.pump.cancel()
+            res.pump.cancel()  # (if it never ran, it queues nothing: the stream hears here)
+            res.events.put_nowait(UnavailableError(f"request {res.request_id} was released"))
         # (Layers that already arrived were counted as received when they did.)
         await asyncio.gather(*(h.cancel() for h in res.handles), return_exceptions=True)
 

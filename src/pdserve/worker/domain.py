@@ -17,7 +17,6 @@ class Ticket:
     lease_expiry_unix_s: float
     num_blocks: int
     kv_fingerprint: str
-    early_admission: bool = False  # the prefill also sends token 0 (tag_base + num_layers)
     nonce: bytes = b""  # NONCE_BYTES random bytes, sent back with token 0 (see decode.py)
 
 

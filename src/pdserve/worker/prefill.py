@@ -73,10 +73,10 @@ class LayerPusher:
         self._start(num_layers, token_message(token, self._ticket.nonce), count_bytes=False)
 
     async def finish(self, first_token: int | None, num_layers: int) -> None:
-        """After the last layer: send token 0 when the ticket asks for early admission, then
-        wait until every send completed."""
+        """After the last layer: send token 0 (the decode admits the request when it lands),
+        then wait until every send completed."""
         expected = num_layers
-        if self._ticket.early_admission and first_token is not None:
+        if first_token is not None:
             self.push_token(first_token, num_layers)
             expected += 1
         await self.wait(expected)

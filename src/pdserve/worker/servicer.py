@@ -12,6 +12,7 @@ from pdserve.rpc.ids import check_id
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.worker import checks, convert
 from pdserve.worker.core import WorkerCore
+from pdserve.worker.domain import Ticket
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -36,20 +37,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         checks.check_sampling(params, self.limits)
         return params
 
-    async def Reserve(
-        self, request: worker_pb2.ReserveRequest, context: aio.ServicerContext
-    ) -> worker_pb2.ReserveResponse:
-        checks.check_reserve(request, self.limits)
-        ticket = await self._core.reserve(
-            request.request_id,
-            request.num_prompt_tokens,
-            request.lease_s,
-            list(request.prompt_token_ids),
-            self._sampling(request.sampling) if request.HasField("sampling") else None,
-            request.num_predicted_tokens,
-        )
-        return worker_pb2.ReserveResponse(ticket=convert.ticket_to_proto(ticket))
-
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
@@ -71,13 +58,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         checks.check_decode(request, self.limits)
         events = self._core.decode(
             request.request_id,
-            request.ticket_id,
             list(request.prompt_token_ids),
-            request.first_token_id,
+            self._sampling(request.sampling),
+            request.lease_s,
+            request.num_predicted_tokens,
             request.write_back,
         )
-        async for ev in events:
-            yield convert.chunk_to_proto(ev)
+        async for ev in events:  # the ticket first, then the tokens after token 0
+            if isinstance(ev, Ticket):
+                yield worker_pb2.TokenChunk(ticket=convert.ticket_to_proto(ev))
+            else:
+                yield convert.chunk_to_proto(ev)
 
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: aio.ServicerContext

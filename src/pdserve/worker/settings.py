@@ -47,7 +47,7 @@ class WorkerSettings(ServiceSettings):
         "(the router's prefill deadline), or an overloaded prefill pushes to released tags",
     )
     max_lease_s: float = Field(
-        600.0, gt=0, description="longest KV reservation lease a Reserve may ask for, seconds"
+        600.0, gt=0, description="longest KV reservation lease a Decode stream may ask for, seconds"
     )
     transfer_timeout_s: float = Field(20.0, gt=0, description="timeout of one KV send")
     kvstore_addr: str | None = Field(

@@ -50,6 +50,20 @@ class CallLost(grpc.RpcError):
         return self._details
 
 
+class CallTimedOut(grpc.RpcError):
+    """A worker stream sent no message within its deadline (DEADLINE_EXCEEDED: retryable)."""
+
+    def __init__(self, what: str, why: str, timeout_s: float) -> None:
+        super().__init__(what)
+        self._details = f"{what} {why} within {timeout_s:g} s"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._details
+
+
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     """The router's validated params as workers receive them (every field explicit)."""
     sp = common_pb2.SamplingParams(

@@ -1,14 +1,15 @@
 """The request lifecycle across workers (docs/ARCHITECTURE.md, "Request lifecycle").
 
 `Orchestrator.run(job)` is an async generator of `Chunk`s (token ids; the last one
-carries the finish reason). Disaggregated, in three named steps:
+carries the finish reason). Disaggregated, two worker calls per request, in three steps:
 
-    _place_and_prefill   reserve KV on a decode (`_reserve`, which waits for capacity
-                         while every decode is full), pick a prefill, run Prefill (the KV is pushed
-                         to the ticket's decode) -> the first token; a failed prefill
-                         releases its decode and retries elsewhere.
+    _place_and_prefill   open the Decode stream on a decode (`_reserve`: its first message
+                         is the ticket; it waits for capacity while every decode is full),
+                         pick a prefill, run Prefill (the KV and token 0 are pushed to the
+                         ticket's decode, which admits the request when they land) -> the
+                         first token; a failed prefill releases its decode and retries.
     (yield the first token at once)
-    _decode              relay the decode's stream of the remaining tokens.
+    _decode              relay the rest of the same Decode stream: the tokens after token 0.
 
 A 1-token request (max_tokens 1) has nothing to decode: `_prefill_only` runs Prefill
 without a ticket, so no decode is reserved and no KV is pushed.
@@ -45,6 +46,7 @@ from ..cluster.workers import (
     RETRYABLE,
     Aborter,
     CallLost,
+    CallTimedOut,
     RemoteError,
     WorkerClients,
     cancelled_under_us,
@@ -55,7 +57,7 @@ from ..cluster.workers import (
     ticket_from_proto,
     ticket_to_proto,
 )
-from ..job import Chunk, Deadlines, Job
+from ..job import Chunk, Deadlines, DecodeTicket, Job
 from ..scheduling.admission import Capacity
 from ..scheduling.length import LengthScheduling, Prediction
 from ..scheduling.policies import PlacementPolicy, RouteRequest
@@ -199,30 +201,36 @@ class Orchestrator:
             first = await self._prefill_only(job, route, placement)
             yield Chunk([first], self._finish_after_first(job.params, first))
             return
-        first = await self._place_and_prefill(job, route, placement, pred)
-        first_finish = self._finish_after_first(job.params, first)
-        yield Chunk([first], first_finish)
-        if first_finish:  # nothing left to decode: free the reserved blocks now
-            await placement.leave_now(placement.decode)
-            return
-        async for chunk in self._decode(job, placement, job.token_ids, first):
-            yield chunk
+        first, stream = await self._place_and_prefill(job, route, placement, pred)
+        try:
+            first_finish = self._finish_after_first(job.params, first)
+            yield Chunk([first], first_finish)
+            if first_finish:  # nothing left to decode: free the reserved blocks now
+                stream.cancel()
+                await placement.leave_now(placement.decode)
+                return
+            async for chunk in self._decode(job, placement, stream):
+                yield chunk
+        finally:
+            stream.cancel()  # (no-op once it finished)
 
     async def _place_and_prefill(
         self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
-    ) -> int:
-        """Reserve on a decode, prefill `prompt` on a prefill that pushes the KV to it,
-        return the first token. On return `placement.decode`/`.ticket` hold the decode
-        that will continue the request. A prefill failure releases the decode (it may be
-        picked again) and retries on another prefill, up to max_prefill_attempts."""
+    ) -> tuple[int, grpc.aio.UnaryStreamCall]:
+        """Reserve on a decode (its Decode stream), prefill `prompt` on a prefill that pushes
+        the KV to it, return the first token and the stream. On return
+        `placement.decode`/`.ticket` hold the decode that will continue the request. A
+        prefill failure releases the decode (it may be picked again) and retries on another
+        prefill, up to max_prefill_attempts."""
         prefills = Tries(self.registry, ROLE_PREFILL, self.max_prefill_attempts)
         prompt = job.token_ids
         while True:
-            decode = await self._reserve(job, route, placement, pred)
-            prefill = self._pick(prefills, route, decode=decode)
+            decode, stream = await self._reserve(job, route, placement, pred)
             try:
+                prefill = self._pick(prefills, route, decode=decode)
                 resp = await self._prefill(job, placement, prefill, prompt)
             except _DecodeLost:  # the prefill is fine: retry it with another decode
+                stream.cancel()
                 log.warning("decode lost during prefill", instance=decode.instance_id)
                 prefills.forget(prefill)
                 placement.leave(prefill)
@@ -231,6 +239,7 @@ class Orchestrator:
                 prefills.failed(lost, job.prefill_attempts)
                 continue
             except grpc.RpcError as err:
+                stream.cancel()
                 failure = self._failure(err, prefill, "prefill")
                 log.warning(
                     "prefill failed",
@@ -242,8 +251,11 @@ class Orchestrator:
                 await placement.leave_now(decode)  # free the ticket before re-reserving
                 prefills.failed(failure, job.prefill_attempts)
                 continue
+            except BaseException:
+                stream.cancel()  # the decode releases the reservation (so does the Abort)
+                raise
             job.stages.add(stages_from_proto(resp.stages))
-            return resp.first_token_id
+            return resp.first_token_id, stream
 
     async def _prefill_only(
         self, job: Job, route: RouteRequest, placement: RequestPlacement
@@ -316,35 +328,25 @@ class Orchestrator:
                 task.cancel()
 
     async def _decode(
-        self, job: Job, placement: RequestPlacement, prompt: list[int], first: int
+        self, job: Job, placement: RequestPlacement, stream: grpc.aio.UnaryStreamCall
     ) -> AsyncIterator[Chunk]:
-        """Relay the tokens after `first` from the decode holding the ticket. A failure
-        ends this attempt; `Migrator` continues the request elsewhere when it may."""
+        """Relay the tokens after token 0 from the Decode stream whose ticket the prefill
+        used. A failure ends this attempt; `Migrator` continues the request elsewhere."""
         decode = placement.decode
-        call = self.workers.stub(decode.address).Decode(
-            worker_pb2.DecodeRequest(
-                request_id=job.request_id,
-                ticket_id=placement.ticket.ticket_id,
-                prompt_token_ids=prompt,
-                first_token_id=first,
-                sampling=sampling_to_proto(job.params),
-                write_back=self.write_back,
-            ),
-            metadata=metadata_with_request_id(job.request_id),
-        )
         try:
-            async for chunk in self._relay(call, decode, job, placement, "decode"):
+            async for chunk in self._relay(stream, decode, job, placement, "decode"):
                 yield chunk
         except grpc.RpcError as err:  # failed before its first chunk: the Migrator's turn
             raise self._failure(err, decode, "decode") from None
 
     async def _reserve(
         self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
-    ) -> Instance:
-        """Reserve on a decode instance; another one when it is dead or full; wait for
+    ) -> tuple[Instance, grpc.aio.UnaryStreamCall]:
+        """Open the Decode stream on a decode instance (its first message is the ticket);
+        another one when it is dead or full; wait for
         capacity (the admission stage's `Capacity`: woken when the cluster changes) while
         every decode instance is full, up to `kv_queue_s`. Returns the decode, whose
-        ticket is then `placement.ticket`."""
+        ticket is then `placement.ticket`, and its open Decode stream (ticket read)."""
         prompt = job.token_ids
         decodes = Tries(self.registry, ROLE_DECODE)  # every live decode, then wait
         overloaded: OverloadedError | None = None
@@ -360,19 +362,19 @@ class Orchestrator:
                 decodes.reset()
                 overloaded = None
                 continue
-            # Charged now, not when Reserve returns: concurrent picks see it at once. (It
+            # Charged now, not when the ticket comes: concurrent picks see it at once. (It
             # may hold a reservation before we see the ticket: close() aborts it.)
             placement.charge(decode, requests=1)
+            stream = self.workers.stub(decode.address).Decode(
+                self._decode_request(job, route, prompt),
+                metadata=metadata_with_request_id(job.request_id),
+            )
             try:
-                resp = await settle(
-                    self.workers.stub(decode.address).Reserve(
-                        self._reserve_request(job, route, prompt),
-                        timeout=self.deadlines.reserve_s,
-                        metadata=metadata_with_request_id(job.request_id),
-                    ),
-                    "Reserve",
-                )
-            except grpc.RpcError as err:
+                ticket = await self._read_ticket(stream)
+            except BaseException as err:
+                stream.cancel()
+                if not isinstance(err, grpc.RpcError):
+                    raise
                 failure = self._failure(err, decode, "decode")
                 placement.leave(decode)
                 if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -383,23 +385,38 @@ class Orchestrator:
                     raise failure from None
                 continue
             job.decode_instance = decode.instance_id
-            placement.reserved(decode, ticket_from_proto(resp.ticket))
+            placement.reserved(decode, ticket)
             self.length.placed(pred, decode.instance_id, len(prompt), route)
-            return decode
+            return decode, stream
 
-    def _reserve_request(
+    async def _read_ticket(self, stream: grpc.aio.UnaryStreamCall) -> DecodeTicket:
+        """The Decode stream's first message (its ticket), within `reserve_s`."""
+        try:
+            msg = await asyncio.wait_for(stream.read(), self.deadlines.reserve_s)
+        except asyncio.TimeoutError:
+            raise CallTimedOut("Decode", "sent no ticket", self.deadlines.reserve_s) from None
+        except asyncio.CancelledError:
+            if cancelled_under_us():
+                raise CallLost("Decode") from None
+            raise
+        if msg is grpc.aio.EOF:
+            raise CallLost("Decode", "the stream ended before its ticket")
+        if not msg.HasField("ticket"):
+            raise CallLost("Decode", "its first message carried no ticket")
+        return ticket_from_proto(msg.ticket)
+
+    def _decode_request(
         self, job: Job, route: RouteRequest, prompt: list[int]
-    ) -> worker_pb2.ReserveRequest:
+    ) -> worker_pb2.DecodeRequest:
         """How much KV to ask for: the prompt plus bounded headroom for the predicted
         output (`route.reserve_tokens`; the worker holds it when free, best effort)."""
-        return worker_pb2.ReserveRequest(
+        return worker_pb2.DecodeRequest(
             request_id=job.request_id,
-            num_prompt_tokens=len(prompt),
-            num_predicted_tokens=route.reserve_tokens,
-            lease_s=self.lease_s,
-            # early admission: decoding starts the moment the KV lands
             prompt_token_ids=prompt,
             sampling=sampling_to_proto(job.params),
+            write_back=self.write_back,
+            num_predicted_tokens=route.reserve_tokens,
+            lease_s=self.lease_s,
         )
 
     # ------------------------------------------------------------ colocated

@@ -10,11 +10,11 @@ aborts every instance still holding it. Aborts are idempotent on the workers.
 Lifecycle of one holding (keyed by instance id):
 
     expect(inst)            an RPC that may create state on inst is about to be sent
-                            (e.g. Reserve: the decode may hold a reservation before
+                            (e.g. Decode: the decode may hold a reservation before
                             the router sees the ticket). Aborted on close; no charge.
     charge(inst, r, t)      add registry charges (implies expect).
-    reserved(decode, t)     Reserve returned: keep the ticket (the decode was charged one
-                            request when picked, before Reserve, so that a burst of
+    reserved(decode, t)     the Decode stream sent its ticket: keep it (the decode was charged one
+                            request when picked, before the ticket, so that a burst of
                             requests spreads over the decodes instead of all picking
                             the one that looked idle).
     leave(inst, abort=...)  inst no longer holds the request: uncharge, and abort it
@@ -73,7 +73,7 @@ class RequestPlacement:
         self._registry.charge(inst.instance_id, requests=requests, tokens=tokens)
 
     def reserved(self, decode: Instance, ticket: DecodeTicket) -> None:
-        """Reserve on `decode` (charged when picked) returned `ticket`."""
+        """The Decode stream on `decode` (charged when picked) sent `ticket`."""
         held = self._held.get(decode.instance_id)
         if held is None or held.requests < 1:
             raise RuntimeError(f"request {self.request_id}: {decode.instance_id} was not charged")
