@@ -5,8 +5,13 @@ Real decision code, called as the services call it:
   over `Registry.candidates(role)`, with the router's in-flight counters (`Registry.charge`)
   and heartbeat loads (`Registry.heartbeat` every `heartbeat_interval_s` with the instance's
   `LoadReport`), exactly the inputs the orchestrator gives them;
-- output-length prediction: an `OutputLengthPredictor` (predict at arrival, observe at finish);
-- role flips: `FlipPolicy.decide` every `flip_interval_s` on `router.flip.snapshot(registry)`;
+- length-aware scheduling (`ClusterSpec.router`, a `RouterSettings`): the router's own
+  `LengthScheduling` (predict with the configured predictor, KV headroom, placed / progress /
+  done), `OverloadQueue` (SJF or FCFS), `DecodeDemand` and predicted-footprint placement,
+  built as `RouterApp` builds them (`sim.router_side`); when no decision reads a prediction
+  no predictor runs;
+- role flips: `FlipPolicy.decide` every `flip_interval_s` on `router.flip.snapshot(registry,
+  demand)`;
 - batching, chunking, prefix caching, preemption: the engine `Scheduler` and `BlockPool`
   (`pdserve.sim.instance.SimInstance`);
 - kvstore eviction: the kvstore's `BlockStore`, sized in blocks (one arena byte per block).
@@ -25,14 +30,20 @@ from typing import Any
 
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.workload import BenchRequest
+from pdserve.engine.params import SamplingParams
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.kv.hashing import block_hashes
 from pdserve.kvstore.store import BlockStore
+from pdserve.router.demand import DecodeDemand
 from pdserve.router.flip import snapshot
 from pdserve.router.flip_policy import FlipPolicy, FlipThresholds
+from pdserve.router.job import Job
+from pdserve.router.length import LengthScheduling, LengthTicket
 from pdserve.router.policies import PlacementPolicy, RouteRequest, make_policy
-from pdserve.router.predictor import EwmaPredictor, OutputLengthPredictor
+from pdserve.router.predictor import OutputLengthPredictor
 from pdserve.router.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
+from pdserve.router.settings import RouterSettings
+from pdserve.sim import router_side
 from pdserve.sim.costs import CostModel
 from pdserve.sim.events import EventLoop
 from pdserve.sim.instance import SAMPLED_TOKEN, InstanceConfig, SimInstance
@@ -56,8 +67,9 @@ class ClusterSpec:
     kvstore_capacity_bytes: int | None = None  # None: no kvstore
     heartbeat_interval_s: float = 1.0
     kv_queue_timeout_s: float = 30.0
-    predictor_alpha: float = 0.2
-    predictor_initial: float = 64.0
+    # the router's length-aware settings (predictor, queue, headroom, decode placement);
+    # None: RouterSettings' defaults
+    router: RouterSettings | None = None
     flip: FlipThresholds | None = None  # None: no flip controller
     flip_interval_s: float = 2.0
     flip_switch_s: float = 0.05  # SetRole after the instance drained
@@ -78,6 +90,7 @@ class _Req:
     kvstore_tokens: int = 0
     backoff: float = 0.01
     queue_deadline: float = 0.0
+    ticket: LengthTicket | None = None
 
 
 class SimCluster:
@@ -90,11 +103,31 @@ class SimCluster:
         self.spec = spec
         self.loop = EventLoop()
         self.registry = Registry(heartbeat_timeout_s=1e18, clock=self.loop.clock)
-        self.policy = policy or make_policy(spec.policy, spec.session_affinity)
+        rs = spec.router if spec.router is not None else router_side.router_settings()
+        self.settings = rs
+        self.demand = DecodeDemand()
+        self.policy = policy or make_policy(
+            spec.policy, spec.session_affinity, rs.decode_placement, self.demand
+        )
         if hasattr(self.policy, "_clock"):  # session TTLs run on simulated time
             self.policy._clock = self.loop.clock  # type: ignore[attr-defined]
-        self.predictor = predictor or EwmaPredictor(spec.predictor_alpha, spec.predictor_initial)
+        # The router's length scheduling, only when some decision reads it (or a predictor
+        # is given explicitly, e.g. by a test).
+        self.length: LengthScheduling | None = None
+        self.aio: router_side.AsyncDriver | None = None
+        if (
+            predictor is not None
+            or router_side.consumes_prediction(rs)
+            or (rs.queue_max_running_per_decode > 0)
+        ):
+            pred = predictor or router_side.build_predictor(rs)
+            self.length = router_side.build_length(
+                rs, pred, self.demand, self._queue_limit, self.loop.clock
+            )
+            self.aio = router_side.AsyncDriver()
+        self.predictor = self.length.predictor if self.length is not None else None
         self.flip_policy = FlipPolicy(spec.flip) if spec.flip else None
+        self.admitted: list[str] = []  # request ids in the order the overload queue let them in
         self.flips: list[dict[str, Any]] = []
         self.instances: dict[str, SimInstance] = {}
         for pool in spec.pools:
@@ -143,7 +176,11 @@ class SimCluster:
         self.loop.at(0.0, self._heartbeat)
         if self.flip_policy is not None:
             self.loop.at(self.spec.flip_interval_s, self._flip_tick)
-        self.loop.run(until=until_s, stop=self._stopped)
+        try:
+            self.loop.run(until=until_s, stop=self._stopped)
+        finally:
+            if self.aio is not None:
+                self.aio.close()
         for req in requests:  # not arrived yet when the run stopped early
             if f"r{req.index}" not in self._reqs:
                 rec = RequestRecord(
@@ -168,6 +205,18 @@ class SimCluster:
     def _hasher(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
         return block_hashes(token_ids, block_size, "sim-router")  # as router.app._hasher
 
+    def _queue_limit(self) -> int:
+        """`RouterApp._queue_limit`: so many running requests per decode (or colocated)."""
+        serving = self.registry.candidates(ROLE_DECODE) or self.registry.candidates(ROLE_COLOCATED)
+        return self.settings.queue_max_running_per_decode * max(1, len(serving))
+
+    def _block_size(self) -> int:
+        """`Orchestrator._predictor_block_size`: the cluster's block size."""
+        for inst in self.registry.instances():
+            if inst.block_size > 0:
+                return inst.block_size
+        return 0
+
     # ------------------------------------------------------------------ arrival
     def _arrive(self, req: BenchRequest) -> None:
         rid = f"r{req.index}"
@@ -186,7 +235,35 @@ class SimCluster:
         st.route = RouteRequest(
             rid, req.prompt_ids, session_id=req.session_id or "", hasher=self._hasher
         )
-        st.route.predicted_tokens = self.predictor.predict(len(req.prompt_ids), req.max_tokens)
+        if self.length is None:
+            self._place(rid)
+            return
+        assert self.aio is not None
+        job = Job(
+            request_id=rid,
+            token_ids=list(req.prompt_ids),
+            params=SamplingParams(max_tokens=req.max_tokens, ignore_eos=True),
+            sampling=None,  # type: ignore[arg-type]  (read only by worker calls)
+            session_id=req.session_id or "",
+            prompt_text=req.prompt_text,
+            oracle_tokens=req.oracle_tokens or req.max_tokens,  # ignore_eos: the true length
+        )
+        coro = self.length.predict(job, st.route, self._block_size())
+        st.ticket = self.aio.run(coro, needs_loop=bool(req.prompt_text))
+        if self.length.queue is None:
+            self._place(rid)
+            return
+
+        def admitted() -> None:
+            self.admitted.append(rid)
+            self.loop.after(0.0, lambda: self._place(rid))
+
+        self.aio.start(self.length.admit(st.ticket), admitted)
+
+    def _place(self, rid: str) -> None:
+        st = self._reqs[rid]
+        req = st.req
+        assert st.route is not None
         if self.registry.candidates(ROLE_PREFILL) and self.registry.candidates(ROLE_DECODE):
             st.queue_deadline = self.loop.now + self.spec.kv_queue_timeout_s
             self._reserve(rid)
@@ -224,9 +301,14 @@ class SimCluster:
                 break
             dec = self._pick(ROLE_DECODE, st.route, None, tried)
             tried.add(dec.instance_id)
-            if dec.reserve(rid, n + 1):
+            # the decode worker's Reserve: prompt + token 0 + the router's headroom when
+            # free, else without the headroom (best effort)
+            extra = max(0, st.route.reserve_tokens)
+            if dec.reserve(rid, n + 1 + extra) or (extra > 0 and dec.reserve(rid, n + 1)):
                 self.registry.charge(dec.instance_id, requests=1)
                 st.decode = dec
+                if self.length is not None:
+                    self.length.placed(rid, dec.instance_id, n, st.route)
                 pre = self._pick(ROLE_PREFILL, st.route, dec)
                 st.prefill = pre
                 self.registry.charge(pre.instance_id, requests=1, tokens=n)
@@ -336,6 +418,8 @@ class SimCluster:
     def _emit(self, st: _Req, t: float) -> None:
         st.rec.token_times.append(t)
         st.rec.n_out += 1
+        if st.ticket is not None and self.length is not None:
+            self.length.progress(st.ticket, 1)
 
     def _finish(self, rid: str, inst: SimInstance, now: float) -> None:
         st = self._reqs[rid]
@@ -348,8 +432,11 @@ class SimCluster:
             self.registry.charge(inst.instance_id, requests=-1, tokens=-len(st.req.prompt_ids))
         else:
             self.registry.charge(inst.instance_id, requests=-1)
-        self.predictor.observe(len(st.req.prompt_ids), st.rec.n_out)
         self._pending -= 1
+        if st.ticket is not None and self.length is not None:
+            self.length.done(st.ticket, st.rec.n_out, True)  # learn; demand, queue slot freed
+            assert self.aio is not None
+            self.aio.pump()  # waiters the queue let in continue (in its order)
         if self.stop_slo is not None:
             ttft, tpot = st.rec.ttft_s, st.rec.tpot_s
             late = ttft is None or ttft > self.stop_slo[0]
@@ -361,6 +448,10 @@ class SimCluster:
         st = self._reqs[rid]
         st.rec.error = error
         self._pending -= 1
+        if st.ticket is not None and self.length is not None:
+            self.length.done(st.ticket, 0, False)
+            assert self.aio is not None
+            self.aio.pump()
 
     def _publish(self, inst: SimInstance, prompt: Sequence[int]) -> None:
         """The worker's write-back (off the critical path): publish the prompt's full blocks."""
@@ -377,7 +468,7 @@ class SimCluster:
     # ------------------------------------------------------------------ flips
     def _flip_tick(self) -> None:
         assert self.flip_policy is not None
-        decision = self.flip_policy.decide(snapshot(self.registry), self.loop.now)
+        decision = self.flip_policy.decide(snapshot(self.registry, self.demand), self.loop.now)
         if decision.action == "flip":
             inst = self.instances[decision.instance_id]
             reg = self.registry.get(inst.instance_id)
