@@ -33,6 +33,7 @@ class InstanceConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    chunked_prefill: bool = True  # False: vLLM <= 0.3 (prefill priority, whole prompts)
     enable_prefix_caching: bool = True
     max_model_len: int = 1 << 30
     namespace: str = "sim"
@@ -53,7 +54,9 @@ class SimInstance:
         self.kv = KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching, config.namespace
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill
+        )
         self.busy = False  # a step is in flight
         self.tokens_in_flight = 0  # prompt tokens of requests in flight (worker's own count)
         self.busy_s = 0.0

@@ -64,6 +64,7 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=WORKER_MAX_BATCHED_TOKENS)
     p.add_argument("--max-num-seqs", type=int, default=WORKER_MAX_SEQS)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     return p
 
 
@@ -122,6 +123,7 @@ def spec_from_up_flags(
             block_size=bs,
             max_num_batched_tokens=wk.max_num_batched_tokens,
             max_num_seqs=wk.max_num_seqs,
+            chunked_prefill=wk.chunked_prefill,
             enable_prefix_caching=wk.enable_prefix_caching,
             max_model_len=max_model_len,
         )
