@@ -150,7 +150,10 @@ class Scheduler:
         self, seq: Sequence, num_new: int, planned: set[int], plan: SchedulerPlan
     ) -> bool:
         target = seq.num_computed_tokens + num_new
-        while self.kv.blocks_to_grow(seq, target) > self.kv.num_free_blocks:
+        need = self.kv.blocks_to_grow(seq, target)  # seq's own need: preempting others keeps it
+        if not need:  # most decode steps: the last block has room
+            return True
+        while need > self.kv.num_free_blocks:
             victims = [s for s in self.running if id(s) not in planned]
             victim = victims[-1]  # newest unplanned (seq itself is unplanned)
             self._preempt(victim)

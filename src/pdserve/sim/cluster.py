@@ -370,6 +370,9 @@ class SimCluster:
         rid = seq.request_id
         st = self._reqs[rid]
         now = self.loop.now
+        if reason is None and (inst.role != ROLE_COLOCATED or len(seq.output_token_ids) > 1):
+            self._emit(st, now + inst.costs.token_overhead_s)  # a decode token (hot path)
+            return
         if reason == "prefill_done":
             self._prefill_done(rid, inst, seq)
             return
