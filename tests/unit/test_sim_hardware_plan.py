@@ -18,7 +18,9 @@ from pdserve.sim.plan import Budget, candidates, cost_per_m_tokens
 
 @pytest.mark.parametrize(
     "name,params_b,kv_per_token",
-    [("llama3-8b", 8.03, 131072), ("llama3-70b", 70.55, 327680), ("qwen2.5-32b", 32.76, 262144)],
+    [("llama3-8b", 8.03, 131072), ("llama3-70b", 70.55, 327680), ("qwen2.5-32b", 32.76, 262144),
+     # OPT: two-matrix MLP (fc1, fc2), biases, tied lm_head; published 12.85 B and 65.7 B
+     ("opt-13b", 12.85, 819200), ("opt-66b", 65.7, 2359296)],  # fmt: skip
 )
 def test_builtin_shapes_match_published_sizes(name, params_b, kv_per_token):
     m = load_model_config(name)
