@@ -42,24 +42,34 @@ KINDS = ("colocated", NOCHUNK, "disagg")
 
 @dataclass(frozen=True)
 class Budget:
-    devices: dict[str, int]  # hardware spec ('h100', 'h100x2' = TP 2) -> devices available
+    devices: dict[str, int]  # device type ('h100') -> devices available
     prices: dict[str, float] = field(default_factory=dict)  # $ per device-hour
+    # device type -> the instance spec to plan with ('h100x2': tensor parallel 2); default: type
+    specs: dict[str, str] = field(default_factory=dict)
+
+    def instance_specs(self) -> list[str]:
+        return [self.specs.get(hw, hw) for hw in self.devices]
 
     @classmethod
     def parse(cls, spec: str, prices: str | None = None) -> Budget:
-        """'h100:16' or 'h100:8,l40s:8'; prices 'h100=2.5,l40s=0.9'."""
-        devices = {}
+        """'h100:16', 'h100:8,l40s:8' (heterogeneous: each pool tries each type) or
+        'a100x2:8' (8 A100s, instances of 2 in tensor parallel); prices 'h100=2.5,l40s=0.9'
+        per device-hour."""
+        devices, specs = {}, {}
         for part in spec.split(","):
             name, _, count = part.strip().partition(":")
             if not name or not count.isdigit() or int(count) < 1:
-                raise ValueError(f"bad --hardware {spec!r}: NAME:COUNT[,NAME:COUNT]")
-            devices[name.lower()] = int(count)
+                raise ValueError(f"bad --hardware {spec!r}: NAME[xTP]:COUNT[,NAME[xTP]:COUNT]")
+            base = name.lower().split("x")[0]
+            if base in devices:
+                raise ValueError(f"bad --hardware {spec!r}: {base} given twice")
+            devices[base], specs[base] = int(count), name.lower()
         pr = {}
         for part in (prices or "").split(","):
             if part.strip():
                 name, _, val = part.partition("=")
                 pr[name.strip().lower()] = float(val)
-        return cls(devices, pr)
+        return cls(devices, pr, specs)
 
 
 @dataclass
@@ -142,7 +152,7 @@ def candidates(
     modes = {m.strip() for m in colocated_modes.split(",") if m.strip()}
     if not modes or modes - {"chunked", "nochunk"}:
         raise ValueError(f"bad colocated modes {colocated_modes!r}: chunked, nochunk or both")
-    hws = list(budget.devices)
+    hws = budget.instance_specs()
     costs = {hw: roofline_costs(model, hw, network, dtype) for hw in hws}
     out: list[Candidate] = []
     for kind in [k for k, m in (("colocated", "chunked"), (NOCHUNK, "nochunk")) if m in modes]:
