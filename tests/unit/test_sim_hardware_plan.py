@@ -25,7 +25,7 @@ from pdserve.sim.plan import Budget, candidates, cost_per_m_tokens
         # OPT: two-matrix MLP (fc1, fc2), biases, tied lm_head; published 12.85 B and 65.7 B
         ("opt-13b", 12.85, 819200),
         ("opt-66b", 65.7, 2359296),
-    ],  # fmt: skip
+    ],
 )
 def test_builtin_shapes_match_published_sizes(name, params_b, kv_per_token):
     m = load_model_config(name)
