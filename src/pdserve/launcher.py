@@ -156,6 +156,16 @@ class ClusterConfig:
     # tls_dir (default: <log_dir>/certs). tls=False is `pdserve up --insecure`.
     tls: bool = True
     tls_dir: str | None = None
+    # The emulated engine (pdserve.emulate): workers model `emulate` hardware running
+    # `model_config` (default: `model`'s config.json), with `tokenizer` (default: `model`'s,
+    # else the built-in tiny one). kvstore_capacity_bytes is then in modelled bytes.
+    emulate: str | None = None
+    model_config: str | None = None
+    emulate_profile: str | None = None
+    time_scale: float = 1.0
+    tokenizer: str | None = None
+    # interpreter flags before the router's `-m pdserve.router` (e.g. -m cProfile -o FILE)
+    router_python_args: list[str] = field(default_factory=list)
 
 
 class Cluster:
@@ -338,11 +348,32 @@ class Cluster:
 
     # --------------------------------------------------------------- helpers
     def _resolve_model(self) -> str:
+        if self.config.emulate:
+            return self._emulated_model_dir()
         if self.config.model:
             return str(Path(self.config.model).resolve())
         from pdserve.model.tiny import ensure_builtin_tiny
 
         return str(ensure_builtin_tiny())
+
+    def _emulated_model_dir(self) -> str:
+        from pdserve.emulate.model_dir import make_emulated_dir
+        from pdserve.model.tiny import ensure_builtin_tiny
+
+        c = self.config
+        tokenizer = c.tokenizer or c.model or str(ensure_builtin_tiny())
+        out = make_emulated_dir(self._log_dir / "emulated-model", c.model_config, tokenizer,
+                                c.model, {"hardware": c.emulate})  # fmt: skip
+        return str(out.resolve())
+
+    def _emulate_argv(self) -> list[str]:
+        c = self.config
+        if not c.emulate:
+            return []
+        argv = ["--emulate", c.emulate, "--time-scale", str(c.time_scale)]
+        if c.emulate_profile:
+            argv += ["--emulate-profile", c.emulate_profile]
+        return argv
 
     def _worker_plan(self) -> list[tuple[str, str]]:
         c = self.config
@@ -399,14 +430,25 @@ class Cluster:
     def _kvstore_argv(self, port: int = 0) -> list[str]:
         return [
             sys.executable, "-m", "pdserve.kvstore", "--port", str(port),
-            "--capacity-bytes", str(self.config.kvstore_capacity_bytes),
+            "--capacity-bytes", str(self._kvstore_capacity()),
             *self._tls_argv("kvstore"),
         ]  # fmt: skip
+
+    def _kvstore_capacity(self) -> int:
+        """In wire bytes: an emulated cluster's blocks are a few bytes each, and the store
+        holds as many of them as its modelled capacity holds modelled blocks."""
+        cap = self.config.kvstore_capacity_bytes
+        if not self.config.emulate:
+            return cap
+        from pdserve.emulate.model_dir import wire_ratio
+
+        return max(1 << 16, int(cap * wire_ratio(self.model_dir)))
 
     def _router_argv(self, port: int | None = None, internal_port: int = 0) -> list[str]:
         port = self.config.port if port is None else port
         argv = [
-            sys.executable, "-m", "pdserve.router", "--port", str(port),
+            sys.executable, *self.config.router_python_args, "-m", "pdserve.router",
+            "--port", str(port),
             "--internal-port", str(internal_port), "--model", self.model_dir,
             *self._tls_argv("router"),
         ]  # fmt: skip
@@ -422,7 +464,7 @@ class Cluster:
         return [
             sys.executable, "-m", "pdserve.worker", "--port", "0", "--role", role,
             "--model", self.model_dir, "--router-addr", self.internal_addr,
-            *self._tls_argv(name), *self.config.worker_args,
+            *self._tls_argv(name), *self._emulate_argv(), *self.config.worker_args,
         ]  # fmt: skip
 
 

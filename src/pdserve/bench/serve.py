@@ -25,6 +25,7 @@ from pdserve.bench.goodput import (
 )
 from pdserve.bench.loadgen import open_client, run_load, send_one
 from pdserve.bench.metrics import summarize
+from pdserve.bench.modelled_time import stretch_arrivals, to_modelled
 from pdserve.bench.plots import plot_attainment, plot_latency_cdfs
 from pdserve.bench.report import format_summary, latency_arrays, write_json
 from pdserve.bench.traces import read_trace
@@ -60,6 +61,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     a.add_argument("--time-scale", type=float, default=1.0, help="trace replay: stretch time")
     a.add_argument("--num-requests", type=int, help="number of requests (default 100)")
+    a.add_argument(
+        "--clock-scale",
+        type=float,
+        default=1.0,
+        help="the cluster is emulated with --time-scale X: stretch arrivals by X and report "
+        "every time divided by X (modelled time)",
+    )
     a.add_argument("--duration", type=float, help="seconds of arrivals instead of a count")
     s = p.add_argument_group("SLOs and goodput")
     s.add_argument(
@@ -189,19 +197,20 @@ def run_once(
     addr: str, args: argparse.Namespace, rate: float | None, slo: SLO, salt: int = 0
 ) -> dict[str, Any]:
     reqs = workload_at(args, rate, salt)
+    scale = getattr(args, "clock_scale", 1.0) or 1.0
 
     async def go() -> tuple[list, float]:
         async with open_client(addr) as client:
             return await run_load(
                 client,
-                reqs,
+                stretch_arrivals(reqs, scale),
                 temperature=args.temperature,
                 seed=args.seed,
                 progress=not args.no_progress,
                 desc=f"rate {rate}" if rate else "requests",
             )
 
-    records, wall = asyncio.run(go())
+    records, wall = to_modelled(*asyncio.run(go()), scale)
     summary = summarize(records, wall)
     ts = slo.only("ttft", "tpot")
     return {

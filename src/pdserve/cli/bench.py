@@ -17,6 +17,8 @@ TOOLS = (
     "rescore",
     "frontdoor",
     "tls",
+    "emulated_lag",
+    "router_saturation",
 )
 
 

@@ -17,7 +17,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (a pinned worker: 1)")
     p.add_argument("--out", default="results/profile.json")
     p.add_argument("--full", action="store_true", help="more shapes and repeats (slower)")
-    p.add_argument("--no-transport", action="store_true", help="engine only (skip UCX and kvstore)")
+    p.add_argument(
+        "--no-transport", action="store_true", help="engine only (skip UCX, kvstore and serving)"
+    )
     p.set_defaults(func=main)
 
 
@@ -45,6 +47,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"{k:<16} {link['latency_s'] * 1e3:.3f} ms + bytes / "
               f"{'inf' if bw is None else f'{bw / 1e9:.2f} GB/s'}")  # fmt: skip
     print(f"router overhead  {c['router_overhead_s'] * 1e3:.3f} ms/request")
+    print(f"stream token     {c.get('stream_token_s', 0.0) * 1e3:.3f} ms per streamed sequence "
+          "per step")  # fmt: skip
     print(f"limits           {data['limits'] or 'n/a (pdserve.bench.limits not present)'}")
     print(f"wrote {path} in {data['profile_s']:.0f} s")
     return 0

@@ -145,20 +145,30 @@ def validate_main(args: argparse.Namespace) -> int:
     from pdserve.bench.compare import parse_arms
     from pdserve.bench.report import write_json
     from pdserve.sim.run import simulate_benchmark, spec_from_up_flags
-    from pdserve.sim.validate import error_rows, format_table, max_rel_error, real_results
+    from pdserve.sim.validate import (
+        error_rows,
+        format_table,
+        max_rel_error,
+        real_results,
+        with_router_overhead,
+    )
 
     try:
         arms = parse_arms(args.arms)
     except ValueError as exc:
         raise SystemExit(f"pdserve sim validate: {exc}") from None
     costs = costs_from_args(args)
+    _defaults_from_costs(args, costs)
     extra = shlex.split(args.up_args) + (["--model", args.model] if args.model else [])
     real = real_results(args, arms, extra)
     sim: dict[str, Any] = {}
     table: dict[str, list[dict[str, Any]]] = {}
     raw_table: dict[str, list[dict[str, Any]]] = {}
     for name, flags in arms.items():
-        spec = spec_from_up_flags(flags + extra, costs, max_model_len(args), args.block_size)
+        arm_costs = costs
+        if real[name].get("path_overhead_s") is not None:  # measured on the emulated cluster
+            arm_costs = with_router_overhead(costs, real[name]["path_overhead_s"])
+        spec = spec_from_up_flags(flags + extra, arm_costs, max_model_len(args), args.block_size)
         res = simulate_benchmark(spec, args)
         sim[name] = {k: v for k, v in res.items() if not k.startswith("_")}
         table[name] = error_rows(real[name], sim[name])

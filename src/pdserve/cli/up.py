@@ -94,6 +94,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="a service up this long counts as healthy again: the back-off starts over",
     )
+    g = p.add_argument_group("emulated engine (pdserve.emulate): the serving stack is real, "
+                             "only each step's forward pass is a modelled duration")  # fmt: skip
+    g.add_argument("--emulate", metavar="HW", help="accelerator to emulate: h100, h200, a100, "
+                   "l40s, mi300x (NAMExTP: tensor parallel)")  # fmt: skip
+    g.add_argument("--model-config", help="emulated model: llama3-8b, llama3-70b, qwen2.5-32b, "
+                   "a config.json or a directory (default: --model's)")  # fmt: skip
+    g.add_argument("--profile", help="`pdserve profile` JSON: its measured costs, not a roofline")
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per modelled second (> 1 fits more workers on few cores)",
+    )
+    g.add_argument("--tokenizer", help="tokenizer directory of the emulated model (default: "
+                   "--model's, else the built-in tiny model's)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -137,7 +152,21 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key[0] if args.api_key else _first_file_key(args.api_keys_file),
         tls=not args.insecure,
         tls_dir=args.tls_dir,
+        emulate=args.emulate,
+        model_config=args.model_config,
+        emulate_profile=args.profile,
+        time_scale=args.time_scale,
+        tokenizer=args.tokenizer,
     )
+    if (args.model_config or args.profile or args.tokenizer) and not args.emulate:
+        print("pdserve up: --model-config/--profile/--tokenizer need --emulate HW", file=sys.stderr)
+        return 2
+    if args.emulate and not (args.model_config or args.model or args.profile):
+        print("pdserve up: --emulate needs --model-config (or --model)", file=sys.stderr)
+        return 2
+    if args.time_scale <= 0:
+        print("pdserve up: --time-scale must be > 0", file=sys.stderr)
+        return 2
     if args.insecure:
         from pdserve.rpc.tls import INSECURE_WARNING
 

@@ -134,6 +134,11 @@ class AsyncEngine:
     async def inspect(self) -> EngineInspection:
         return await self._submit(Inspect())
 
+    def empty_kv(self, shape: Sequence[int]) -> Any:
+        """An uninitialised CPU buffer of the KV dtype (torch tensor or numpy array, as the
+        engine's runner holds its KV); touches no engine state, so any thread may call it."""
+        return self._llm.empty_kv(shape)
+
     def compute_block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
         """Pure function of the tokens and the kv_fingerprint: runs on the caller's thread."""
         return self._llm.kv.compute_block_hashes(token_ids)

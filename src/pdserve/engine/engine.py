@@ -13,20 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from pdserve.engine.backend import ForwardBackend, Runner
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.params import SamplingParams, validate_request
-from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.kv.cache_manager import KVCacheManager
-from pdserve.kv.spec import KVSpec
-from pdserve.model.loader import allocate_kv_caches
 
-KVSink = Callable[[int, torch.Tensor], None]  # (layer, kv [n_blocks, 2, bs, kvh, hd])
+KVSink = Callable[[int, Any], None]  # (layer, kv [n_blocks, 2, bs, kvh, hd])
 
 
 @dataclass(frozen=True)
@@ -46,28 +41,31 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
-        if loaded is None:
-            from pdserve.model.loader import load_model
+    def __init__(
+        self, config: EngineConfig, loaded: Any = None, backend: ForwardBackend | None = None
+    ) -> None:
+        """`backend` chooses the forward pass (engine.backend); default: the real one over
+        `loaded` (a LoadedModel; loaded from config.model_dir when None)."""
+        if backend is None:
+            if loaded is None:
+                from pdserve.model.loader import load_model
 
-            loaded = load_model(config.model_dir, dtype=config.dtype, device=config.device)
+                loaded = load_model(config.model_dir, dtype=config.dtype, device=config.device)
+            from pdserve.engine.torch_backend import TorchBackend
+
+            backend = TorchBackend(loaded)
         self.config = config
-        self.loaded = loaded
-        mc = loaded.config
+        self.backend = backend
+        self.loaded = loaded if loaded is not None else backend  # .config, .fingerprint
+        mc = backend.config
         self.model_config = mc
         self.vocab_size: int = mc.vocab_size
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.eos_token_ids = frozenset(mc.eos_token_ids or ())
-        self.spec = KVSpec(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            block_size=config.block_size,
-            dtype=str(loaded.dtype).removeprefix("torch."),
-        )
-        self.kv_fingerprint = self.spec.kv_fingerprint(loaded.fingerprint)
+        self.spec = backend.kv_spec(config.block_size)
+        self.kv_fingerprint = self.spec.kv_fingerprint(backend.fingerprint)
         self.num_blocks = self._num_blocks(config)
         self.kv = KVCacheManager(
             self.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_fingerprint
@@ -75,13 +73,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill
         )
-        gen = None if config.seed is None else torch.Generator().manual_seed(config.seed)
-        self.kv_caches = allocate_kv_caches(
-            mc, self.num_blocks, config.block_size, self.spec.dtype, config.device
-        )
-        self.runner = ModelRunner(
-            loaded.model, self.kv_caches, config.block_size, config.device, Sampler(gen)
-        )
+        self.runner: Runner = backend.make_runner(self.spec, self.num_blocks, config)
         self._seqs: dict[str, Seq] = {}
         self._arrival = itertools.count()
 
@@ -227,7 +219,7 @@ class LLMEngine:
         or `abort_request`."""
         return self.kv.reserve(request_id, num_tokens)
 
-    def write_kv(self, request_id: str, layer: int, kv: torch.Tensor) -> None:
+    def write_kv(self, request_id: str, layer: int, kv: Any) -> None:
         """kv: [n, 2, bs, kvh, hd]: fills the first n reserved blocks of `request_id`."""
         ids = self.kv.reserved_blocks(request_id)
         if len(ids) < kv.shape[0]:
@@ -280,17 +272,21 @@ class LLMEngine:
         """Block ids of the longest locally cached prefix of `hashes` (no refs taken)."""
         return self.kv.cached_prefix(hashes)
 
-    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def empty_kv(self, shape: Sequence[int]) -> Any:
+        """An uninitialised CPU buffer of the KV dtype (any thread: it touches no state)."""
+        return self.runner.empty_kv(shape)
+
+    def read_blocks(self, block_ids: Sequence[int]) -> Any:
         """[n, L, 2, bs, kvh, hd] CPU copy of the given blocks (all layers)."""
         return self.runner.read_blocks(list(block_ids))
 
-    def read_cached(self, hashes: Sequence[bytes], skip: int) -> torch.Tensor | None:
+    def read_cached(self, hashes: Sequence[bytes], skip: int) -> Any:
         """The locally cached blocks of the chain `hashes` past its first `skip` ones, read
         in one go (nothing can evict them in between); None when there are none."""
         local = self.kv.cached_prefix(hashes)
         return self.read_blocks(local[skip:]) if len(local) > skip else None
 
-    def import_cached_blocks(self, hashes: Sequence[bytes], data: torch.Tensor) -> int:
+    def import_cached_blocks(self, hashes: Sequence[bytes], data: Any) -> int:
         """Insert blocks fetched from the kvstore into the prefix cache. data:
         [n, L, 2, bs, kvh, hd] for `hashes` (a chain under this kv_fingerprint). Blocks already
         cached are skipped. Returns the number inserted; they stay free (ref 0) and cached."""

@@ -96,6 +96,10 @@ class ModelRunner:
         idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
         cache.index_copy_(0, idx, kv.to(device=cache.device, dtype=cache.dtype))
 
+    def empty_kv(self, shape) -> torch.Tensor:
+        """An uninitialised CPU tensor of the cache's dtype (UCX receives, kvstore fetches)."""
+        return torch.empty(tuple(shape), dtype=self.kv_caches[0].dtype)
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[n, L, 2, block_size, kv_heads, head_dim] CPU tensor."""
         return torch.stack([self.read_layer(i, block_ids) for i in range(len(self.kv_caches))], 1)

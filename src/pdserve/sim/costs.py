@@ -2,7 +2,8 @@
 kvstore fetches, router overhead. Fitted from a profile (`pdserve profile`) or built from a
 hardware roofline (`pdserve.sim.hardware`).
 
-Engine step (one scheduler plan, any mix of prefill chunks and decodes):
+Engine step (one scheduler plan, any mix of prefill chunks and decodes; plus
+`stream_token_s` per sequence the step samples, see CostModel):
     step_s = base_s + per_token_s * new_tokens + per_seq_s * num_seqs
              + per_ctx_token_s * context_tokens + per_attn_s * attention_pairs
 with new_tokens = sum of the plan's new tokens, context_tokens = sum of (start + new) over the
@@ -140,10 +141,22 @@ class CostModel:
     kvstore_publish: LinkCost = field(default_factory=LinkCost)
     router_overhead_s: float = 0.0  # per request, before placement (added to TTFT)
     token_overhead_s: float = 0.0  # per streamed message (gRPC relay of one token)
+    # The serving stack's work for one token of one stream, on the engine's machine (the
+    # engine thread's emit, the worker's and the router's relay, their gRPC): charged per
+    # sampled sequence per step, as it shares the CPU with the step (measured by `pdserve
+    # profile`: served TPOT minus the engine-only step, per stream; 0 for a GPU engine
+    # whose host work overlaps its kernels)
+    stream_token_s: float = 0.0
     kv_bytes_per_token: int = 0
     name: str = ""
     kv_capacity_bytes: int | None = None  # KV cache per instance (None: the worker default)
     devices: int = 1  # accelerators one instance occupies (tensor parallel degree)
+
+    def step_time_s(self, batch: Sequence[tuple[int, int]], num_streamed: int) -> float:
+        """One engine step of `batch` that samples `num_streamed` sequences."""
+        if not batch:
+            return 0.0
+        return self.step.step_s(batch) + self.stream_token_s * num_streamed
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -167,6 +180,7 @@ class CostModel:
             kvstore_publish=link(d.get("kvstore_publish")),
             router_overhead_s=float(d.get("router_overhead_s", 0.0)),
             token_overhead_s=float(d.get("token_overhead_s", 0.0)),
+            stream_token_s=float(d.get("stream_token_s", 0.0)),
             kv_bytes_per_token=int(d.get("kv_bytes_per_token", 0)),
             name=str(d.get("name", "")),
             kv_capacity_bytes=d.get("kv_capacity_bytes"),

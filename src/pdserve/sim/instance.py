@@ -127,7 +127,8 @@ class SimInstance:
         if not plan:
             return None
         batch = [(e.start, e.num_new_tokens) for e in plan.scheduled]
-        return plan, self.costs.step.step_s(batch)
+        streamed = sum(1 for e in plan.scheduled if e.sample)
+        return plan, self.costs.step_time_s(batch, streamed)
 
     def finish_step(self, plan: SchedulerPlan, duration_s: float) -> StepResult:
         self.busy_s += duration_s

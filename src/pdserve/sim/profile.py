@@ -87,6 +87,7 @@ def profile_engine(
     counter = iter(range(1 << 30))
 
     def add(n: int, out: int) -> None:
+        n = min(n, engine.max_model_len - out)  # a short-context model: the longest it takes
         ids = rng.integers(10, vocab, size=n).tolist()
         engine.add_request(
             f"p{next(counter)}",
@@ -169,17 +170,28 @@ def profile_kvstore(block_bytes: int, blocks: list[int], repeats: int = 3) -> di
     import signal
     import subprocess
     import sys
+    import tempfile
 
     from pdserve.kv.hashing import block_hashes
     from pdserve.kv.store_client import KVStoreClient
     from pdserve.kv.transfer import UcxTransport
+    from pdserve.rpc.certs import make_dev_pki
     from pdserve.rpc.ready import parse_ready_line
+    from pdserve.rpc.tls import TlsFiles, client_credentials, configure_client
 
     cap = max(64 * MIB, 4 * max(blocks) * block_bytes * (repeats + 1))
+    # The kvstore runs as in a cluster: mutual TLS (the default), with a throw-away CA and
+    # certificates; this process calls it as a worker. Plaintext is not measured.
+    certs = tempfile.TemporaryDirectory(prefix="pdserve-profile-certs-")
+    make_dev_pki(certs.name, [("kvstore", "kvstore"), ("worker", "profile")])
     argv = [sys.executable, "-m", "pdserve.kvstore", "--port", "0", "--log-format", "console",
-            "--capacity-bytes", str(cap)]  # fmt: skip
+            "--capacity-bytes", str(cap), "--no-insecure", "--tls-dir", certs.name,
+            "--tls-name", "kvstore"]  # fmt: skip
+    saved_creds = client_credentials()
+    errlog = tempfile.TemporaryFile(mode="w+")
+    configure_client(TlsFiles.in_dir(certs.name, "profile"))
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        argv, stdout=subprocess.PIPE, stderr=errlog, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     try:
@@ -194,7 +206,9 @@ def profile_kvstore(block_bytes: int, blocks: list[int], repeats: int = 3) -> di
             if info is not None:
                 addr = f"127.0.0.1:{info['port']}"
         if addr is None:
-            raise RuntimeError("kvstore did not start")
+            errlog.seek(0)
+            tail = errlog.read()[-2000:]
+            raise RuntimeError(f"kvstore did not start: {tail}")
 
         async def go() -> dict[str, Any]:
             transport = await UcxTransport.create()
@@ -238,12 +252,21 @@ def profile_kvstore(block_bytes: int, blocks: list[int], repeats: int = 3) -> di
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+        _restore_client_credentials(saved_creds)
+        errlog.close()
+        certs.cleanup()
     return {
         "publish": LinkCost.fit([b for b, _ in res["put"]], [s for _, s in res["put"]]),
         "fetch": LinkCost.fit([b for b, _ in res["fetch"]], [s for _, s in res["fetch"]]),
         "rpc_rtt_s": res["rpc_rtt_s"],
         "samples": {"put": res["put"], "fetch": res["fetch"]},
     }
+
+
+def _restore_client_credentials(creds: Any) -> None:
+    from pdserve.rpc import tls
+
+    tls._client_credentials = creds  # configure_client takes files, not credentials
 
 
 def profile_router_decision(n_instances: int = 2, iters: int = 2000) -> float:
@@ -264,6 +287,55 @@ def profile_router_decision(n_instances: int = 2, iters: int = 2000) -> float:
         inst = policy.pick_prefill(route, reg.candidates(ROLE_COLOCATED))
         policy.on_routed(route, inst, None)
     return (time.perf_counter() - t0) / iters
+
+
+# ---------------------------------------------------------------------------- serving
+def profile_serving(
+    model_dir: str,
+    dtype: str,
+    threads: int,
+    step: StepCost,
+    batches: tuple[int, ...] = (1, 4, 16),
+    prompt_len: int = 64,
+    max_tokens: int = 48,
+) -> dict[str, Any]:
+    """The serving stack's cost per streamed token: a real colocated worker behind a real
+    router (`Cluster`, mutual TLS), B concurrent greedy streams; served TPOT minus the
+    engine-only step of B decodes (the fitted `step`), divided by B, fitted over B by least
+    squares through 0: seconds per sampled sequence per step (`CostModel.stream_token_s`)."""
+    from pdserve.client import AsyncClient
+    from pdserve.launcher import Cluster, ClusterConfig
+
+    cluster = Cluster(ClusterConfig(
+        model=model_dir, mode="colocated", colocated=1, port=0,
+        worker_args=["--threads", str(threads), "--dtype", dtype],
+    ))  # fmt: skip
+    cluster.start(timeout=300.0)
+    rng = np.random.default_rng(1)
+    try:
+
+        async def streams(b: int) -> list[float]:
+            async with AsyncClient(cluster.addr, timeout=300.0) as client:
+                rs = await asyncio.gather(*(
+                    client.generate(token_ids=rng.integers(10, 200, prompt_len).tolist(),
+                                    max_tokens=max_tokens, ignore_eos=True)
+                    for _ in range(b)
+                ))  # fmt: skip
+            return [r.tpot_ms / 1e3 for r in rs]
+
+        asyncio.run(streams(2))  # warm-up
+        points = []
+        for b in batches:
+            tpot = float(np.median(asyncio.run(streams(b))))
+            ctx = prompt_len + max_tokens // 2
+            engine_s = step.step_s([(ctx, 1)] * b)
+            points.append({"streams": b, "tpot_s": tpot, "engine_step_s": engine_s})
+    finally:
+        cluster.stop()
+    x = np.array([p["streams"] for p in points], dtype=float)
+    y = np.array([p["tpot_s"] - p["engine_step_s"] for p in points])
+    per_stream = max(0.0, float(x @ y / (x @ x)))
+    return {"stream_token_s": per_stream, "samples": points}
 
 
 # ---------------------------------------------------------------------------- limits
@@ -332,6 +404,12 @@ def run_profile(
         log("profiling kvstore publish/fetch ...")
         kvstore = profile_kvstore(block_bytes, [1, 8, 32])
         costs.kvstore_fetch, costs.kvstore_publish = kvstore["fetch"], kvstore["publish"]
+    serving = None
+    if not skip_transport:
+        log("profiling the serving stack (router + worker, streamed tokens) ...")
+        serving = profile_serving(model_dir, dtype, threads, eng["step"])
+        costs.stream_token_s = serving["stream_token_s"]
+        log(f"  {costs.stream_token_s * 1e3:.3f} ms per streamed sequence per step")
     decision_s = profile_router_decision()
     rtt = kvstore["rpc_rtt_s"] if kvstore else 0.0
     costs.router_overhead_s = 2 * rtt + decision_s
@@ -354,6 +432,7 @@ def run_profile(
         if kvstore is None
         else {"samples": kvstore["samples"], "rpc_rtt_s": kvstore["rpc_rtt_s"]},
         "router": {"decision_s": decision_s, "rpc_rtt_s": rtt},
+        "serving": serving,
         "limits": limits,
         "achieved": achieved_fractions(eng, limits),
         "profile_s": time.perf_counter() - started,

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.modelled_time import time_scale_of
 from pdserve.bench.report import _dig
 
 METRICS: tuple[tuple[str, tuple[str, ...], float], ...] = (
@@ -87,9 +88,16 @@ def real_results(
         print(f"== real arm {name}: pdserve up {shlex.join(flags + extra)}", flush=True)
         cluster = UpProcess(flags + extra, port=0, ready_timeout_s=args.ready_timeout,
                           log_path=out.parent / f"{out.stem}_{name}_up.log")  # fmt: skip
+        arm_args = argparse.Namespace(**vars(args))
+        arm_args.clock_scale = time_scale_of(flags + extra)  # emulated: in modelled time
         with cluster as addr:
-            res = run_benchmark(addr, args)
+            overhead = path_overhead_s(addr) if "--emulate" in flags + extra else None
+            res = run_benchmark(addr, arm_args)
         results[name] = {k: v for k, v in res.items() if not k.startswith("_")}
+        if overhead is not None:
+            # in modelled seconds, as the cluster's clock runs
+            results[name]["path_overhead_s"] = overhead / arm_args.clock_scale
+            print(f"   request path overhead {overhead * 1e3:.2f} ms wall", flush=True)
         after = _probe(args)
         if before and after:
             factor = (before["factor"] + after["factor"]) / 2
@@ -105,3 +113,42 @@ def _probe(args: argparse.Namespace) -> dict[str, Any] | None:
     from pdserve.sim.probe import probe_subprocess
 
     return probe_subprocess(args.model, args.profile)
+
+
+def path_overhead_s(addr: str, n: int = 12) -> float:
+    """This machine's request path outside the worker's compute, measured on an idle
+    cluster: sequential 16-token requests (2 tokens: a disaggregated one reaches its decode),
+    client TTFT minus the worker's prefill and exposed transfer stages; the median, in wall
+    seconds. The simulator charges it as `router_overhead_s` (what `pdserve profile`
+    estimates from two gRPC round trips on a quiet machine)."""
+    import asyncio
+    import statistics
+
+    from pdserve.client import AsyncClient
+
+    async def go() -> list[float]:
+        out = []
+        async with AsyncClient(addr, timeout=60.0) as client:
+            for i in range(n + 2):
+                r = await client.generate(
+                    token_ids=[1000 + 17 * i + k for k in range(16)], max_tokens=2,
+                    ignore_eos=True,
+                )  # fmt: skip
+                st = r.usage.stages if r.usage else {}
+                worker_ms = st.get("prefill_ms", 0.0) + st.get("transfer_ms", 0.0)
+                if i >= 2:  # the first two pay connection set-up
+                    out.append(max(0.0, r.ttft_ms - worker_ms) / 1e3)
+        return out
+
+    return statistics.median(asyncio.run(go()))
+
+
+def with_router_overhead(costs: Any, overhead_s: float) -> Any:
+    """`costs` (one CostModel or one per role) charging `overhead_s` per request."""
+    import copy
+
+    if isinstance(costs, dict):
+        return {k: with_router_overhead(v, overhead_s) for k, v in costs.items()}
+    out = copy.copy(costs)
+    out.router_overhead_s = overhead_s
+    return out

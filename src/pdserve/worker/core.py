@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -53,26 +54,38 @@ class WorkerCore:
         self._idle = asyncio.Event()
         self._idle.set()
         self._parts: _Loaded | None = None
+        self.emulation: Any = None  # pdserve.emulate.worker.Emulation when --emulate
 
     # ------------------------------------------------------------------ life
     async def load(self) -> None:
         s = self.settings
-        self.model_dir = s.model or await asyncio.to_thread(_builtin_tiny)
-        llm = await asyncio.to_thread(LLMEngine, self._engine_config())
+        push_link = fetch_link = None
+        if s.emulate:  # the forward pass modelled (pdserve.emulate); no torch in this process
+            from pdserve.emulate.worker import build_engine, options_from_settings
+
+            self.model_dir = s.model or ""
+            llm, self.emulation = await asyncio.to_thread(
+                build_engine, options_from_settings(s), s.model, self._engine_config()
+            )
+            push_link, fetch_link = self.emulation.push_link, self.emulation.fetch_link
+        else:
+            self.model_dir = s.model or await asyncio.to_thread(_builtin_tiny)
+            llm = await asyncio.to_thread(LLMEngine, self._engine_config())
         engine = AsyncEngine(llm)
         transport = await UcxTransport.create()
-        kv_reuse = KVReuse(engine, transport, s.kvstore_timeout_s)
+        kv_reuse = KVReuse(engine, transport, s.kvstore_timeout_s, fetch_link)
         self._parts = _Loaded(
             engine,
             transport,
             kv_reuse,
-            PrefillHandler(engine, transport, kv_reuse, s.transfer_timeout_s),
+            PrefillHandler(engine, transport, kv_reuse, s.transfer_timeout_s, push_link),
             DecodeHandler(engine, transport, kv_reuse, self.instance_id, s.lease_s),
             ColocatedHandler(engine, kv_reuse),
         )
         self.state = "serving"
         _log.info(
             "worker loaded", role=self.role, model=self.model_dir, blocks=engine.num_blocks,
+            emulated=self.emulation.describe() if self.emulation else None,
             block_size=engine.spec.block_size, kv_fingerprint=engine.kv_fingerprint[:16],
         )  # fmt: skip
 
@@ -88,7 +101,7 @@ class WorkerCore:
 
     def _engine_config(self) -> EngineConfig:
         s = self.settings
-        if s.threads:
+        if s.threads and not s.emulate:
             import torch
 
             torch.set_num_threads(s.threads)
@@ -295,6 +308,8 @@ class WorkerCore:
         for name in ("prefix_hit_tokens", "prefix_hit_blocks", "num_preemptions"):
             out[f"engine_{name}"] = float(load[name])
         out.update(parts.kv_reuse.counters())
+        if self.emulation is not None:
+            out.update(self.emulation.counters())
         return out
 
 

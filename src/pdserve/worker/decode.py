@@ -23,9 +23,9 @@ import enum
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-import torch
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.params import SamplingParams
@@ -38,7 +38,6 @@ from pdserve.errors import (
 )
 from pdserve.kv.transfer import RecvHandle, TransferFailedError, TransferTimeoutError, UcxTransport
 from pdserve.logging import get_logger
-from pdserve.model.dtypes import torch_dtype
 from pdserve.worker.domain import StageCosts, Ticket, TokenEvent
 from pdserve.worker.kv_reuse import KVReuse
 from pdserve.worker.nonce import new_nonce, nonce_matches, token_buffer
@@ -66,7 +65,7 @@ class Reservation:
     ticket: Ticket
     prompt_token_ids: list[int]
     params: SamplingParams
-    staging: torch.Tensor  # [L, n_blocks, 2, bs, kvh, hd]: one contiguous receive per layer
+    staging: Any  # [L, n_blocks, 2, bs, kvh, hd]: one contiguous receive per layer
     token_buf: np.ndarray  # int32[5]: token 0 + the ticket nonce, sent by the prefill
     handles: list[RecvHandle]  # the layers, then token 0
     created: float
@@ -186,9 +185,7 @@ class DecodeHandler:
         """Post the receives, start the pump and the lease timer (no await: atomic)."""
         spec = self._spec
         n = spec.num_blocks_for(len(prompt))
-        staging = torch.empty(
-            (spec.num_layers, n, *spec.block_shape), dtype=torch_dtype(spec.dtype)
-        )
+        staging = self._engine.empty_kv((spec.num_layers, n, *spec.block_shape))
         token_buf = token_buffer()
         tag_base = self._transport.new_tag_base()
         handles = [

@@ -13,14 +13,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-
-import torch
+from typing import Any
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv.store_client import KVStoreClient
 from pdserve.kv.transfer import UcxTransport
 from pdserve.logging import get_logger
-from pdserve.model.dtypes import torch_dtype
 
 _log = get_logger(__name__)
 
@@ -30,8 +28,11 @@ class KVReuse:
     settings or the router's Register reply). Until then `enabled` is False and every call
     is a no-op that releases what the engine holds."""
 
-    def __init__(self, engine: AsyncEngine, transport: UcxTransport, timeout_s: float) -> None:
+    def __init__(
+        self, engine: AsyncEngine, transport: UcxTransport, timeout_s: float, fetch_link: Any = None
+    ) -> None:
         self._engine = engine
+        self._fetch_link = fetch_link  # emulation: the modelled fetch time (EmulatedLink)
         self._transport = transport
         self._timeout_s = timeout_s
         self._spec = engine.spec
@@ -76,14 +77,13 @@ class KVReuse:
             n_local = await self._engine.cached_prefix_length(hashes)
             if n_local < len(hashes):
                 wanted = hashes[n_local : n_local + await self._lookup_beyond(hashes, n_local)]
-        buf = torch.empty(
-            (len(wanted), self._spec.num_layers, *self._spec.block_shape),
-            dtype=torch_dtype(self._spec.dtype),
-        )
+        buf = self._engine.empty_kv((len(wanted), self._spec.num_layers, *self._spec.block_shape))
         n_ok = 0
         if wanted:
             fetch_started = time.perf_counter()
             n_ok = await self.client.fetch(self._kv_fingerprint, wanted, buf)
+            if self._fetch_link is not None and n_ok:
+                await asyncio.sleep(self._fetch_link.delay_s(buf[:n_ok].nbytes))
             self._counters["fetch_ms_sum"] += (time.perf_counter() - fetch_started) * 1e3
         await self._engine.import_and_hold(
             request_id, hashes, wanted[:n_ok], buf[:n_ok], hold_finished

@@ -34,8 +34,11 @@ class LayerPusher:
     starts is awaited by `wait` or retired by `close`; a layer the engine hands over after
     `close` (the sink runs on the engine thread) is dropped, never sent unawaited."""
 
-    def __init__(self, transport: UcxTransport, ticket: Ticket, timeout_s: float) -> None:
+    def __init__(
+        self, transport: UcxTransport, ticket: Ticket, timeout_s: float, link: Any = None
+    ) -> None:
         self._transport = transport
+        self._link = link  # emulate.link.EmulatedLink: the modelled transfer time (emulation)
         self._ticket = ticket
         self._timeout_s = timeout_s
         self._sends: list[asyncio.Task] = []
@@ -54,10 +57,13 @@ class LayerPusher:
         if self._closed:
             return
         if count_bytes:
-            self.bytes += kv.numel() * kv.element_size()
+            self.bytes += kv.nbytes
         tag = self._ticket.tag_base + layer
         addr = self._ticket.ucx_worker_address
-        task = asyncio.ensure_future(self._transport.send(addr, tag, kv, self._timeout_s))
+        send = self._transport.send(addr, tag, kv, self._timeout_s)
+        if self._link is not None and count_bytes:
+            send = self._link.after(kv.nbytes, send)
+        task = asyncio.ensure_future(send)
         task.add_done_callback(_retrieve)
         self._sends.append(task)
 
@@ -109,8 +115,10 @@ class PrefillHandler:
         transport: UcxTransport,
         kv_reuse: KVReuse,
         transfer_timeout_s: float,
+        link: Any = None,
     ) -> None:
         self._engine = engine
+        self._link = link
         self._transport = transport
         self._kv_reuse = kv_reuse
         self._spec = engine.spec
@@ -131,7 +139,9 @@ class PrefillHandler:
             self._check_ticket(token_ids, ticket)
         started = time.perf_counter()
         stages = StageCosts()
-        pusher = LayerPusher(self._transport, ticket, self._timeout_s) if ticket else None
+        pusher = (
+            LayerPusher(self._transport, ticket, self._timeout_s, self._link) if ticket else None
+        )
         use_kvstore = use_kvstore and self._kv_reuse.enabled
         try:
             if use_kvstore:

@@ -48,3 +48,25 @@ class WorkerSettings(ServiceSettings):
         None, description="kvstore HOST:PORT (default: the one the router hands out)"
     )
     kvstore_timeout_s: float = Field(2.0, gt=0, description="deadline of kvstore calls")
+    # -- the emulated engine (pdserve.emulate): only the forward pass is modelled
+    emulate: str | None = Field(
+        None,
+        description="emulate this accelerator (h100, h200, a100, l40s, mi300x; NAMExTP): "
+        "steps last as long as the cost model says, no torch",
+    )
+    emulate_model_config: str | None = Field(
+        None,
+        description="(--model-config) emulated model: built-in name (llama3-8b, llama3-70b, "
+        "qwen2.5-32b), config.json or directory; default: --model's config.json",
+    )
+    emulate_profile: str | None = Field(
+        None, description="(--profile) `pdserve profile` JSON: its costs instead of the roofline"
+    )
+    time_scale: float = Field(
+        1.0, gt=0, description="emulation: wall seconds per modelled second (>1: slower)"
+    )
+    emulate_network: str = Field("nvlink", description="emulation: KV link (sim.hardware)")
+    emulate_dtype: str = Field("bfloat16", description="emulation: modelled serving dtype")
+    emulate_kv_layers: int = Field(
+        1, ge=1, le=64, description="emulation: KV messages per push (wire layers)"
+    )

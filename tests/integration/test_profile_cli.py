@@ -1,0 +1,38 @@
+"""`pdserve profile` end to end, under the default mutual TLS: the engine, UCX and a real
+kvstore process (which refuses to start without TLS material unless --insecure)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def test_profile_runs_under_default_tls(serving_model_dir, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_INSECURE"}  # the default: TLS
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli.main", "profile", "--model", str(serving_model_dir),
+         "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    costs = data["costs"]
+    # every part was measured: the kvstore over TLS included
+    assert data["kvstore"] is not None and data["kvstore"]["rpc_rtt_s"] > 0
+    assert len(data["kvstore"]["samples"]["put"]) == 3
+    assert costs["kvstore_fetch"]["latency_s"] >= 0 and costs["router_overhead_s"] > 0
+    assert data["engine"]["samples"], "no engine step timed"
+    assert "kvstore_publish" in proc.stdout
+    # the serving stack's cost per streamed token, from a real router + worker (under TLS)
+    serving = data["serving"]
+    assert [p["streams"] for p in serving["samples"]] == [1, 4, 16]
+    assert all(p["tpot_s"] > 0 for p in serving["samples"])
+    assert costs["stream_token_s"] == serving["stream_token_s"] >= 0
+    assert "per streamed sequence per step" in proc.stdout

@@ -1,0 +1,31 @@
+"""The serving stack's cost per streamed token (`CostModel.stream_token_s`): charged per
+sampled sequence per step by the simulated engine, so it lengthens TPOT (a delay of emit
+times, `token_overhead_s`, cannot)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.sim.costs import CostModel, StepCost
+from pdserve.sim.instance import InstanceConfig, SimInstance
+
+
+def _decode_step_s(stream_token_s: float, n: int = 4) -> float:
+    costs = CostModel(step=StepCost(base_s=0.001, per_seq_s=1e-4), stream_token_s=stream_token_s)
+    inst = SimInstance("i", 0, costs, InstanceConfig(num_blocks=64))
+    for k in range(n):
+        inst.add(f"r{k}", [5] * 10, max_tokens=8, prefill_only=False)
+    plan, _prefill_s = inst.plan()  # the prompts (sample token 0)
+    inst.finish_step(plan, _prefill_s)
+    plan, decode_s = inst.plan()
+    assert len(plan.scheduled) == n and all(e.sample for e in plan.scheduled)
+    return decode_s
+
+
+def test_stream_token_cost_is_charged_per_sampled_sequence_per_step():
+    base = _decode_step_s(0.0)
+    assert base == pytest.approx(0.001 + 4e-4)
+    assert _decode_step_s(0.002) == pytest.approx(base + 4 * 0.002)
+    costs = CostModel(stream_token_s=0.002)
+    assert costs.step_time_s([], 3) == 0.0  # no step, no cost
+    assert CostModel.from_json(costs.to_json()).stream_token_s == 0.002
