@@ -143,10 +143,10 @@ SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str
         "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
     ("headroom", "azure", "4P4D", D44, 45.0, 600, "ttft:1000 tpot:60", {
         "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
-    ("prefix", "mooncake", "4P4D + kvstore", D44 + ["--kvstore"], 6.0, 300, "ttft:3000 tpot:60", {
+    ("prefix", "mooncake", "4P4D + kvstore", [*D44, "--kvstore"], 6.0, 300, "ttft:3000 tpot:60", {
         "least_loaded": ["--policy=least_loaded"], "prefix_aware": ["--policy=prefix_aware"]},
         "least_loaded"),
-    ("prefix", "mooncake", "8 colocated + kvstore", C8 + ["--kvstore"], 6.0, 300,
+    ("prefix", "mooncake", "8 colocated + kvstore", [*C8, "--kvstore"], 6.0, 300,
         "ttft:3000 tpot:60", {
         "least_loaded": ["--policy=least_loaded"], "prefix_aware": ["--policy=prefix_aware"]},
         "least_loaded"),
