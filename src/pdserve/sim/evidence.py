@@ -133,22 +133,22 @@ def ci(xs: list[float]) -> tuple[float, float]:
 # (group, workload, cluster flags, rate, n, SLO, arms {name: router flags}, baseline)
 KV = ["--worker-arg=--num-blocks=1200"]  # 19k tokens of KV per decode: KV binds
 Q = "--queue-max-running-per-decode=8"  # binds: the natural concurrency is ~15 per decode
+SJF_ARMS = {
+    "no queue": [LEN],
+    "fcfs": [LEN, Q, "--queue-order=fcfs"],
+    "sjf online": [LEN, Q, "--queue-order=sjf"],
+    "sjf oracle": [LEN, Q, "--queue-order=sjf", "--predictor-oracle"],
+}
+PLACE = {"count": [LEN], "predicted": [LEN, "--decode-placement=predicted"]}
 SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str]], str]] = [
-    ("sjf", "lengths", "4P4D", D44, 11.0, 400, "ttft:2000 tpot:60", {
-        "no queue": [LEN], "fcfs": [LEN, Q, "--queue-order=fcfs"],
-        "sjf online": [LEN, Q, "--queue-order=sjf"],
-        "sjf oracle": [LEN, Q, "--queue-order=sjf", "--predictor-oracle"]}, "fcfs"),
-    ("sjf", "lengths", "8 colocated", C8, 11.0, 400, "ttft:2000 tpot:60", {
-        "no queue": [LEN], "fcfs": [LEN, Q, "--queue-order=fcfs"],
-        "sjf online": [LEN, Q, "--queue-order=sjf"],
-        "sjf oracle": [LEN, Q, "--queue-order=sjf", "--predictor-oracle"]}, "fcfs"),
-    ("placement", "lengths", "4P4D", D44, 11.0, 400, "ttft:2000 tpot:60", {
-        "count": [LEN], "predicted": [LEN, "--decode-placement=predicted"]}, "count"),
-    ("placement", "lengths", "4P4D, KV binds", D44 + KV, 6.0, 400, "ttft:2000 tpot:60", {
-        "count": [LEN], "predicted": [LEN, "--decode-placement=predicted"]}, "count"),
-    ("headroom", "lengths", "4P4D, KV binds", D44 + KV, 6.0, 400, "ttft:2000 tpot:60", {
+    ("sjf", "lengths", "4P4D", D44, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
+    ("sjf", "lengths", "8 colocated", C8, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
+    ("placement", "lengths", "4P4D", D44, 40.0, 300, "ttft:2000 tpot:60", PLACE, "count"),
+    ("placement", "lengths", "4P4D, KV binds", D44 + KV, 8.0, 300, "ttft:2000 tpot:60", PLACE,
+     "count"),
+    ("headroom", "lengths", "4P4D, KV binds", D44 + KV, 8.0, 300, "ttft:2000 tpot:60", {
         "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
-    ("headroom", "azure", "4P4D", D44, 45.0, 600, "ttft:1000 tpot:60", {
+    ("headroom", "azure", "4P4D", D44, 60.0, 600, "ttft:1000 tpot:60", {
         "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
     ("prefix", "mooncake", "4P4D + kvstore", [*D44, "--kvstore"], 6.0, 300, "ttft:3000 tpot:60", {
         "least_loaded": ["--policy=least_loaded"], "prefix_aware": ["--policy=prefix_aware"]},
@@ -157,7 +157,7 @@ SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str
         "ttft:3000 tpot:60", {
         "least_loaded": ["--policy=least_loaded"], "prefix_aware": ["--policy=prefix_aware"]},
         "least_loaded"),
-    ("flip", "shift", "4P4D", D44, 8.0, 400, "ttft:3000 tpot:60", {
+    ("flip", "shift", "4P4D", D44, 8.0, 300, "ttft:3000 tpot:60", {
         "static": [LEN], "flip": [LEN, "--flip-enabled", "--flip-cooldown-s=5",
                                   "--flip-interval-s=1"]}, "static"),
 ]  # fmt: skip
@@ -222,15 +222,47 @@ def tau_sweep(seeds: list[int], log, sigmas: list[float], n_override: int | None
     return out
 
 
+def _pm(v: Any, fmt: str = ".1f") -> str:
+    m, h = v
+    return f"{m:{fmt}} ± {h:{fmt}}" if not math.isnan(h) else f"{m:{fmt}}"
+
+
+def table(paths: list[str]) -> str:
+    """The markdown evidence table of saved results: per arm the mean ± 95 % half-width over
+    seeds, and the paired gain vs the baseline in % (+ = more goodput / more E2E)."""
+    head = ("| policy | workload | cluster | arm | goodput (req/s) | attainment | mean E2E (s) "
+            "| p99 E2E (s) | goodput gain % | mean E2E gain % | p99 E2E gain % | tau |")  # fmt: skip
+    lines = [head, "|" + "---|" * 12]
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for setup in data["setups"]:
+            for r in setup["rows"]:
+                e2e = (r["e2e_mean"][0] / 1e3, r["e2e_mean"][1] / 1e3)
+                p99 = (r["e2e_p99"][0] / 1e3, r["e2e_p99"][1] / 1e3)
+                gains = [_pm(r[k]) if k in r else "baseline"
+                         for k in ("goodput_gain_pct", "e2e_mean_gain_pct", "e2e_p99_gain_pct")]  # fmt: skip
+                tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
+                lines.append(
+                    f"| {r['group']} | {r['workload']} @ {r['rate']:g}/s | {r['cluster']} "
+                    f"| {r['arm']} | {_pm(r['goodput'], '.2f')} | {_pm(r['attainment'], '.2f')} "
+                    f"| {_pm(e2e, '.2f')} | {_pm(p99, '.1f')} | {' | '.join(gains)} | {tau} |"
+                )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", default="sjf,placement,headroom,prefix,flip")
     p.add_argument("--seeds", type=int, default=5)
-    p.add_argument("--only", help="substring of 'group/workload/cluster' to run")
+    p.add_argument("--only", help="comma-separated 'group/workload/cluster' names to run")
     p.add_argument("--n", type=int, help="requests per run (default: each setup's)")
     p.add_argument("--sigmas", default="0,0.7,1.5", help="tau sweep: log-normal noise levels")
     p.add_argument("--out", default="bench-results/evidence.json")
+    p.add_argument("--table", nargs="+", metavar="JSON", help="print the table of saved runs")
     a = p.parse_args(argv)
+    if a.table:
+        print(table(a.table))
+        return 0
     seeds = list(range(1, a.seeds + 1))
     groups = a.groups.split(",")
 
@@ -242,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for setup in SETUPS:
         name = f"{setup[0]}/{setup[1]}/{setup[2]}"
-        if setup[0] not in groups or (a.only and a.only not in name):
+        if setup[0] not in groups or (a.only and name not in a.only.split(",")):
             continue
         if a.n:
             setup = (*setup[:5], a.n, *setup[6:])
