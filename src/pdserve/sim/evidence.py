@@ -49,12 +49,15 @@ LEN = (
 )
 
 
+LENGTH_SCALE = [1.0]  # --length-scale: the length data's answer lengths x this
+
+
 def workload(kind: str, seed: int, n: int) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_workload_args(p)
     flags = {
         "lengths": ["--lengths", LENGTHS, "--lengths-model", "any", "--lengths-split", "",
-                    "--max-prompt-chars", "6000"],
+                    "--max-prompt-chars", "6000", "--length-scale", str(LENGTH_SCALE[0])],
         "azure": ["--trace", AZURE],
         "mooncake": ["--trace", MOONCAKE, "--block-size", "16"],
     }[kind]  # fmt: skip
@@ -131,7 +134,7 @@ def ci(xs: list[float]) -> tuple[float, float]:
 
 
 # (group, workload, cluster flags, rate, n, SLO, arms {name: router flags}, baseline)
-KV = ["--worker-arg=--num-blocks=1200"]  # 19k tokens of KV per decode: KV binds
+KV = ["--worker-arg=--num-blocks=400"]  # 6.4k tokens of KV per decode: KV binds
 Q = "--queue-max-running-per-decode=8"  # binds: the natural concurrency is ~15 per decode
 SJF_ARMS = {
     "no queue": [LEN],
@@ -256,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--only", help="comma-separated 'group/workload/cluster' names to run")
     p.add_argument("--n", type=int, help="requests per run (default: each setup's)")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="answer lengths of the length data x this (CPU time)")  # fmt: skip
     p.add_argument("--sigmas", default="0,0.7,1.5", help="tau sweep: log-normal noise levels")
     p.add_argument("--out", default="bench-results/evidence.json")
     p.add_argument("--table", nargs="+", metavar="JSON", help="print the table of saved runs")
@@ -264,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(a.table))
         return 0
     seeds = list(range(1, a.seeds + 1))
+    LENGTH_SCALE[0] = a.length_scale
     groups = a.groups.split(",")
 
     def log(m: str) -> None:
