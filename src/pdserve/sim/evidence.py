@@ -147,9 +147,9 @@ SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str
     ("sjf", "lengths", "4P4D", D44, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
     ("sjf", "lengths", "8 colocated", C8, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
     ("placement", "lengths", "4P4D", D44, 40.0, 300, "ttft:2000 tpot:60", PLACE, "count"),
-    ("placement", "lengths", "4P4D, KV binds", D44 + KV, 8.0, 300, "ttft:2000 tpot:60", PLACE,
+    ("placement", "lengths", "4P4D KV-binds", D44 + KV, 8.0, 300, "ttft:2000 tpot:60", PLACE,
      "count"),
-    ("headroom", "lengths", "4P4D, KV binds", D44 + KV, 8.0, 300, "ttft:2000 tpot:60", {
+    ("headroom", "lengths", "4P4D KV-binds", D44 + KV, 8.0, 300, "ttft:2000 tpot:60", {
         "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
     ("headroom", "azure", "4P4D", D44, 60.0, 600, "ttft:1000 tpot:60", {
         "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
