@@ -146,21 +146,21 @@ PLACE = {"count": [LEN], "predicted": [LEN, "--decode-placement=predicted"]}
 SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str]], str]] = [
     ("sjf", "lengths", "4P4D", D44, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
     ("sjf", "lengths", "8 colocated", C8, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
-    ("placement", "lengths", "4P4D", D44, 40.0, 300, "ttft:2000 tpot:60", PLACE, "count"),
-    ("placement", "lengths", "4P4D KV-binds", D44 + KV, 8.0, 300, "ttft:2000 tpot:60", PLACE,
+    ("placement", "lengths", "4P4D", D44, 80.0, 300, "ttft:2000 tpot:60", PLACE, "count"),
+    ("placement", "lengths", "4P4D KV-binds", D44 + KV, 40.0, 300, "ttft:2000 tpot:60", PLACE,
      "count"),
-    ("headroom", "lengths", "4P4D KV-binds", D44 + KV, 8.0, 300, "ttft:2000 tpot:60", {
+    ("headroom", "lengths", "4P4D KV-binds", D44 + KV, 40.0, 300, "ttft:2000 tpot:60", {
         "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
     ("headroom", "azure", "4P4D", D44, 60.0, 600, "ttft:1000 tpot:60", {
         "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
-    ("prefix", "mooncake", "4P4D + kvstore", [*D44, "--kvstore"], 6.0, 300, "ttft:3000 tpot:60", {
+    ("prefix", "mooncake", "4P4D + kvstore", [*D44, "--kvstore"], 12.0, 300, "ttft:3000 tpot:60", {
         "least_loaded": ["--policy=least_loaded"], "prefix_aware": ["--policy=prefix_aware"]},
         "least_loaded"),
     ("prefix", "mooncake", "8 colocated + kvstore", [*C8, "--kvstore"], 6.0, 300,
         "ttft:3000 tpot:60", {
         "least_loaded": ["--policy=least_loaded"], "prefix_aware": ["--policy=prefix_aware"]},
         "least_loaded"),
-    ("flip", "shift", "4P4D", D44, 8.0, 300, "ttft:3000 tpot:60", {
+    ("flip", "shift", "4P4D", D44, 12.0, 300, "ttft:3000 tpot:60", {
         "static": [LEN], "flip": [LEN, "--flip-enabled", "--flip-cooldown-s=5",
                                   "--flip-interval-s=1"]}, "static"),
 ]  # fmt: skip
