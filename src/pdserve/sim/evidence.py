@@ -134,7 +134,7 @@ def ci(xs: list[float]) -> tuple[float, float]:
 
 
 # (group, workload, cluster flags, rate, n, SLO, arms {name: router flags}, baseline)
-KV = ["--worker-arg=--num-blocks=400"]  # 6.4k tokens of KV per decode: KV binds
+KV = ["--worker-arg=--num-blocks=150"]  # 2.4k tokens of KV per decode: KV binds
 Q = "--queue-max-running-per-decode=8"  # binds: the natural concurrency is ~15 per decode
 SJF_ARMS = {
     "no queue": [LEN],
