@@ -1,0 +1,103 @@
+"""`sim` reads the router's flags as the router does, and builds the router's objects."""
+
+from __future__ import annotations
+
+from pdserve.bench.workload import BenchRequest
+from pdserve.router.app import RouterApp
+from pdserve.router.scheduling.admission import Admission
+from pdserve.router.scheduling.policies import PredictedFootprint, SessionAffinity
+from pdserve.router.scheduling.predictor import OraclePredictor
+from pdserve.router.scheduling.predictor.online import OnlineLengthPredictor
+from pdserve.sim.cluster import SimCluster
+from pdserve.sim.costs import CostModel, StepCost
+from pdserve.sim.router_side import (
+    build_admission,
+    build_length,
+    build_predictor,
+    router_settings,
+)
+from pdserve.sim.run import spec_from_up_flags, text_prompt_ids
+
+COSTS = CostModel(step=StepCost(base_s=0.01, per_token_s=0.0001), kv_bytes_per_token=100)
+FLAGS = [
+    "--router-arg=--queue-max-running-per-decode=3 --queue-order=fcfs",
+    "--router-arg=--queue-max-bypass=4",
+    "--router-arg=--decode-placement=predicted",
+    "--router-arg=--reserve-max-tokens=128",
+    "--router-arg=--predictor-oracle --no-session-affinity",
+    "--router-arg=--flip-enabled --flip-ticks=5 --flip-ratio=2 --flip-interval-s=0.5",
+    "--policy", "least_loaded",
+]  # fmt: skip
+
+
+def test_every_decision_flag_reaches_the_simulated_router():
+    spec = spec_from_up_flags(["--mode", "disagg", *FLAGS], COSTS, 4096)
+    rs = spec.router
+    assert rs is not None
+    adm = rs.admission
+    assert (adm.queue_max_running_per_decode, adm.queue_order, adm.queue_max_bypass) == (
+        3, "fcfs", 4
+    )  # fmt: skip
+    assert (rs.placement.decode_placement, rs.placement.reserve_max_tokens) == ("predicted", 128)
+    assert rs.length.predictor_oracle
+    assert spec.policy == "least_loaded" and spec.session_affinity is False
+    assert spec.flip is not None and (spec.flip.ticks, spec.flip.ratio) == (5, 2.0)
+    assert spec.flip_interval_s == 0.5
+    c = SimCluster(spec)
+    assert isinstance(c.policy, PredictedFootprint) and c.policy.demand is c.demand
+    assert c.length is not None and c.length.demand is c.demand
+    assert isinstance(c.admission, Admission) and c.admission.queue.max_bypass == 4
+    assert c.admission.limit() == 3  # 3 per serving decode, one decode
+    assert c.length.reserve_max_tokens == 128 and c.length.oracle
+    assert isinstance(c.length.predictor, OraclePredictor)
+
+
+def test_the_same_objects_as_router_app():
+    flags = ["--queue-max-running-per-decode=2", "--decode-placement=predicted",
+             "--reserve-max-tokens=64", "--no-predictor-use-max-tokens"]  # fmt: skip
+    s = router_settings(flags)
+    app = RouterApp(s)
+    theirs = app._length_scheduling(app._predictor())
+    ours = build_length(s, build_predictor(s), app.demand)
+    assert type(app.policy) is SessionAffinity and type(app.policy.inner) is PredictedFootprint
+    for attr in ("reserve_max_tokens", "oracle", "use_max_tokens", "needed"):
+        assert getattr(ours, attr) == getattr(theirs, attr)
+    assert type(ours.predictor) is type(theirs.predictor) is OnlineLengthPredictor
+    assert (ours.predictor.text_model is None) == (theirs.predictor.text_model is None)
+    adm = build_admission(s, lambda: 1, lambda: 0.0)
+    assert adm.config == app.admission.config
+    for attr in ("order", "aging_tokens_per_s", "max_wait_s", "max_bypass"):
+        assert getattr(adm.queue, attr) == getattr(app.admission.queue, attr)
+
+
+def test_no_predictor_runs_when_nothing_reads_it():
+    spec = spec_from_up_flags(["--mode", "disagg"], COSTS, 4096)
+    c = SimCluster(spec)
+    assert c.length is None and c.admission is None
+
+
+def test_text_prompts_are_predicted_from_their_text():
+    """The shipped text model (run on a thread, as the router runs it) sees the prompt text:
+    two prompts of equal token count get different predictions."""
+    spec = spec_from_up_flags(
+        ["--mode", "disagg", "--router-arg=--decode-placement=predicted",
+         "--router-arg=--no-predictor-use-max-tokens"], COSTS, 4096,
+    )  # fmt: skip
+    short = "Answer yes or no: is 7 prime? Reply in one word only, nothing else please."
+    long_ = "Write a detailed, multi-section essay on the history of the Roman Empire ..."
+    reqs = [BenchRequest(0, [], 20, prompt_text=short), BenchRequest(1, [], 20, prompt_text=long_)]
+    text_prompt_ids(reqs, 1000)
+    assert reqs[0].prompt_ids and len(reqs[0].prompt_ids) == round(len(short) / 4)
+    c = SimCluster(spec)
+    seen = {}
+    orig = c.length.predict
+
+    async def spy(job, route, bs):
+        t = await orig(job, route, bs)
+        seen[job.request_id] = t.estimate.p50
+        return t
+
+    c.length.predict = spy
+    recs = c.run(reqs)
+    assert all(r.error is None and r.n_out == 20 for r in recs)
+    assert seen["r0"] < seen["r1"]
