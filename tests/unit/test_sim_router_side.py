@@ -101,3 +101,34 @@ def test_text_prompts_are_predicted_from_their_text():
     recs = c.run(reqs)
     assert all(r.error is None and r.n_out == 20 for r in recs)
     assert seen["r0"] < seen["r1"]
+
+
+def _burst(n: int) -> list[BenchRequest]:
+    return [
+        BenchRequest(i, [10 + (i * 7 + k) % 900 for k in range(64)], 50, arrival_s=i * 0.001)
+        for i in range(n)
+    ]
+
+
+def test_the_admission_stage_bounds_the_queue_in_simulated_time():
+    """--max-queue and --queue-timeout-s reach the simulated router's `Admission`: a full
+    queue refuses at once, a waiter past its timeout is refused, both on the simulated
+    clock (a run far shorter in wall time than the timeout still sees it expire)."""
+    costs = {"prefill": COSTS, "decode": CostModel(step=StepCost(base_s=0.02))}
+    base = ["--mode", "disagg", "--decode", "1", "--worker-arg=--num-blocks=400"]
+    flags = ["--router-arg=--queue-max-running-per-decode=2 --queue-order=fcfs"]
+
+    def run(extra: list[str]) -> tuple[list[str], list[str]]:
+        c = SimCluster(spec_from_up_flags([*base, *flags, *extra], costs, 4096))
+        recs = c.run(_burst(12))
+        return c.admitted, [r.error or "" for r in recs]
+
+    admitted, errors = run([])
+    assert admitted == [f"r{i}" for i in range(12)] and not any(errors)
+    admitted, errors = run(["--router-arg=--max-queue=3"])
+    assert admitted == ["r0", "r1", "r2", "r3", "r4"]  # 2 running + 3 waiting
+    assert all("max_queue=3" in e for e in errors[5:])
+    # each request holds its turn ~1 s (50 tokens x 20 ms): the third waits ~1 s
+    admitted, errors = run(["--router-arg=--queue-timeout-s=0.5"])
+    assert admitted == ["r0", "r1"]
+    assert all("no turn within 0.5 s" in e for e in errors[2:])
