@@ -132,3 +132,13 @@ def test_the_admission_stage_bounds_the_queue_in_simulated_time():
     admitted, errors = run(["--router-arg=--queue-timeout-s=0.5"])
     assert admitted == ["r0", "r1"]
     assert all("no turn within 0.5 s" in e for e in errors[2:])
+
+
+def test_the_front_doors_prompt_limit_refuses_in_the_simulator():
+    spec = spec_from_up_flags(
+        ["--mode", "disagg", "--router-arg=--max-prompt-tokens=100"], COSTS, 4096
+    )
+    reqs = [BenchRequest(0, list(range(10, 90)), 5), BenchRequest(1, list(range(10, 130)), 5)]
+    recs = SimCluster(spec).run(reqs)
+    assert recs[0].error is None and recs[0].n_out == 5
+    assert recs[1].error and "max_prompt_tokens=100" in recs[1].error and recs[1].n_out == 0

@@ -43,6 +43,7 @@ from pdserve.router.cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PR
 from pdserve.router.flip.controller import snapshot
 from pdserve.router.flip.policy import FlipPolicy, FlipThresholds
 from pdserve.router.frontdoor.auth import ANONYMOUS
+from pdserve.router.frontdoor.input_limits import InputLimits
 from pdserve.router.job import Job
 from pdserve.router.scheduling.admission import Admission
 from pdserve.router.scheduling.demand import DecodeDemand
@@ -137,6 +138,9 @@ class SimCluster:
         if limited:
             self.admission = router_side.build_admission(rs, self._serving, self.loop.clock)
         self.recheck_s = router_side.admission_config(rs).recheck_s
+        # the front door's input limits (--max-prompt-tokens, --max-prompt-chars)
+        max_len = max(p.config.max_model_len for p in spec.pools)
+        self.input_limits = InputLimits.from_settings(rs.limits, max_len)
         self._kv_waiting: dict[str, int] = {}  # capacity waits: request id -> wait number
         self._kv_waits = 0
         self.predictor = self.length.predictor if self.length is not None else None
@@ -241,8 +245,21 @@ class SimCluster:
         rec.session_id = req.session_id
         st = _Req(req, rec)
         self._reqs[rid] = st
+        refused = self._refused(req)
+        if refused:
+            self._fail(rid, f"INVALID_ARGUMENT: prompt: {refused}")
+            return
         overhead = max(c.costs.router_overhead_s for c in self.instances.values())
         self.loop.after(overhead, lambda: self._route(rid))
+
+    def _refused(self, req: BenchRequest) -> str:
+        """The front door's prompt limits (`check_raw_request`, `FrontDoor._prepare`)."""
+        lim = self.input_limits
+        if req.prompt_text and len(req.prompt_text) > lim.max_prompt_chars:
+            return f"{len(req.prompt_text)} characters; at most {lim.max_prompt_chars}"
+        if len(req.prompt_ids) > lim.max_prompt_tokens:
+            return lim.too_many_tokens(len(req.prompt_ids))
+        return ""
 
     def _route(self, rid: str) -> None:
         st = self._reqs[rid]
