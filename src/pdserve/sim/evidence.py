@@ -60,9 +60,13 @@ def workload(kind: str, seed: int, n: int) -> argparse.Namespace:
                     "--max-prompt-chars", "6000", "--length-scale", str(LENGTH_SCALE[0])],
         "azure": ["--trace", AZURE],
         "mooncake": ["--trace", MOONCAKE, "--block-size", "16"],
+        # fits a 2,400-token KV pool: prompts <= 1,000 tokens, answers <= 1,100
+        "lengths-2k": ["--lengths", LENGTHS, "--lengths-model", "any", "--lengths-split", "",
+                       "--max-prompt-chars", "4000", "--length-scale", str(LENGTH_SCALE[0])],
     }[kind]  # fmt: skip
+    max_len = 2200 if kind == "lengths-2k" else MAX_LEN
     a = p.parse_args([*flags, "--seed", str(seed), "--num-requests", str(n),
-                      "--vocab-size", "128256", "--max-model-len", str(MAX_LEN)])  # fmt: skip
+                      "--vocab-size", "128256", "--max-model-len", str(max_len)])  # fmt: skip
     return a
 
 
@@ -147,9 +151,9 @@ SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str
     ("sjf", "lengths", "4P4D", D44, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
     ("sjf", "lengths", "8 colocated", C8, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
     ("placement", "lengths", "4P4D", D44, 80.0, 300, "ttft:2000 tpot:60", PLACE, "count"),
-    ("placement", "lengths", "4P4D KV-binds", D44 + KV, 40.0, 300, "ttft:2000 tpot:60", PLACE,
+    ("placement", "lengths-2k", "4P4D KV-binds", D44 + KV, 40.0, 300, "ttft:2000 tpot:60", PLACE,
      "count"),
-    ("headroom", "lengths", "4P4D KV-binds", D44 + KV, 40.0, 300, "ttft:2000 tpot:60", {
+    ("headroom", "lengths-2k", "4P4D KV-binds", D44 + KV, 40.0, 300, "ttft:2000 tpot:60", {
         "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
     ("headroom", "azure", "4P4D", D44, 60.0, 600, "ttft:1000 tpot:60", {
         "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
