@@ -238,8 +238,8 @@ def table(paths: list[str]) -> str:
     """The markdown evidence table of saved results: per arm the mean ± 95 % half-width over
     seeds, and the paired gain vs the baseline in % (+ = more goodput / more E2E)."""
     head = ("| policy | workload | cluster | arm | goodput (req/s) | attainment | mean E2E (s) "
-            "| p99 E2E (s) | goodput gain % | mean E2E gain % | p99 E2E gain % | tau |")  # fmt: skip
-    lines = [head, "|" + "---|" * 12]
+            "| p99 E2E (s) | goodput gain % | mean E2E gain % | p99 E2E gain % | preemptions | tau |")  # fmt: skip
+    lines = [head, "|" + "---|" * 13]
     for path in paths:
         data = json.loads(Path(path).read_text())
         for setup in data["setups"]:
@@ -252,7 +252,8 @@ def table(paths: list[str]) -> str:
                 lines.append(
                     f"| {r['group']} | {r['workload']} @ {r['rate']:g}/s | {r['cluster']} "
                     f"| {r['arm']} | {_pm(r['goodput'], '.2f')} | {_pm(r['attainment'], '.2f')} "
-                    f"| {_pm(e2e, '.2f')} | {_pm(p99, '.1f')} | {' | '.join(gains)} | {tau} |"
+                    f"| {_pm(e2e, '.2f')} | {_pm(p99, '.1f')} | {' | '.join(gains)} "
+                    f"| {r['preemptions'][0]:.0f} | {tau} |"
                 )
     return "\n".join(lines)
 
