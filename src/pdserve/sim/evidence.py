@@ -60,9 +60,13 @@ def workload(kind: str, seed: int, n: int) -> argparse.Namespace:
                     "--max-prompt-chars", "6000", "--length-scale", str(LENGTH_SCALE[0])],
         "azure": ["--trace", AZURE],
         "mooncake": ["--trace", MOONCAKE, "--block-size", "16"],
+        # fits a 2,400-token KV pool: prompts <= 1,000 tokens, answers <= 1,100
+        "lengths-2k": ["--lengths", LENGTHS, "--lengths-model", "any", "--lengths-split", "",
+                       "--max-prompt-chars", "4000", "--length-scale", str(LENGTH_SCALE[0])],
     }[kind]  # fmt: skip
+    max_len = 2200 if kind == "lengths-2k" else MAX_LEN
     a = p.parse_args([*flags, "--seed", str(seed), "--num-requests", str(n),
-                      "--vocab-size", "128256", "--max-model-len", str(MAX_LEN)])  # fmt: skip
+                      "--vocab-size", "128256", "--max-model-len", str(max_len)])  # fmt: skip
     return a
 
 
@@ -147,9 +151,9 @@ SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str
     ("sjf", "lengths", "4P4D", D44, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
     ("sjf", "lengths", "8 colocated", C8, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
     ("placement", "lengths", "4P4D", D44, 80.0, 300, "ttft:2000 tpot:60", PLACE, "count"),
-    ("placement", "lengths", "4P4D KV-binds", D44 + KV, 40.0, 300, "ttft:2000 tpot:60", PLACE,
+    ("placement", "lengths-2k", "4P4D KV-binds", D44 + KV, 40.0, 300, "ttft:2000 tpot:60", PLACE,
      "count"),
-    ("headroom", "lengths", "4P4D KV-binds", D44 + KV, 40.0, 300, "ttft:2000 tpot:60", {
+    ("headroom", "lengths-2k", "4P4D KV-binds", D44 + KV, 40.0, 300, "ttft:2000 tpot:60", {
         "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
     ("headroom", "azure", "4P4D", D44, 60.0, 600, "ttft:1000 tpot:60", {
         "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
@@ -234,8 +238,8 @@ def table(paths: list[str]) -> str:
     """The markdown evidence table of saved results: per arm the mean ± 95 % half-width over
     seeds, and the paired gain vs the baseline in % (+ = more goodput / more E2E)."""
     head = ("| policy | workload | cluster | arm | goodput (req/s) | attainment | mean E2E (s) "
-            "| p99 E2E (s) | goodput gain % | mean E2E gain % | p99 E2E gain % | tau |")  # fmt: skip
-    lines = [head, "|" + "---|" * 12]
+            "| p99 E2E (s) | goodput gain % | mean E2E gain % | p99 E2E gain % | preemptions | tau |")  # fmt: skip
+    lines = [head, "|" + "---|" * 13]
     for path in paths:
         data = json.loads(Path(path).read_text())
         for setup in data["setups"]:
@@ -248,7 +252,8 @@ def table(paths: list[str]) -> str:
                 lines.append(
                     f"| {r['group']} | {r['workload']} @ {r['rate']:g}/s | {r['cluster']} "
                     f"| {r['arm']} | {_pm(r['goodput'], '.2f')} | {_pm(r['attainment'], '.2f')} "
-                    f"| {_pm(e2e, '.2f')} | {_pm(p99, '.1f')} | {' | '.join(gains)} | {tau} |"
+                    f"| {_pm(e2e, '.2f')} | {_pm(p99, '.1f')} | {' | '.join(gains)} "
+                    f"| {r['preemptions'][0]:.0f} | {tau} |"
                 )
     return "\n".join(lines)
 
