@@ -1,8 +1,8 @@
 """The simulated cluster: router + workers (+ kvstore) in simulated time.
 
 Real decision code, called as the services call it:
-- placement: a `pdserve.router.scheduling.policies.PlacementPolicy` (pick_decode, pick_prefill, on_routed)
-  over `Registry.candidates(role)`, with the router's in-flight counters (`Registry.charge`)
+- placement: a `router.scheduling.policies.PlacementPolicy` (pick_decode, pick_prefill,
+  on_routed) over `Registry.candidates(role)`, with the router's in-flight counters (`Registry.charge`)
   and heartbeat loads (`Registry.heartbeat` every `heartbeat_interval_s` with the instance's
   `LoadReport`), exactly the inputs the orchestrator gives them;
 - admission and length-aware scheduling (`ClusterSpec.router`, a `RouterSettings`): the
@@ -12,11 +12,12 @@ Real decision code, called as the services call it:
   progress / left / done), `DecodeDemand` and predicted-footprint placement, built as
   `RouterApp` builds them (`sim.router_side`); when no decision reads a prediction no
   predictor runs, and when no running limit is set no request passes the queue;
-- role flips: `FlipPolicy.decide` every `flip_interval_s` on `router.flip.snapshot(registry,
-  demand)`;
+- role flips: `FlipPolicy.decide` every `flip_interval_s` on
+  `router.flip.controller.snapshot(registry, demand)`;
 - batching, chunking, prefix caching, preemption: the engine `Scheduler` and `BlockPool`
   (`pdserve.sim.instance.SimInstance`);
-- kvstore eviction: the kvstore's `BlockStore`, sized in blocks (one arena byte per block).
+- kvstore eviction: the kvstore's `BlockStore`, sized in blocks (one arena byte per block);
+- the front door's prompt limits (`InputLimits` from `--max-prompt-tokens/-chars`).
 
 The request path mirrors the front door and `router.lifecycle.orchestrator`: predict, take an
 admission turn, then disaggregated = pick decode, reserve prompt+1 (+ headroom) blocks there
