@@ -142,3 +142,35 @@ def test_the_front_doors_prompt_limit_refuses_in_the_simulator():
     recs = SimCluster(spec).run(reqs)
     assert recs[0].error is None and recs[0].n_out == 5
     assert recs[1].error and "max_prompt_tokens=100" in recs[1].error and recs[1].n_out == 0
+
+
+def test_a_full_decode_wakes_its_waiters_when_a_request_leaves():
+    """Every decode full: the reservation waits as `admission.Capacity` does, woken by the
+    registry change of a request leaving the decode (not by a back-off timer)."""
+    costs = {"prefill": COSTS, "decode": CostModel(step=StepCost(base_s=0.013))}
+    flags = ["--mode", "disagg", "--worker-arg=--num-blocks=6 --block-size=16"]
+    spec = spec_from_up_flags(flags, costs, 4096)
+    spec.heartbeat_interval_s = 1e9  # no heartbeat wake-ups after t = 0
+    c = SimCluster(spec)
+    dec = c.instances["decode-0"]
+    reserved: dict[str, float] = {}
+    left: list[float] = []
+    orig_reserve, orig_charge = dec.reserve, c.registry.charge
+
+    def reserve(rid, n):
+        ok = orig_reserve(rid, n)
+        if ok:
+            reserved[rid] = c.loop.now
+        return ok
+
+    def charge(iid, requests=0, tokens=0):
+        if iid == "decode-0" and requests < 0:
+            left.append(c.loop.now)
+        orig_charge(iid, requests, tokens)
+
+    dec.reserve = reserve  # type: ignore[method-assign]
+    c.registry.charge = charge  # type: ignore[method-assign]
+    prompt = list(range(10, 74))  # 64 tokens: 5 blocks with token 0; two do not fit in 6
+    recs = c.run([BenchRequest(0, prompt, 20), BenchRequest(1, prompt, 20, arrival_s=0.001)])
+    assert all(r.error is None and r.n_out == 20 for r in recs)
+    assert reserved["r1"] > reserved["r0"] and reserved["r1"] == left[0]
