@@ -361,9 +361,14 @@ class Cluster:
         from pdserve.model.tiny import ensure_builtin_tiny
 
         c = self.config
-        tokenizer = c.tokenizer or c.model or str(ensure_builtin_tiny())
+        model = c.model
+        if not (model or c.model_config) and c.emulate_profile:  # the profiled checkpoint's
+            import json
+
+            model = json.loads(Path(c.emulate_profile).read_text()).get("model")
+        tokenizer = c.tokenizer or model or str(ensure_builtin_tiny())
         out = make_emulated_dir(self._log_dir / "emulated-model", c.model_config, tokenizer,
-                                c.model, {"hardware": c.emulate})  # fmt: skip
+                                model, {"hardware": c.emulate})  # fmt: skip
         return str(out.resolve())
 
     def _emulate_argv(self) -> list[str]:

@@ -74,6 +74,17 @@ def parse_arms(spec: str) -> dict[str, list[str]]:
     return arms
 
 
+def _arm_args(args: Any, flags: list[str]) -> Any:
+    """An emulated arm with `--time-scale X` is benchmarked in modelled time."""
+    import argparse
+
+    from pdserve.bench.modelled_time import time_scale_of
+
+    arm = argparse.Namespace(**vars(args))
+    arm.clock_scale = time_scale_of(flags)
+    return arm
+
+
 def pick_ratio(names: list[str], spec: str | None) -> tuple[str, str] | None:
     if spec:
         num, _, den = spec.partition("/")
@@ -109,7 +120,7 @@ def _run_back_to_back(arms, extra, args, out: Path) -> dict[str, dict[str, Any]]
     results: dict[str, dict[str, Any]] = {}
     for name, flags in arms.items():
         with _cluster(name, flags, extra, args, out) as addr:
-            results[name] = _with_counters(run_benchmark(addr, args), addr)
+            results[name] = _with_counters(run_benchmark(addr, _arm_args(args, flags)), addr)
         print(format_summary(results[name]["summary"]), flush=True)
     return results
 
@@ -123,7 +134,9 @@ def _run_concurrently(arms, extra, args, out: Path) -> dict[str, dict[str, Any]]
     with contextlib.ExitStack() as stack:
         addrs = {n: stack.enter_context(_cluster(n, f, extra, args, out)) for n, f in arms.items()}
         with ThreadPoolExecutor(len(addrs)) as pool:
-            futures = {n: pool.submit(run_benchmark, a, args) for n, a in addrs.items()}
+            futures = {
+                n: pool.submit(run_benchmark, a, _arm_args(args, arms[n])) for n, a in addrs.items()
+            }
             results = {n: f.result() for n, f in futures.items()}
         for n, a in addrs.items():
             _with_counters(results[n], a)

@@ -36,6 +36,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--duration", type=float, default=10.0, help="wall seconds per level")
     p.add_argument("--stream-tokens", type=int, default=4000)
     p.add_argument("--profile-router", action="store_true", help="cProfile the router")
+    p.add_argument(
+        "--compare-relay",
+        action="store_true",
+        help="also run each worker count with the old relay (PDSERVE_RELAY_WAIT_FOR=1: an "
+        "asyncio.wait_for per relayed message) and print new / old",
+    )
+    p.add_argument("--skip-short", action="store_true", help="streamed tokens only")
     p.add_argument("--out", default="results/router_saturation.json")
     p.set_defaults(func=main)
 
@@ -106,7 +113,9 @@ def _level(cluster: Any, fn, *a) -> dict[str, Any]:
     return out
 
 
-def measure(n: int, args: argparse.Namespace, prof: Path | None) -> dict[str, Any]:
+def measure(
+    n: int, args: argparse.Namespace, prof: Path | None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     from pdserve.launcher import Cluster, ClusterConfig
 
     cfg = ClusterConfig(
@@ -114,6 +123,7 @@ def measure(n: int, args: argparse.Namespace, prof: Path | None) -> dict[str, An
         mode="colocated", colocated=n, port=0,
         worker_args=["--max-num-batched-tokens", "2048", "--max-num-seqs", "256"],
         router_python_args=["-m", "cProfile", "-o", str(prof)] if prof else [],
+        env=dict(env or {}),
     )  # fmt: skip
     cluster = Cluster(cfg)
     cluster.start(timeout=600.0)
@@ -121,7 +131,7 @@ def measure(n: int, args: argparse.Namespace, prof: Path | None) -> dict[str, An
     row: dict[str, Any] = {"workers": n, "short": {}, "streams": {}}
     try:
         asyncio.run(_short(cluster.addr, 4, 1.0))  # warm-up
-        if not prof:
+        if not prof and not args.skip_short:
             for c in levels:
                 row["short"][c] = _level(cluster, _short, c, args.duration)
                 print(f"   short  C={c:<4} {json.dumps(row['short'][c])}", flush=True)
@@ -151,6 +161,16 @@ def main(args: argparse.Namespace) -> int:
     for n in [int(x) for x in args.workers.split(",") if x.strip()]:
         print(f"== {n} emulated workers, one router", flush=True)
         rows.append(measure(n, args, None))
+        if args.compare_relay:
+            print(f"== {n} emulated workers, old relay (PDSERVE_RELAY_WAIT_FOR=1)", flush=True)
+            old = measure(n, args, None, {"PDSERVE_RELAY_WAIT_FOR": "1"})
+            old["relay"] = "wait_for"
+            rows.append(old)
+            new = rows[-2]
+            for kind, key in (("short", "requests_per_s"), ("streams", "tokens_per_s")):
+                for c in new[kind]:
+                    a, b = new[kind][c][key], old[kind][c][key]
+                    print(f"   {kind} C={c}: {key} new/old = {a / b if b else float('nan'):.2f}")
     profile = None
     if args.profile_router:
         n = int(args.workers.split(",")[0])

@@ -348,29 +348,21 @@ class SimCluster:
         return self.instances[chosen.instance_id]
 
     # ------------------------------------------------------------------ disaggregated
-    def _reserve(self, rid: str) -> None:
+    def _reserve(self, rid: str, tried: set[str] | None = None) -> None:
         st = self._reqs[rid]
         assert st.route is not None
-        n = len(st.req.prompt_ids)
-        tried: set[str] = set()
+        tried = set() if tried is None else tried
         while True:
             cands = [c for c in self.registry.candidates(ROLE_DECODE) if c.instance_id not in tried]
             if not cands:
                 break
             dec = self._pick(ROLE_DECODE, st.route, None, tried)
             tried.add(dec.instance_id)
-            # the decode worker's Reserve: prompt + token 0 + the router's headroom when
-            # free, else without the headroom (best effort)
-            extra = max(0, st.route.reserve_tokens)
-            if dec.reserve(rid, n + 1 + extra) or (extra > 0 and dec.reserve(rid, n + 1)):
-                self.registry.charge(dec.instance_id, requests=1)
-                st.decode = dec
-                if self.length is not None and st.pred is not None:
-                    self.length.placed(st.pred, dec.instance_id, n, st.route)
-                pre = self._pick(ROLE_PREFILL, st.route, dec)
-                st.prefill = pre
-                self.registry.charge(pre.instance_id, requests=1, tokens=n)
-                self._start_prefill(rid, pre, prefill_only=True)
+            if dec.busy and dec.step_end > self.loop.now:
+                # Reserve is an engine command: the engine thread runs it between two steps
+                self.loop.at(dec.step_end, lambda dec=dec: self._try_reserve(rid, dec, tried))
+                return
+            if self._try_reserve(rid, dec, tried, go_on=False):
                 return
         # every decode full: `Capacity.wait` until the registry changes (woken by
         # `_capacity_changed`) or `recheck_s` passes; past the deadline: overloaded
@@ -403,6 +395,28 @@ class SimCluster:
 
     def _retry_cb(self, rid: str) -> Callable[[], None]:
         return lambda: self._reserve(rid)
+
+    def _try_reserve(self, rid: str, dec: SimInstance, tried: set[str], go_on: bool = True) -> bool:
+        """Reserve on `dec`; on success start the prefill. Else (go_on) try the others."""
+        st = self._reqs[rid]
+        assert st.route is not None
+        n = len(st.req.prompt_ids)
+        # the decode worker's Reserve: prompt + token 0 + the router's headroom when free,
+        # else without the headroom (best effort)
+        extra = max(0, st.route.reserve_tokens)
+        if dec.reserve(rid, n + 1 + extra) or (extra > 0 and dec.reserve(rid, n + 1)):
+            self.registry.charge(dec.instance_id, requests=1)
+            st.decode = dec
+            if self.length is not None and st.pred is not None:
+                self.length.placed(st.pred, dec.instance_id, n, st.route)
+            pre = self._pick(ROLE_PREFILL, st.route, dec)
+            st.prefill = pre
+            self.registry.charge(pre.instance_id, requests=1, tokens=n)
+            self._start_prefill(rid, pre, prefill_only=True)
+            return True
+        if go_on:
+            self._reserve(rid, tried)
+        return False
 
     # ------------------------------------------------------------------ prefill (or colocated)
     def _start_prefill(self, rid: str, inst: SimInstance, prefill_only: bool) -> None:
@@ -441,6 +455,7 @@ class SimCluster:
             return
         plan, dur = planned
         inst.busy = True
+        inst.step_end = self.loop.now + dur
         self.loop.after(dur, lambda: self._step_done(inst, plan, dur))
 
     def _step_done(self, inst: SimInstance, plan, dur: float) -> None:

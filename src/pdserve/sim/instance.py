@@ -67,6 +67,7 @@ class SimInstance:
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill
         )
         self.busy = False  # a step is in flight
+        self.step_end = 0.0  # when the step in flight ends (engine commands wait for it)
         self.tokens_in_flight = 0  # prompt tokens of requests in flight (worker's own count)
         self.busy_s = 0.0
         self.flip_to = 0  # role this instance drains towards (the flip controller's pick)

@@ -28,6 +28,7 @@ front door, which ordered the admission queue by it) and what the predictor lear
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -68,6 +69,25 @@ STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 
 
 DECODE_WATCH_S = 0.25  # how often a running Prefill checks that its decode still lives
+# The relay's read deadline: by the stream's watchdog (default), or the old asyncio.wait_for
+# around every read (PDSERVE_RELAY_WAIT_FOR=1: the baseline of `bench router-saturation`).
+RELAY_WAIT_FOR = os.environ.get("PDSERVE_RELAY_WAIT_FOR", "0") == "1"
+
+
+class _Idle:
+    """A relayed stream's read deadline: `limit_s` after the last message (or the start)."""
+
+    __slots__ = ("deadline", "expired")
+
+    def __init__(self, limit_s: float) -> None:
+        self.deadline = time.monotonic() + limit_s
+        self.expired = False
+
+    def seen(self, limit_s: float) -> None:
+        self.deadline = time.monotonic() + limit_s
+
+    def overdue(self) -> bool:
+        return time.monotonic() > self.deadline
 
 
 class _DecodeLost(Exception):
@@ -434,21 +454,31 @@ class Orchestrator:
         message: a retryable `CallLost`, like any failure there)."""
         first, finished = True, False
         lost: list[bool] = []  # set by the watchdog before it cancels the call
-        watchdog = asyncio.ensure_future(self._watch_stream(call, inst, lost))
+        idle = _Idle(self.deadlines.first_token_s)  # the watchdog enforces it
+        watchdog = asyncio.ensure_future(self._watch_stream(call, inst, lost, idle))
         try:
             while True:
                 wait = self.deadlines.first_token_s if first else self.deadlines.decode_idle_s
                 try:
-                    msg = await asyncio.wait_for(call.read(), wait)
+                    if RELAY_WAIT_FOR:  # the old per-message timer (A/B baseline)
+                        msg = await asyncio.wait_for(call.read(), wait)
+                    else:
+                        msg = await call.read()
+                        idle.seen(self.deadlines.decode_idle_s)
                 except asyncio.TimeoutError:
                     raise DeadlineError(
                         f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
                     ) from None
                 except asyncio.CancelledError:
-                    # The call was cancelled, not this task: by the watchdog (`lost`), or
-                    # by the close of a dropped instance's channel.
+                    # The call was cancelled, not this task: by the watchdog (`lost`, or
+                    # silent past its deadline), or by the close of a dropped instance's
+                    # channel.
                     if not cancelled_under_us():
                         raise
+                    if idle.expired:
+                        raise DeadlineError(
+                            f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
+                        ) from None
                     if lost and first:
                         raise CallLost(what, "the instance stopped heartbeating") from None
                     if lost:
@@ -483,12 +513,18 @@ class Orchestrator:
             if not finished:
                 call.cancel()
 
-    async def _watch_stream(self, call, inst: Instance, lost: list[bool]) -> None:
-        """Every DECODE_WATCH_S: if the registry counts `inst` lost, flag it, cancel `call`."""
+    async def _watch_stream(self, call, inst: Instance, lost: list[bool], idle: _Idle) -> None:
+        """Every DECODE_WATCH_S: if the registry counts `inst` lost, flag it, cancel `call`;
+        if the stream has been silent past its deadline, mark `idle` expired, cancel `call`
+        (one timer per stream: a per-message `wait_for` cost ~50 us of router CPU per token)."""
         while True:
             await asyncio.sleep(DECODE_WATCH_S)
             if self.registry.lost(inst.instance_id):
                 lost.append(True)
+                call.cancel()
+                return
+            if not RELAY_WAIT_FOR and idle.overdue():
+                idle.expired = True
                 call.cancel()
                 return
 
