@@ -18,7 +18,14 @@ from pdserve.sim.plan import Budget, candidates, cost_per_m_tokens
 
 @pytest.mark.parametrize(
     "name,params_b,kv_per_token",
-    [("llama3-8b", 8.03, 131072), ("llama3-70b", 70.55, 327680), ("qwen2.5-32b", 32.76, 262144)],
+    [
+        ("llama3-8b", 8.03, 131072),
+        ("llama3-70b", 70.55, 327680),
+        ("qwen2.5-32b", 32.76, 262144),
+        # OPT: two-matrix MLP (fc1, fc2), biases, tied lm_head; published 12.85 B and 65.7 B
+        ("opt-13b", 12.85, 819200),
+        ("opt-66b", 65.7, 2359296),
+    ],
 )
 def test_builtin_shapes_match_published_sizes(name, params_b, kv_per_token):
     m = load_model_config(name)
@@ -98,3 +105,26 @@ def test_cost_per_million_output_tokens():
     # 16 devices at $2/h = $32/h; 10 req/s x 100 tokens = 3.6 M tokens/h -> $8.89 per M
     assert cost_per_m_tokens({"h100": 16}, {"h100": 2.0}, 10.0, 100.0) == pytest.approx(32 / 3.6)
     assert cost_per_m_tokens({"h100": 16}, {}, 10.0, 100.0) is None
+
+
+def test_tensor_parallel_budget_counts_devices():
+    b = Budget.parse("a100x2:8")
+    assert b.devices == {"a100": 8} and b.instance_specs() == ["a100x2"]
+    cands = candidates(b, "opt-66b", "nvlink3", "float16", [2048], [128], max_unit=4)
+    one_one = next(c for c in cands if c.kind == "disagg" and (c.n_prefill, c.n_decode) == (1, 1))
+    assert one_one.devices() == {"a100": 4}  # 2 instances x TP 2
+    assert not any(c.kind == "disagg" and c.num_devices > 8 for c in cands)
+
+
+def test_heterogeneous_search_pairs_each_pool_with_each_type():
+    b = Budget.parse("h100:4,l40s:4")
+    cands = candidates(b, "llama3-8b", "pcie4", "bfloat16", [2048], [128], max_unit=2)
+    pairs = {(c.hw_prefill, c.hw_decode) for c in cands if c.kind == "disagg"}
+    assert pairs == {("h100", "h100"), ("h100", "l40s"), ("l40s", "h100"), ("l40s", "l40s")}
+    mixed = next(c for c in cands if (c.hw_prefill, c.hw_decode) == ("h100", "l40s"))
+    assert mixed.devices() == {"h100": 1, "l40s": 1}
+    assert "h100/l40s" in mixed.label
+    spec = mixed.spec(replicas=2, max_model_len=4096)
+    assert [(p.role, p.count, p.costs.name.split("@")[1]) for p in spec.pools] == [
+        ("prefill", 2, "h100/bfloat16"), ("decode", 2, "l40s/bfloat16")
+    ]  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,25 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--decode-seqs", default="256", help="decode batch caps to try")
     p.add_argument("--max-unit", type=int, default=6, help="largest M + N of a disagg unit")
     p.add_argument("--start-rate", type=float, default=8.0, help="first rate per device (req/s)")
+    p.add_argument("--colocated-modes", default="chunked",
+                   help="colocated schedulers to try: chunked (this engine), nochunk (vLLM <= 0.3: "
+                   "prefill priority, whole prompts), or chunked,nochunk")  # fmt: skip
+    p.add_argument("--jobs", type=int, default=0,
+                   help="processes for the simulations (0 = one per CPU); the answer is the same")  # fmt: skip
     p.add_argument("--out", default="results/plan.json")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_workload_args(p)
     p.set_defaults(func=main)
+
+
+def _cpu_s() -> float:
+    import resource
+
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _fmt(v: Any, spec: str = ".2f") -> str:
@@ -58,7 +74,11 @@ def main(args: argparse.Namespace) -> int:
         return print(m, file=sys.stderr, flush=True)
 
     try:
+        t0, c0 = time.perf_counter(), _cpu_s()
         res = plan(args, budget, args.model_config, args.network, args.dtype, args.target, log)
+        res["wall_s"] = round(time.perf_counter() - t0, 1)
+        res["cpu_s"] = round(_cpu_s() - c0, 1)  # this process and its workers
+        log(f"search took {res['wall_s']} s wall, {res['cpu_s']} s CPU")
     except ValueError as exc:
         raise SystemExit(f"pdserve plan: {exc}") from None
     out = Path(args.out)
@@ -72,7 +92,9 @@ def main(args: argparse.Namespace) -> int:
     res["plots"] = [str(plot_all), str(plot_best)]
     path = write_json(out, res | {"config": {k: v for k, v in vars(args).items() if k != "func"}})
     if args.json:
-        json.dump({k: res[k] for k in ("best", "best_overall", "disagg_over_colocated_per_device")},
+        keys = ("best", "best_overall", "disagg_over_colocated_per_device",
+                "disagg_over_colocated_nochunk_per_device", "wall_s")  # fmt: skip
+        json.dump({k: res.get(k) for k in keys},
                   sys.stdout, indent=1, default=str)  # fmt: skip
         print()
         return 0
@@ -95,5 +117,8 @@ def main(args: argparse.Namespace) -> int:
               f"{_fmt(fs.get('tpot_p90_ms'), '.1f')} ms")  # fmt: skip
     r = res["disagg_over_colocated_per_device"]
     print(f"per-device goodput, best disagg / best colocated: {_fmt(r)}")
+    if res.get("disagg_over_colocated_nochunk_per_device") is not None:
+        r = res["disagg_over_colocated_nochunk_per_device"]
+        print(f"per-device goodput, best disagg / best colocated without chunking: {_fmt(r)}")
     print(f"wrote {path}, {plot_all}, {plot_best}")
     return 0

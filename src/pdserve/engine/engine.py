@@ -34,6 +34,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    chunked_prefill: bool = True  # False: vLLM <= 0.3 (prefill priority, whole prompts)
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = None  # generator for unseeded random sampling
@@ -73,7 +74,9 @@ class LLMEngine:
         self.kv = KVCacheManager(
             self.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_fingerprint
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill
+        )
         self.runner: Runner = backend.make_runner(self.spec, self.num_blocks, config)
         self._seqs: dict[str, Seq] = {}
         self._arrival = itertools.count()

@@ -5,6 +5,11 @@ then waiting requests FCFS while budget, max_num_seqs and free blocks allow. Lon
 chunked across steps. When blocks run out, the newest running request not yet planned this
 step is preempted by recompute: its blocks are freed, num_computed_tokens goes back to 0 and it
 returns to the front of the waiting queue keeping its generated tokens, so it resumes exactly.
+
+`chunked_prefill=False` is vLLM <= 0.3's scheduler (prefill priority, no chunking): a step
+either prefills or decodes. While a waiting prompt can start, the step is a prefill step of
+whole prompts (FCFS, as many as fit in max_num_batched_tokens; the first one always goes
+whole) and the running decodes wait; otherwise it is a decode step of every running request.
 """
 
 from __future__ import annotations
@@ -49,10 +54,17 @@ class SchedulerPlan:
 class Scheduler:
     """Plans steps; every block it gives or takes goes through the KVCacheManager."""
 
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        chunked_prefill: bool = True,
+    ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -85,7 +97,18 @@ class Scheduler:
     # ---- planning ---------------------------------------------------------------------
     def schedule(self) -> SchedulerPlan:
         plan = SchedulerPlan()
-        budget = self.max_num_batched_tokens
+        if not self.chunked_prefill:  # prefill priority: a prefill step if any prompt starts
+            self._admit(plan, self.max_num_batched_tokens, whole=True)
+            if not plan:  # a decode step: every running request (max_num_seqs bounds them)
+                self._plan_running(plan, max(self.max_num_batched_tokens, len(self.running)))
+            return plan
+        budget = self._plan_running(plan, self.max_num_batched_tokens)
+        if not plan.preempted:  # memory is tight: start nobody new this step
+            self._admit(plan, budget, whole=False)
+        return plan
+
+    def _plan_running(self, plan: SchedulerPlan, budget: int) -> int:
+        """Running requests (decodes first, then unfinished prefill chunks); the budget left."""
         planned: set[int] = set()  # id(seq) planned this step: never preemption victims
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
@@ -99,11 +122,16 @@ class Scheduler:
                 plan.scheduled.append(self._entry(seq, num_new))
                 planned.add(id(seq))
                 budget -= num_new
-        if plan.preempted:  # memory is tight: start nobody new this step
-            return plan
+        return budget
+
+    def _admit(self, plan: SchedulerPlan, budget: int, whole: bool) -> None:
+        """Start waiting requests FCFS; `whole`: whole prompts only (no chunking)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = self.kv.allocate_first_chunk(seq, budget, record=seq.num_preemptions == 0)
+            if whole and plan.scheduled and seq.num_tokens > budget:
+                break
+            chunk = max(budget, seq.num_tokens) if whole else budget
+            num_new = self.kv.allocate_first_chunk(seq, chunk, record=seq.num_preemptions == 0)
             if num_new == 0:
                 break
             if seq.num_preemptions == 0:
@@ -113,7 +141,6 @@ class Scheduler:
             self.running.append(seq)
             plan.scheduled.append(self._entry(seq, num_new))
             budget -= num_new
-        return plan
 
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
@@ -123,7 +150,10 @@ class Scheduler:
         self, seq: Sequence, num_new: int, planned: set[int], plan: SchedulerPlan
     ) -> bool:
         target = seq.num_computed_tokens + num_new
-        while self.kv.blocks_to_grow(seq, target) > self.kv.num_free_blocks:
+        need = self.kv.blocks_to_grow(seq, target)  # seq's own need: preempting others keeps it
+        if not need:  # most decode steps: the last block has room
+            return True
+        while need > self.kv.num_free_blocks:
             victims = [s for s in self.running if id(s) not in planned]
             victim = victims[-1]  # newest unplanned (seq itself is unplanned)
             self._preempt(victim)

@@ -44,6 +44,35 @@ PUBLIC_SERVICES = ("pdserve.v1.Router",)
 REFLECTION_SERVICE = "grpc.reflection.v1alpha.ServerReflection"  # public: what grpcurl lists
 
 
+def admission_config(s: RouterSettings) -> AdmissionConfig:
+    """The admission stage's settings (the simulator builds its `Admission` from these too)."""
+    return AdmissionConfig(
+        max_running=s.admission.max_running,
+        max_running_per_decode=s.admission.queue_max_running_per_decode,
+        max_queue=s.admission.max_queue,
+        timeout_s=s.admission.queue_timeout_s,
+        order=s.admission.queue_order,
+        aging_tokens_per_s=s.admission.queue_aging_tokens_per_s,
+        max_wait_s=s.admission.queue_max_wait_s,
+        max_bypass=s.admission.queue_max_bypass,
+    )
+
+
+def predictions_needed(s: RouterSettings) -> bool:
+    """Whether anything reads the length prediction; when nothing does, the router does not
+    run the predictor per request (nor learn)."""
+    sjf_queue = s.admission.queue_order == "sjf" and (
+        s.admission.max_running or s.admission.queue_max_running_per_decode
+    )
+    return bool(
+        sjf_queue
+        or s.placement.decode_placement == "predicted"
+        or s.placement.reserve_max_tokens > 0
+        or s.flip.flip_enabled
+        or s.length.predictor_oracle
+    )
+
+
 class RouterApp(ServiceApp):
     name = "router"
     health_service_names = ("pdserve.v1.Router", "pdserve.v1.Registry")
@@ -126,37 +155,14 @@ class RouterApp(ServiceApp):
 
     def _admission(self) -> Admission:
         s = self.settings
-        admission = Admission(
-            self.raw_metrics,
-            AdmissionConfig(
-                max_running=s.admission.max_running,
-                max_running_per_decode=s.admission.queue_max_running_per_decode,
-                max_queue=s.admission.max_queue,
-                timeout_s=s.admission.queue_timeout_s,
-                order=s.admission.queue_order,
-                aging_tokens_per_s=s.admission.queue_aging_tokens_per_s,
-                max_wait_s=s.admission.queue_max_wait_s,
-                max_bypass=s.admission.queue_max_bypass,
-            ),
-            serving=self._serving,
-        )
+        admission = Admission(self.raw_metrics, admission_config(s), serving=self._serving)
         self.registry.on_change(admission.capacity.changed)
         return admission
 
     def _predictions_needed(self) -> bool:
         """Whether anything reads the length prediction; when nothing does, the router does
         not run the predictor per request (nor learn)."""
-        s = self.settings
-        sjf_queue = s.admission.queue_order == "sjf" and (
-            s.admission.max_running or s.admission.queue_max_running_per_decode
-        )
-        return bool(
-            sjf_queue
-            or s.placement.decode_placement == "predicted"
-            or s.placement.reserve_max_tokens > 0
-            or s.flip.flip_enabled
-            or s.length.predictor_oracle
-        )
+        return predictions_needed(self.settings)
 
     def _length_scheduling(self, predictor: OutputLengthPredictor) -> LengthScheduling:
         s = self.settings

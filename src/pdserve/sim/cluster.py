@@ -1,19 +1,29 @@
 """The simulated cluster: router + workers (+ kvstore) in simulated time.
 
 Real decision code, called as the services call it:
-- placement: a `pdserve.router.scheduling.policies.PlacementPolicy` (pick_decode, pick_prefill, on_routed)
-  over `Registry.candidates(role)`, with the router's in-flight counters (`Registry.charge`)
+- placement: a `router.scheduling.policies.PlacementPolicy` (pick_decode, pick_prefill,
+  on_routed) over `Registry.candidates(role)`, with the router's in-flight counters (`Registry.charge`)
   and heartbeat loads (`Registry.heartbeat` every `heartbeat_interval_s` with the instance's
   `LoadReport`), exactly the inputs the orchestrator gives them;
-- output-length prediction: an `OutputLengthPredictor` (predict at arrival, observe at finish);
-- role flips: `FlipPolicy.decide` every `flip_interval_s` on `router.flip.snapshot(registry)`;
+- admission and length-aware scheduling (`ClusterSpec.router`, a `RouterSettings`): the
+  router's own `Admission` stage (the router-wide running limit, its bounded `OverloadQueue`,
+  SJF or FCFS, with the queue timeout; per-key limits are the open API's: none),
+  `LengthScheduling` (predict with the configured predictor, route: KV headroom, placed /
+  progress / left / done), `DecodeDemand` and predicted-footprint placement, built as
+  `RouterApp` builds them (`sim.router_side`); when no decision reads a prediction no
+  predictor runs, and when no running limit is set no request passes the queue;
+- role flips: `FlipPolicy.decide` every `flip_interval_s` on
+  `router.flip.controller.snapshot(registry, demand)`;
 - batching, chunking, prefix caching, preemption: the engine `Scheduler` and `BlockPool`
   (`pdserve.sim.instance.SimInstance`);
-- kvstore eviction: the kvstore's `BlockStore`, sized in blocks (one arena byte per block).
+- kvstore eviction: the kvstore's `BlockStore`, sized in blocks (one arena byte per block);
+- the front door's prompt limits (`InputLimits` from `--max-prompt-tokens/-chars`).
 
-The request path mirrors `router.orchestrator`: disaggregated = predict, pick decode, reserve
-prompt+1 blocks there (another decode when full; all full: back off 10 ms doubling to 200 ms,
-up to `kv_queue_timeout_s`), pick prefill, [kvstore fetch], prefill, KV push, decode.
+The request path mirrors the front door and `router.lifecycle.orchestrator`: predict, take an
+admission turn, then disaggregated = pick decode, reserve prompt+1 (+ headroom) blocks there
+(another decode when full; all full: wait for capacity as `admission.Capacity` does, i.e.
+until the registry changes (a heartbeat, a request leaving an instance) or `recheck_s`
+passes, up to `kv_queue_timeout_s`), pick prefill, [kvstore fetch], prefill, KV push, decode.
 Colocated = pick an instance, [kvstore fetch], prefill + decode there.
 """
 
@@ -25,14 +35,24 @@ from typing import Any
 
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.workload import BenchRequest
+from pdserve.engine.params import SamplingParams
 from pdserve.engine.sequence import Sequence as Seq
+from pdserve.errors import OverloadedError
 from pdserve.kv.hashing import block_hashes
 from pdserve.kvstore.store import BlockStore
 from pdserve.router.cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
 from pdserve.router.flip.controller import snapshot
 from pdserve.router.flip.policy import FlipPolicy, FlipThresholds
+from pdserve.router.frontdoor.auth import ANONYMOUS
+from pdserve.router.frontdoor.input_limits import InputLimits
+from pdserve.router.job import Job
+from pdserve.router.scheduling.admission import Admission
+from pdserve.router.scheduling.demand import DecodeDemand
+from pdserve.router.scheduling.length import LengthScheduling, Prediction
 from pdserve.router.scheduling.policies import PlacementPolicy, RouteRequest, make_policy
 from pdserve.router.scheduling.predictor import EwmaPredictor, OutputLengthPredictor
+from pdserve.router.settings import RouterSettings
+from pdserve.sim import router_side
 from pdserve.sim.costs import CostModel
 from pdserve.sim.events import EventLoop
 from pdserve.sim.instance import SAMPLED_TOKEN, InstanceConfig, SimInstance
@@ -56,8 +76,9 @@ class ClusterSpec:
     kvstore_capacity_bytes: int | None = None  # None: no kvstore
     heartbeat_interval_s: float = 1.0
     kv_queue_timeout_s: float = 30.0
-    predictor_alpha: float = 0.2
-    predictor_initial: float = 64.0
+    # the router's length-aware settings (predictor, queue, headroom, decode placement);
+    # None: RouterSettings' defaults
+    router: RouterSettings | None = None
     flip: FlipThresholds | None = None  # None: no flip controller
     flip_interval_s: float = 2.0
     flip_switch_s: float = 0.05  # SetRole after the instance drained
@@ -76,8 +97,11 @@ class _Req:
     worker_arrival: float = 0.0
     first_token_at: float = 0.0
     kvstore_tokens: int = 0
-    backoff: float = 0.01
-    queue_deadline: float = 0.0
+    queue_deadline: float = 0.0  # of the capacity wait (kv_queue_timeout_s)
+    job: Job | None = None
+    pred: Prediction | None = None  # the length prediction (None: nothing reads it)
+    admission: Any = None  # the admission context (`Admission.admit`) while it holds a pass
+    admit_error: str = ""
 
 
 class SimCluster:
@@ -90,11 +114,39 @@ class SimCluster:
         self.spec = spec
         self.loop = EventLoop()
         self.registry = Registry(heartbeat_timeout_s=1e18, clock=self.loop.clock)
-        self.policy = policy or make_policy(spec.policy, spec.session_affinity)
+        rs = spec.router if spec.router is not None else router_side.router_settings()
+        self.settings = rs
+        self.demand = DecodeDemand()
+        self.policy = policy or make_policy(
+            spec.policy, spec.session_affinity, rs.placement.decode_placement, self.demand
+        )
         if hasattr(self.policy, "_clock"):  # session TTLs run on simulated time
             self.policy._clock = self.loop.clock  # type: ignore[attr-defined]
-        self.predictor = predictor or EwmaPredictor(spec.predictor_alpha, spec.predictor_initial)
+        # The router's length scheduling when some decision reads a prediction (or a
+        # predictor is given explicitly, e.g. by a test) or the admission queue orders by it;
+        # the admission stage when a running limit can make requests wait.
+        needed = predictor is not None or router_side.consumes_prediction(rs)
+        limited = router_side.admission_limited(rs)
+        self.length: LengthScheduling | None = None
+        self.admission: Admission | None = None
+        self.aio: router_side.AsyncDriver | None = None
+        if needed or limited:
+            # (an FCFS queue reads no prediction: predict() then returns max_tokens unrun)
+            pred = predictor or (router_side.build_predictor(rs) if needed else EwmaPredictor())
+            self.length = router_side.build_length(rs, pred, self.demand)
+            self.length.needed = needed
+            self.aio = router_side.AsyncDriver(self.loop.clock)
+        if limited:
+            self.admission = router_side.build_admission(rs, self._serving, self.loop.clock)
+        self.recheck_s = router_side.admission_config(rs).recheck_s
+        # the front door's input limits (--max-prompt-tokens, --max-prompt-chars)
+        max_len = max(p.config.max_model_len for p in spec.pools)
+        self.input_limits = InputLimits.from_settings(rs.limits, max_len)
+        self._kv_waiting: dict[str, int] = {}  # capacity waits: request id -> wait number
+        self._kv_waits = 0
+        self.predictor = self.length.predictor if self.length is not None else None
         self.flip_policy = FlipPolicy(spec.flip) if spec.flip else None
+        self.admitted: list[str] = []  # request ids in the order admission gave them turns
         self.flips: list[dict[str, Any]] = []
         self.instances: dict[str, SimInstance] = {}
         for pool in spec.pools:
@@ -120,6 +172,7 @@ class SimCluster:
         self.stop_after_misses: int | None = None
         self.records: list[RequestRecord] = []
         self.placements: dict[str, int] = {iid: 0 for iid in self.instances}  # picks per instance
+        self.registry.on_change(self._capacity_changed)  # as RouterApp wires Capacity
 
     # ------------------------------------------------------------------ driver
     def stop_early(self, ttft_s: float, tpot_s: float, max_misses: int) -> None:
@@ -143,7 +196,11 @@ class SimCluster:
         self.loop.at(0.0, self._heartbeat)
         if self.flip_policy is not None:
             self.loop.at(self.spec.flip_interval_s, self._flip_tick)
-        self.loop.run(until=until_s, stop=self._stopped)
+        try:
+            self.loop.run(until=until_s, stop=self._stopped)
+        finally:
+            if self.aio is not None:
+                self.aio.close()
         for req in requests:  # not arrived yet when the run stopped early
             if f"r{req.index}" not in self._reqs:
                 rec = RequestRecord(
@@ -168,6 +225,18 @@ class SimCluster:
     def _hasher(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
         return block_hashes(token_ids, block_size, "sim-router")  # as router.app._hasher
 
+    def _serving(self) -> int:
+        """`RouterApp._serving`: decode (or colocated) instances serving now."""
+        serving = self.registry.candidates(ROLE_DECODE) or self.registry.candidates(ROLE_COLOCATED)
+        return len(serving)
+
+    def _block_size(self) -> int:
+        """`Orchestrator._predictor_block_size`: the cluster's block size."""
+        for inst in self.registry.instances():
+            if inst.block_size > 0:
+                return inst.block_size
+        return 0
+
     # ------------------------------------------------------------------ arrival
     def _arrive(self, req: BenchRequest) -> None:
         rid = f"r{req.index}"
@@ -177,8 +246,21 @@ class SimCluster:
         rec.session_id = req.session_id
         st = _Req(req, rec)
         self._reqs[rid] = st
+        refused = self._refused(req)
+        if refused:
+            self._fail(rid, f"INVALID_ARGUMENT: prompt: {refused}")
+            return
         overhead = max(c.costs.router_overhead_s for c in self.instances.values())
         self.loop.after(overhead, lambda: self._route(rid))
+
+    def _refused(self, req: BenchRequest) -> str:
+        """The front door's prompt limits (`check_raw_request`, `FrontDoor._prepare`)."""
+        lim = self.input_limits
+        if req.prompt_text and len(req.prompt_text) > lim.max_prompt_chars:
+            return f"{len(req.prompt_text)} characters; at most {lim.max_prompt_chars}"
+        if len(req.prompt_ids) > lim.max_prompt_tokens:
+            return lim.too_many_tokens(len(req.prompt_ids))
+        return ""
 
     def _route(self, rid: str) -> None:
         st = self._reqs[rid]
@@ -186,7 +268,60 @@ class SimCluster:
         st.route = RouteRequest(
             rid, req.prompt_ids, session_id=req.session_id or "", hasher=self._hasher
         )
-        st.route.predicted_tokens = self.predictor.predict(len(req.prompt_ids), req.max_tokens)
+        if self.length is None:
+            self._place(rid)
+            return
+        assert self.aio is not None
+        job = Job(
+            request_id=rid,
+            token_ids=list(req.prompt_ids),
+            params=SamplingParams(max_tokens=req.max_tokens, ignore_eos=True),
+            session_id=req.session_id or "",
+            prompt_text=req.prompt_text,
+            oracle_tokens=req.oracle_tokens or req.max_tokens,  # ignore_eos: the true length
+        )
+        st.job = job
+        # the front door: predict (Orchestrator.predict), then one admission turn
+        coro = self.length.predict(job, st.route, self._block_size())
+        st.pred = self.aio.run(coro, needs_loop=bool(req.prompt_text) and self.length.needed)
+        if self.admission is None:
+            self._admitted(rid)
+            return
+        pred, cm = st.pred, self.admission.admit(ANONYMOUS)
+        st.admission = cm
+
+        async def turn() -> None:
+            p = await cm.__aenter__()
+            try:
+                await p.turn(pred.predicted_tokens)
+            except OverloadedError as exc:
+                st.admit_error = f"RESOURCE_EXHAUSTED: {exc}"
+                st.admission = None
+                await cm.__aexit__(None, None, None)
+
+        def turned() -> None:
+            if st.admit_error:
+                self._fail(rid, st.admit_error)
+                return
+            self.admitted.append(rid)
+            self.loop.after(0.0, lambda: self._admitted(rid))
+
+        self.aio.start(turn(), turned)
+        # the queue's timeout expires in simulated time: look at it then
+        self.loop.after(self.admission.config.timeout_s, self.aio.pump)
+
+    def _admitted(self, rid: str) -> None:
+        """Orchestrator._attempt: the attempt's route from the request's prediction."""
+        st = self._reqs[rid]
+        assert self.length is not None and st.pred is not None and st.job is not None
+        assert st.route is not None
+        self.length.route(st.pred, st.job, st.route)
+        self._place(rid)
+
+    def _place(self, rid: str) -> None:
+        st = self._reqs[rid]
+        req = st.req
+        assert st.route is not None
         if self.registry.candidates(ROLE_PREFILL) and self.registry.candidates(ROLE_DECODE):
             st.queue_deadline = self.loop.now + self.spec.kv_queue_timeout_s
             self._reserve(rid)
@@ -229,20 +364,51 @@ class SimCluster:
                 return
             if self._try_reserve(rid, dec, tried, go_on=False):
                 return
-        if self.loop.now + st.backoff > st.queue_deadline:
+        # every decode full: `Capacity.wait` until the registry changes (woken by
+        # `_capacity_changed`) or `recheck_s` passes; past the deadline: overloaded
+        left = st.queue_deadline - self.loop.now
+        if left <= 0:
             self._fail(rid, "RESOURCE_EXHAUSTED: no decode instance has free KV blocks")
             return
-        delay, st.backoff = st.backoff, min(st.backoff * 2, 0.2)
-        self.loop.after(delay, lambda: self._reserve(rid))
+        self._kv_waits += 1
+        n_wait = self._kv_waits
+        self._kv_waiting[rid] = n_wait
+
+        def recheck() -> None:
+            if self._kv_waiting.get(rid) != n_wait:
+                return  # woken by a change meanwhile
+            del self._kv_waiting[rid]
+            if self.loop.now >= st.queue_deadline:
+                self._fail(rid, "RESOURCE_EXHAUSTED: no decode instance has free KV blocks")
+            else:
+                self._reserve(rid)
+
+        self.loop.after(min(left, self.recheck_s), recheck)
+
+    def _capacity_changed(self) -> None:
+        """`Capacity.changed` (a registry listener): every capacity wait tries again."""
+        if not self._kv_waiting:
+            return
+        waiting, self._kv_waiting = list(self._kv_waiting), {}
+        for rid in waiting:
+            self.loop.after(0.0, self._retry_cb(rid))
+
+    def _retry_cb(self, rid: str) -> Callable[[], None]:
+        return lambda: self._reserve(rid)
 
     def _try_reserve(self, rid: str, dec: SimInstance, tried: set[str], go_on: bool = True) -> bool:
         """Reserve on `dec`; on success start the prefill. Else (go_on) try the others."""
         st = self._reqs[rid]
         assert st.route is not None
         n = len(st.req.prompt_ids)
-        if dec.reserve(rid, n + 1):
+        # the decode worker's Reserve: prompt + token 0 + the router's headroom when free,
+        # else without the headroom (best effort)
+        extra = max(0, st.route.reserve_tokens)
+        if dec.reserve(rid, n + 1 + extra) or (extra > 0 and dec.reserve(rid, n + 1)):
             self.registry.charge(dec.instance_id, requests=1)
             st.decode = dec
+            if self.length is not None and st.pred is not None:
+                self.length.placed(st.pred, dec.instance_id, n, st.route)
             pre = self._pick(ROLE_PREFILL, st.route, dec)
             st.prefill = pre
             self.registry.charge(pre.instance_id, requests=1, tokens=n)
@@ -303,6 +469,9 @@ class SimCluster:
         rid = seq.request_id
         st = self._reqs[rid]
         now = self.loop.now
+        if reason is None and (inst.role != ROLE_COLOCATED or len(seq.output_token_ids) > 1):
+            self._emit(st, now + inst.costs.token_overhead_s)  # a decode token (hot path)
+            return
         if reason == "prefill_done":
             self._prefill_done(rid, inst, seq)
             return
@@ -351,6 +520,8 @@ class SimCluster:
     def _emit(self, st: _Req, t: float) -> None:
         st.rec.token_times.append(t)
         st.rec.n_out += 1
+        if st.pred is not None and self.length is not None:
+            self.length.progress(st.pred, 1)
 
     def _finish(self, rid: str, inst: SimInstance, now: float) -> None:
         st = self._reqs[rid]
@@ -363,8 +534,8 @@ class SimCluster:
             self.registry.charge(inst.instance_id, requests=-1, tokens=-len(st.req.prompt_ids))
         else:
             self.registry.charge(inst.instance_id, requests=-1)
-        self.predictor.observe(len(st.req.prompt_ids), st.rec.n_out)
         self._pending -= 1
+        self._ended(st, True)
         if self.stop_slo is not None:
             ttft, tpot = st.rec.ttft_s, st.rec.tpot_s
             late = ttft is None or ttft > self.stop_slo[0]
@@ -376,6 +547,18 @@ class SimCluster:
         st = self._reqs[rid]
         st.rec.error = error
         self._pending -= 1
+        self._ended(st, False)
+
+    def _ended(self, st: _Req, finished: bool) -> None:
+        """The request ended: the length is learned (demand leaves the decode) and its
+        admission pass is given back, which lets the next waiter in (in the queue's order)."""
+        if st.pred is not None and self.length is not None:
+            self.length.done(st.pred, st.rec.n_out if finished else 0, finished)
+        if st.admission is not None:
+            assert self.aio is not None
+            cm, st.admission = st.admission, None
+            self.aio.run(cm.__aexit__(None, None, None), needs_loop=False)
+            self.aio.pump()  # waiters the queue let in continue (in its order)
 
     def _publish(self, inst: SimInstance, prompt: Sequence[int]) -> None:
         """The worker's write-back (off the critical path): publish the prompt's full blocks."""
@@ -392,7 +575,7 @@ class SimCluster:
     # ------------------------------------------------------------------ flips
     def _flip_tick(self) -> None:
         assert self.flip_policy is not None
-        decision = self.flip_policy.decide(snapshot(self.registry), self.loop.now)
+        decision = self.flip_policy.decide(snapshot(self.registry, self.demand), self.loop.now)
         if decision.action == "flip":
             inst = self.instances[decision.instance_id]
             reg = self.registry.get(inst.instance_id)
@@ -421,6 +604,10 @@ class SimCluster:
                 r = self.registry.get(inst.instance_id)
                 if r is not None:
                     r.role, r.state = to, "serving"
+                if self.admission is not None:  # the running limit follows serving decodes
+                    self.admission.dispatch()
+                    assert self.aio is not None
+                    self.aio.pump()
                 assert self.flip_policy is not None
                 self.flip_policy.flip_ended(self.loop.now)
 

@@ -127,6 +127,7 @@ class ModelShape:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    mlp_matrices: int = 3  # 3: gated (gate, up, down: Llama, Qwen); 2: fc1, fc2 (OPT, GPT-2)
     # per model layer KV (kv.footprint) when layers differ (Gemma 4); None = uniform
     kv_layers: tuple[KVLayer, ...] | None = None
     kv_context: int = 4096  # context at which a layered model's bytes per token are taken
@@ -141,7 +142,7 @@ class ModelShape:
             self.num_kv_heads * self.head_dim,
         )
         attn = h * a + 2 * h * kv + a * h + (a + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate_size
+        mlp = self.mlp_matrices * h * self.intermediate_size
         return self.num_layers * (attn + mlp + 2 * h) + self.vocab_size * h + h
 
     @property
@@ -159,6 +160,8 @@ class ModelShape:
     @classmethod
     def from_config(cls, cfg: dict[str, Any], name: str = "") -> ModelShape:
         heads = int(cfg["num_attention_heads"])
+        mtype = cfg.get("model_type", "")
+        bias = cfg.get("attention_bias", cfg.get("enable_bias", mtype in ("qwen2", "opt")))
         return cls(
             name=name or cfg.get("_name_or_path", "") or cfg.get("model_type", "model"),
             hidden_size=int(cfg["hidden_size"]),
@@ -166,13 +169,17 @@ class ModelShape:
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(cfg.get("intermediate_size") or cfg["ffn_dim"]),
             vocab_size=int(cfg["vocab_size"]),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-            kv_layers=tuple(layers_of_hf(cfg)) if cfg.get("model_type") == "gemma4_text" else None,
+            attention_bias=bool(bias),
+            mlp_matrices=2 if mtype in TWO_MATRIX_MLP else 3,
+            kv_layers=tuple(layers_of_hf(cfg)) if mtype == "gemma4_text" else None,
         )
+
+
+TWO_MATRIX_MLP = {"opt", "gpt2", "gpt_neox", "gptj", "bloom"}  # model_types with fc1/fc2 MLPs
 
 
 # config.json fields of public models (Meta's and Qwen's published configs; no weights)
@@ -189,11 +196,21 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
                     "num_attention_heads": 40, "num_key_value_heads": 8, "intermediate_size": 27648,
                     "vocab_size": 152064, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
                     "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    # facebook/opt-13b and opt-66b config.json (DistServe's models; OPT ties lm_head)
+    "opt-13b": {"model_type": "opt", "hidden_size": 5120, "num_hidden_layers": 40,
+                "num_attention_heads": 40, "ffn_dim": 20480, "vocab_size": 50272,
+                "max_position_embeddings": 2048, "enable_bias": True,
+                "tie_word_embeddings": True, "torch_dtype": "float16"},
+    "opt-66b": {"model_type": "opt", "hidden_size": 9216, "num_hidden_layers": 64,
+                "num_attention_heads": 72, "ffn_dim": 36864, "vocab_size": 50272,
+                "max_position_embeddings": 2048, "enable_bias": True,
+                "tie_word_embeddings": True, "torch_dtype": "float16"},
 }  # fmt: skip
 
 
 def load_model_config(spec: str) -> ModelShape:
-    """A built-in name (llama3-8b, llama3-70b, qwen2.5-32b), a config.json, or a directory."""
+    """A built-in name (llama3-8b, llama3-70b, qwen2.5-32b, opt-13b, opt-66b), a config.json,
+    or a directory."""
     if spec.lower() in BUILTIN_CONFIGS:
         return ModelShape.from_config(BUILTIN_CONFIGS[spec.lower()], spec.lower())
     shipped = MODEL_CONFIG_DIR / f"{spec.lower()}.json"  # published configs (README there)

@@ -33,6 +33,7 @@ class InstanceConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    chunked_prefill: bool = True  # False: vLLM <= 0.3 (prefill priority, whole prompts)
     enable_prefix_caching: bool = True
     max_model_len: int = 1 << 30
     namespace: str = "sim"
@@ -41,7 +42,16 @@ class InstanceConfig:
 @dataclass
 class StepResult:
     produced: list[tuple[Seq, str | None]] = field(default_factory=list)  # (seq, finish reason)
-    first_scheduled: list[Seq] = field(default_factory=list)
+
+
+class _Sampled(dict):
+    """`Scheduler.update`'s sampled-token map: every simulated sample is SAMPLED_TOKEN."""
+
+    def __missing__(self, key: str) -> int:
+        return SAMPLED_TOKEN
+
+
+_SAMPLED = _Sampled()
 
 
 class SimInstance:
@@ -53,7 +63,9 @@ class SimInstance:
         self.kv = KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching, config.namespace
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill
+        )
         self.busy = False  # a step is in flight
         self.step_end = 0.0  # when the step in flight ends (engine commands wait for it)
         self.tokens_in_flight = 0  # prompt tokens of requests in flight (worker's own count)
@@ -61,7 +73,6 @@ class SimInstance:
         self.flip_to = 0  # role this instance drains towards (the flip controller's pick)
         self.steps = 0
         self._arrival = itertools.count()
-        self._seen: set[int] = set()
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, prefill_only: bool):
@@ -124,29 +135,22 @@ class SimInstance:
         self.busy_s += duration_s
         self.steps += 1
         out = StepResult()
-        for e in plan.scheduled:
-            if id(e.seq) not in self._seen:
-                self._seen.add(id(e.seq))
-                out.first_scheduled.append(e.seq)
-        sampled = {e.seq.request_id: SAMPLED_TOKEN for e in plan.scheduled if e.sample}
-        for entry in self.scheduler.update(plan, sampled):
+        produced = out.produced
+        max_len = self.config.max_model_len
+        for entry in self.scheduler.update(plan, _SAMPLED):
             seq = entry.seq
-            reason = self._finish_reason(seq)
+            # the finish rule: prefill-only after token 0; else max_tokens or the context
+            n_out = len(seq.output_token_ids)
+            if seq.prefill_only:
+                reason: str | None = "prefill_done"
+            elif n_out >= seq.params.max_tokens or len(seq.prompt_token_ids) + n_out >= max_len:
+                reason = "length"
+            else:
+                reason = None
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                self._seen.discard(id(seq))
-            out.produced.append((seq, reason))
+            produced.append((seq, reason))
         return out
-
-    def _finish_reason(self, seq: Seq) -> str | None:
-        if seq.prefill_only:
-            return "prefill_done"
-        if (
-            seq.num_output_tokens >= seq.params.max_tokens
-            or seq.num_tokens >= self.config.max_model_len
-        ):
-            return "length"
-        return None
 
     def load(self) -> LoadReport:
         return LoadReport(

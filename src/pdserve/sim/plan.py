@@ -20,45 +20,61 @@ tokens x 3600) x 1e6.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.bench.goodput import SLO, distserve_goodput, search_goodput_rate
 from pdserve.router.flip.policy import FlipThresholds  # noqa: F401  (documented option)
+from pdserve.sim import parallel
 from pdserve.sim.cluster import ClusterSpec, PoolSpec
 from pdserve.sim.costs import CostModel
 from pdserve.sim.hardware import load_model_config, roofline_costs
 from pdserve.sim.instance import InstanceConfig
-from pdserve.sim.run import default_num_blocks, simulate_once
+from pdserve.sim.run import base_for, default_num_blocks, simulate_once
+
+NOCHUNK = "colocated-nochunk"
+KINDS = ("colocated", NOCHUNK, "disagg")
 
 
 @dataclass(frozen=True)
 class Budget:
-    devices: dict[str, int]  # hardware spec ('h100', 'h100x2' = TP 2) -> devices available
+    devices: dict[str, int]  # device type ('h100') -> devices available
     prices: dict[str, float] = field(default_factory=dict)  # $ per device-hour
+    # device type -> the instance spec to plan with ('h100x2': tensor parallel 2); default: type
+    specs: dict[str, str] = field(default_factory=dict)
+
+    def instance_specs(self) -> list[str]:
+        return [self.specs.get(hw, hw) for hw in self.devices]
 
     @classmethod
     def parse(cls, spec: str, prices: str | None = None) -> Budget:
-        """'h100:16' or 'h100:8,l40s:8'; prices 'h100=2.5,l40s=0.9'."""
-        devices = {}
+        """'h100:16', 'h100:8,l40s:8' (heterogeneous: each pool tries each type) or
+        'a100x2:8' (8 A100s, instances of 2 in tensor parallel); prices 'h100=2.5,l40s=0.9'
+        per device-hour."""
+        devices, specs = {}, {}
         for part in spec.split(","):
             name, _, count = part.strip().partition(":")
             if not name or not count.isdigit() or int(count) < 1:
-                raise ValueError(f"bad --hardware {spec!r}: NAME:COUNT[,NAME:COUNT]")
-            devices[name.lower()] = int(count)
+                raise ValueError(f"bad --hardware {spec!r}: NAME[xTP]:COUNT[,NAME[xTP]:COUNT]")
+            base = name.lower().split("x")[0]
+            if base in devices:
+                raise ValueError(f"bad --hardware {spec!r}: {base} given twice")
+            devices[base], specs[base] = int(count), name.lower()
         pr = {}
         for part in (prices or "").split(","):
             if part.strip():
                 name, _, val = part.partition("=")
                 pr[name.strip().lower()] = float(val)
-        return cls(devices, pr)
+        return cls(devices, pr, specs)
 
 
 @dataclass
 class Candidate:
-    kind: str  # colocated | disagg
+    kind: str  # colocated | colocated-nochunk (vLLM <= 0.3 scheduler) | disagg
     hw_prefill: str
     hw_decode: str
     n_prefill: int  # colocated: instances
@@ -71,6 +87,8 @@ class Candidate:
     def label(self) -> str:
         if self.kind == "colocated":
             return f"colocated {self.n_prefill}x{self.hw_prefill} chunk={self.chunk} seqs={self.decode_seqs}"
+        if self.kind == NOCHUNK:
+            return f"colocated {self.n_prefill}x{self.hw_prefill} no-chunk budget={self.chunk} seqs={self.decode_seqs}"
         hw = (
             self.hw_prefill
             if self.hw_prefill == self.hw_decode
@@ -84,7 +102,7 @@ class Candidate:
         dec = self.costs["decode"].devices
         base_p = self.hw_prefill.split("x")[0]
         base_d = self.hw_decode.split("x")[0]
-        if self.kind == "colocated":
+        if self.kind != "disagg":
             out[base_p] = self.n_prefill * pre
             return out
         out[base_p] = out.get(base_p, 0) + self.n_prefill * pre
@@ -102,9 +120,10 @@ class Candidate:
                                    c.kv_capacity_bytes)  # fmt: skip
             return InstanceConfig(num_blocks=n, block_size=block_size,
                                   max_num_batched_tokens=self.chunk, max_num_seqs=seqs,
-                                  max_model_len=max_model_len)  # fmt: skip
+                                  max_model_len=max_model_len,
+                                  chunked_prefill=self.kind != NOCHUNK)  # fmt: skip
 
-        if self.kind == "colocated":
+        if self.kind != "disagg":
             pools = [PoolSpec("colocated", self.n_prefill * replicas, self.costs["colocated"],
                               cfg("colocated", self.decode_seqs))]  # fmt: skip
         else:
@@ -125,17 +144,24 @@ def candidates(
     chunks: Sequence[int] = (2048, 8192),
     decode_seqs: Sequence[int] = (128, 256),
     max_unit: int = 8,
+    colocated_modes: str = "chunked",
     kv_dtype: str | None = None,
 ) -> list[Candidate]:
-    """Colocated and disaggregated units over the budget's hardware."""
-    hws = list(budget.devices)
+    """Colocated and disaggregated units over the budget's hardware. `colocated_modes`:
+    'chunked' (this engine's scheduler), 'nochunk' (vLLM <= 0.3: prefill priority, whole
+    prompts), or both, comma-separated. `kv_dtype`: the KV cache's (None = the weights')."""
+    modes = {m.strip() for m in colocated_modes.split(",") if m.strip()}
+    if not modes or modes - {"chunked", "nochunk"}:
+        raise ValueError(f"bad colocated modes {colocated_modes!r}: chunked, nochunk or both")
+    hws = budget.instance_specs()
     costs = {hw: roofline_costs(model, hw, network, dtype, None, kv_dtype) for hw in hws}
     out: list[Candidate] = []
-    for hw in hws:
-        for chunk in chunks:
-            for seqs in decode_seqs:
-                c = {"prefill": costs[hw], "decode": costs[hw], "colocated": costs[hw]}
-                out.append(Candidate("colocated", hw, hw, 1, 0, chunk, seqs, c))
+    for kind in [k for k, m in (("colocated", "chunked"), (NOCHUNK, "nochunk")) if m in modes]:
+        for hw in hws:
+            for chunk in chunks:
+                for seqs in decode_seqs:
+                    c = {"prefill": costs[hw], "decode": costs[hw], "colocated": costs[hw]}
+                    out.append(Candidate(kind, hw, hw, 1, 0, chunk, seqs, c))
     for hp in hws:
         for hd in hws:
             for m in range(1, max_unit):
@@ -198,38 +224,6 @@ def latency_at(cand: Candidate, replicas: int, args: argparse.Namespace, slo: SL
     }  # fmt: skip
 
 
-def refine_full_scale(
-    cand: Candidate,
-    replicas: int,
-    args: argparse.Namespace,
-    slo: SLO,
-    max_model_len: int,
-    target: float,
-    rate: float,
-) -> tuple[float, dict[str, Any] | None]:
-    """The replicated cluster's own goodput near `replicas` x the unit's: a larger pool
-    multiplexes better (or the trace's burstiness bites harder), so check at that rate and
-    step by 10 % (up while it passes, down while it fails; at most 3 steps). Returns the
-    highest passing rate and its latencies."""
-    if rate <= 0:
-        return 0.0, None
-    best: tuple[float, dict[str, Any] | None] = (0.0, None)
-    res = latency_at(cand, replicas, args, slo, max_model_len, rate)
-    passing = (res["attainment"] or 0.0) >= target
-    if passing:
-        best = (rate, res)
-    step = 1.1 if passing else 1 / 1.1
-    for _ in range(3):
-        rate *= step
-        res = latency_at(cand, replicas, args, slo, max_model_len, rate)
-        ok = (res["attainment"] or 0.0) >= target
-        if ok:
-            best = (rate, res) if rate > best[0] else best
-        if ok != passing:
-            break
-    return best
-
-
 def cost_per_m_tokens(devices: dict[str, int], prices: dict[str, float], rate: float,
                       out_tokens: float) -> float | None:  # fmt: skip
     if rate <= 0 or out_tokens <= 0 or not prices:
@@ -258,35 +252,46 @@ def plan(
     chunks = [int(x) for x in args.chunks.split(",")]
     seqs = [int(x) for x in args.decode_seqs.split(",")]
     kv_dtype = getattr(args, "kv_dtype", None)
-    cands = candidates(budget, model, network, dtype, chunks, seqs, args.max_unit, kv_dtype)
-    log(f"{len(cands)} candidate units; simulating each rate sweep ...")
-    results = []
-    for i, cand in enumerate(cands):
-        res = unit_goodput(
-            cand, args, slo, max_model_len, target, args.start_rate * cand.num_devices
-        )
-        res["candidate"] = cand
-        results.append(res)
-        log(f"  [{i + 1}/{len(cands)}] {cand.label}: {res['goodput_req_s']:.2f} req/s, "
-            f"{res['per_device_goodput']:.2f} req/s/device")  # fmt: skip
+    cands = candidates(budget, model, network, dtype, chunks, seqs, args.max_unit,
+                       colocated_modes=getattr(args, "colocated_modes", "chunked"),
+                       kv_dtype=kv_dtype)  # fmt: skip
+    jobs = getattr(args, "jobs", 1) or os.cpu_count() or 1
+    log(f"{len(cands)} candidate units; simulating each rate sweep ({jobs} processes) ...")
+    base_for(args, 0)  # read the trace once, before the workers fork
+    parallel.CONTEXT.update(args=args, slo=slo, max_model_len=max_model_len, target=target,
+                            cands=cands)  # fmt: skip
+    with parallel.Runner(jobs) as runner:
+        results = []
+        for i, res in enumerate(runner.map(_unit_task, range(len(cands)))):
+            cand = cands[i]
+            res["candidate"] = cand
+            results.append(res)
+            log(f"  [{i + 1}/{len(cands)}] {cand.label}: {res['goodput_req_s']:.2f} req/s, "
+                f"{res['per_device_goodput']:.2f} req/s/device")  # fmt: skip
+        tops = {}
+        for kind in KINDS:
+            pool = [r for r in results if r["candidate"].kind == kind]
+            if pool:
+                tops[kind] = max(pool, key=lambda r: r["per_device_goodput"])
+        walks = []
+        for top in tops.values():
+            unit = top["candidate"].devices()
+            walks.append((top["candidate"], min(budget.devices[hw] // n for hw, n in unit.items())))
+        starts = [tops[k]["goodput_req_s"] * w[1] for k, w in zip(tops, walks, strict=True)]
+        log("replicated to the budget: the full-scale walks ...")
+        full = parallel.full_scale_walks(runner, starts, functools.partial(_full_task, walks),
+                                         lambda r: (r["attainment"] or 0.0) >= target)  # fmt: skip
     best: dict[str, Any] = {}
-    for kind in ("colocated", "disagg"):
-        pool = [r for r in results if r["candidate"].kind == kind]
-        if not pool:
-            continue
-        top = max(pool, key=lambda r: r["per_device_goodput"])
-        cand: Candidate = top["candidate"]
+    for (kind, top), (cand, replicas), unit_rate, (full_rate, check) in zip(
+        tops.items(), walks, starts, full, strict=True
+    ):
         unit = cand.devices()
-        replicas = min(budget.devices[hw] // n for hw, n in unit.items())
-        unit_rate = top["goodput_req_s"] * replicas
-        full_rate, check = refine_full_scale(cand, replicas, args, slo, max_model_len, target,
-                                             unit_rate)  # fmt: skip
         devices = {hw: n * replicas for hw, n in unit.items()}
         best[kind] = {
             "unit": cand.label,
             "replicas": replicas,
             "instances": {"prefill": cand.n_prefill * replicas, "decode": cand.n_decode * replicas}
-            if kind == "disagg" else {"colocated": cand.n_prefill * replicas},
+            if kind == "disagg" else {kind: cand.n_prefill * replicas},
             "devices": devices,
             "goodput_req_s": full_rate,
             "unit_goodput_x_replicas": unit_rate,
@@ -304,6 +309,9 @@ def plan(
         unit_ratio = (
             best["disagg"]["unit_per_device_goodput"] / best["colocated"]["unit_per_device_goodput"]
         )
+    nochunk_ratio = None
+    if "disagg" in best and best.get(NOCHUNK, {}).get("per_device_goodput"):
+        nochunk_ratio = best["disagg"]["per_device_goodput"] / best[NOCHUNK]["per_device_goodput"]
     overall = max(best.values(), key=lambda b: b["per_device_goodput"]) if best else None
     return {
         "model": shape.name,
@@ -327,4 +335,19 @@ def plan(
         "best_overall": overall,
         "disagg_over_colocated_per_device": ratio,
         "disagg_over_colocated_per_device_units": unit_ratio,
+        "disagg_over_colocated_nochunk_per_device": nochunk_ratio,
     }
+
+
+def _unit_task(i: int) -> dict[str, Any]:
+    """One candidate's goodput search (in a worker: inputs from `parallel.CONTEXT`)."""
+    c = parallel.CONTEXT
+    cand = c["cands"][i]
+    rate = c["args"].start_rate * cand.num_devices
+    return unit_goodput(cand, c["args"], c["slo"], c["max_model_len"], c["target"], rate)
+
+
+def _full_task(walks: list[tuple[Candidate, int]], i: int, rate: float) -> dict[str, Any]:
+    c = parallel.CONTEXT
+    cand, replicas = walks[i]
+    return latency_at(cand, replicas, c["args"], c["slo"], c["max_model_len"], rate)

@@ -4,8 +4,12 @@ sweeps) replayed on a `SimCluster`; the result has `bench serve`'s JSON shape an
 
 Cluster flags are a subset of `pdserve up`'s (`--mode`, `--prefill`, `--decode`,
 `--colocated`, `--kvstore`, `--kvstore-capacity-bytes`, `--policy`, `--worker-arg=--num-blocks=N`
-and the other engine-shape worker flags, `--router-arg=--flip-enabled`), so a `bench compare`
-arm string means the same cluster here.
+and the other engine-shape worker flags) and every `--router-arg`: those are parsed into
+`RouterSettings` exactly as the router parses its flags (`--router-arg` values are the
+router's command line, in order, after `up`'s `--policy`), so the length predictor, the
+overload queue, KV headroom, decode placement, session affinity and the flip controller
+with its knobs follow the same arm string as in `pdserve up`. A `bench compare` arm string
+means the same cluster here.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from pdserve.bench.goodput import (
 )
 from pdserve.bench.metrics import summarize
 from pdserve.bench.serve import offered_rate, sweep_result, workload_at
-from pdserve.router.flip.policy import FlipThresholds
+from pdserve.config import SettingsError
 from pdserve.sim.cluster import ClusterSpec, PoolSpec, SimCluster
 from pdserve.sim.costs import CostModel
 from pdserve.sim.instance import InstanceConfig
+from pdserve.sim.router_side import flip_thresholds, router_settings
 
 # worker defaults (pdserve.worker.settings) the simulated engines copy
 WORKER_MAX_BATCHED_TOKENS = 512
@@ -44,7 +49,7 @@ def up_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocated", type=int, default=2)
     p.add_argument("--kvstore", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--kvstore-capacity-bytes", type=int, default=1 << 30)
-    p.add_argument("--policy", default="prefix_aware")
+    p.add_argument("--policy")
     p.add_argument("--worker-arg", action="append", default=[])
     p.add_argument("--router-arg", action="append", default=[])
     p.add_argument("--model")
@@ -59,14 +64,7 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=WORKER_MAX_BATCHED_TOKENS)
     p.add_argument("--max-num-seqs", type=int, default=WORKER_MAX_SEQS)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    return p
-
-
-def router_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--flip-enabled", action="store_true")
-    p.add_argument("--session-affinity", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--policy")
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     return p
 
 
@@ -102,7 +100,13 @@ def spec_from_up_flags(
     """A ClusterSpec from `pdserve up` flags. `costs` may differ per role (heterogeneous)."""
     up, _ = up_parser().parse_known_args(flags)
     wk, _ = worker_parser().parse_known_args([a for f in up.worker_arg for a in shlex.split(f)])
-    rt, _ = router_parser().parse_known_args([a for f in up.router_arg for a in shlex.split(f)])
+    router_argv = (["--policy", up.policy] if up.policy else []) + [
+        a for f in up.router_arg for a in shlex.split(f)
+    ]
+    try:
+        rt = router_settings(router_argv)
+    except SettingsError as exc:
+        raise ValueError(f"router flags {router_argv}: {exc}") from None
 
     def cost_for(role: str) -> CostModel:
         return costs[role] if isinstance(costs, dict) else costs
@@ -119,6 +123,7 @@ def spec_from_up_flags(
             block_size=bs,
             max_num_batched_tokens=wk.max_num_batched_tokens,
             max_num_seqs=wk.max_num_seqs,
+            chunked_prefill=wk.chunked_prefill,
             enable_prefix_caching=wk.enable_prefix_caching,
             max_model_len=max_model_len,
         )
@@ -134,10 +139,14 @@ def spec_from_up_flags(
         ]
     return ClusterSpec(
         pools=pools,
-        policy=rt.policy or up.policy,
-        session_affinity=rt.session_affinity,
-        kvstore_capacity_bytes=up.kvstore_capacity_bytes if up.kvstore else None,
-        flip=FlipThresholds() if rt.flip_enabled else None,
+        policy=rt.placement.policy,
+        session_affinity=rt.placement.session_affinity,
+        kvstore_capacity_bytes=up.kvstore_capacity_bytes if up.kvstore and rt.use_kvstore else None,
+        kv_queue_timeout_s=rt.admission.kv_queue_timeout_s,
+        heartbeat_interval_s=rt.heartbeat_interval_s,
+        router=rt,
+        flip=flip_thresholds(rt) if rt.flip.flip_enabled else None,
+        flip_interval_s=rt.flip.flip_interval_s,
     )
 
 
@@ -158,6 +167,28 @@ def base_for(args: argparse.Namespace, salt: int) -> list[Any] | None:
     return _BASE_CACHE[key]
 
 
+CHARS_PER_TOKEN = 4.0  # a text prompt's length in tokens, as cl100k-style BPEs average on English
+
+
+def text_prompt_ids(reqs: list[Any], vocab: int) -> list[Any]:
+    """Requests sent as text (the `--lengths` workload) get token ids to simulate with: a
+    deterministic pseudo-random run (seeded by the text) of len(text) / 4 tokens. The text
+    stays on the request: the length predictor reads it as the router does."""
+    import zlib
+
+    import numpy as np
+
+    from pdserve.bench.workload import TOKEN_LO
+
+    for r in reqs:
+        if r.prompt_ids or not r.prompt_text:
+            continue
+        n = max(1, round(len(r.prompt_text.encode()) / CHARS_PER_TOKEN))
+        rng = np.random.default_rng(zlib.crc32(r.prompt_text.encode()))
+        r.prompt_ids = rng.integers(TOKEN_LO, max(TOKEN_LO + 1, vocab), n).tolist()
+    return reqs
+
+
 def simulate_once(
     spec: ClusterSpec,
     args: argparse.Namespace,
@@ -170,6 +201,7 @@ def simulate_once(
     """`bench.serve.run_once` in simulated time. `early_stop_target`: stop once the run
     cannot reach that TTFT+TPOT attainment (its attainment is then a lower bound)."""
     reqs = workload_at(args, rate, salt, base=base_for(args, salt))
+    text_prompt_ids(reqs, args.vocab_size or 32000)
     cluster = SimCluster(spec)
     ts = slo.only("ttft", "tpot")
     if early_stop_target is not None and ts.ttft_ms is not None and ts.tpot_ms is not None:

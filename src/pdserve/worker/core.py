@@ -115,6 +115,7 @@ class WorkerCore:
             block_size=s.block_size,
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_num_seqs=s.max_num_seqs,
+            chunked_prefill=s.chunked_prefill,
             enable_prefix_caching=s.enable_prefix_caching,
             batch_invariant=s.batch_invariant,
             kv_dtype=None if s.kv_dtype == "auto" else s.kv_dtype,

@@ -29,6 +29,11 @@ class WorkerSettings(ServiceSettings):
     kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache budget in bytes")
     max_num_batched_tokens: int = Field(512, ge=16, description="token budget of one step")
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one batch")
+    chunked_prefill: bool = Field(
+        True,
+        description="chunk long prompts and mix them with decodes (off: vLLM <= 0.3, a step "
+        "prefills whole prompts first or decodes)",
+    )
     enable_prefix_caching: bool = Field(True, description="reuse full blocks across requests")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default)")
     batch_invariant: bool = Field(

@@ -175,6 +175,7 @@ class Admission:
         metrics: Metrics,
         config: AdmissionConfig | None = None,
         serving: Callable[[], int] = lambda: 1,
+        clock: Callable[[], float] = time.monotonic,  # the queue's (a simulator's virtual one)
     ) -> None:
         self.config = c = config or AdmissionConfig()
         self.metrics = AdmissionMetrics(metrics)
@@ -185,6 +186,7 @@ class Admission:
             aging_tokens_per_s=c.aging_tokens_per_s,
             max_wait_s=c.max_wait_s,
             max_bypass=c.max_bypass,
+            clock=clock,
         )
         self.capacity = Capacity(c.recheck_s)
         self._keys: dict[str, _KeyState] = {}

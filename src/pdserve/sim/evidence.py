@@ -1,0 +1,303 @@
+"""Evidence for the router's defaults, in simulation: each length-aware policy against its
+baseline on real prompts and lengths, several seeds, paired differences with 95 % CIs.
+
+    python -m pdserve.sim.evidence --groups sjf,placement,headroom,prefix,flip,tau \
+        --seeds 5 --out bench-results/evidence.json
+
+Clusters: Llama-3-8B shapes on H100 (roofline costs), 4P4D over NVLink and 8 colocated.
+Workloads (by path, never copied): the length data (real Arena prompts as text, the answer
+lengths of every model), the Azure conversation trace, the Mooncake conversation trace (with
+the kvstore), and a shift from Mooncake's long prompts and short answers to long answers.
+For each arm and seed: goodput (SLO attainment x the offered rate: requests/s meeting both
+SLOs over the arrival window), mean and p99 E2E. A gain is the
+paired per-seed difference against the baseline arm (same requests, same arrivals), as a
+percentage of the baseline's mean; the CI is Student's t over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.goodput import SLO, attainment
+from pdserve.bench.metrics import summarize
+from pdserve.bench.serve import add_workload_args, workload_at
+from pdserve.router.scheduling.predictor import LengthEstimate, OutputLengthPredictor
+from pdserve.router.scheduling.predictor.stats import kendall_tau
+from pdserve.sim.cluster import SimCluster
+from pdserve.sim.hardware import pool_costs
+from pdserve.sim.run import spec_from_up_flags, text_prompt_ids
+
+DATA = "/work/shared/data"
+LENGTHS = f"{DATA}/lengths/arena_train_val.jsonl.gz"
+AZURE = f"{DATA}/traces/azure_llm_2023_conv.csv"
+MOONCAKE = f"{DATA}/traces/mooncake_conversation_trace.jsonl"
+MAX_LEN = 8192
+T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
+
+D44 = ["--mode", "disagg", "--prefill", "4", "--decode", "4"]
+C8 = ["--mode", "colocated", "--colocated", "8"]
+LEN = (
+    "--no-predictor-use-max-tokens"  # max_tokens is the true length: the predictor must not see it
+)
+
+
+LENGTH_SCALE = [1.0]  # --length-scale: the length data's answer lengths x this
+
+
+def workload(kind: str, seed: int, n: int) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_workload_args(p)
+    flags = {
+        "lengths": ["--lengths", LENGTHS, "--lengths-model", "any", "--lengths-split", "",
+                    "--max-prompt-chars", "6000", "--length-scale", str(LENGTH_SCALE[0])],
+        "azure": ["--trace", AZURE],
+        "mooncake": ["--trace", MOONCAKE, "--block-size", "16"],
+        # fits a 2,400-token KV pool: prompts <= 1,000 tokens, answers <= 1,100
+        "lengths-2k": ["--lengths", LENGTHS, "--lengths-model", "any", "--lengths-split", "",
+                       "--max-prompt-chars", "4000", "--length-scale", str(LENGTH_SCALE[0])],
+    }[kind]  # fmt: skip
+    max_len = 2200 if kind == "lengths-2k" else MAX_LEN
+    a = p.parse_args([*flags, "--seed", str(seed), "--num-requests", str(n),
+                      "--vocab-size", "128256", "--max-model-len", str(max_len)])  # fmt: skip
+    return a
+
+
+def requests_for(kind: str, seed: int, n: int, rate: float) -> list[Any]:
+    if kind == "shift":  # prefill-heavy (Mooncake: long prompts, short answers), then decode-heavy
+        first = requests_for("mooncake", seed, n // 2, rate)
+        second = requests_for("lengths", seed, n - n // 2, rate)
+        t0 = max(r.arrival_s for r in first)
+        return [replace(r, index=i, arrival_s=(r.arrival_s if i < len(first) else t0 + r.arrival_s))
+                for i, r in enumerate(first + second)]  # fmt: skip
+    reqs = workload_at(workload(kind, seed, n), rate, 0)
+    return text_prompt_ids(reqs, 128256)
+
+
+class NoisyOracle(OutputLengthPredictor):
+    """The true length x exp(N(0, sigma)): a predictor of chosen quality (the tau sweep)."""
+
+    name = "noisy-oracle"
+
+    def __init__(self, sigma: float, seed: int) -> None:
+        import random
+
+        self.sigma, self.rng = sigma, random.Random(seed)
+        self.pairs: list[tuple[float, float]] = []
+
+    def estimate(self, query):  # type: ignore[no-untyped-def]
+        n = float(query.oracle_tokens or 1)
+        p = n * math.exp(self.rng.gauss(0.0, self.sigma)) if self.sigma > 0 else n
+        self.pairs.append((p, n))
+        return LengthEstimate(p, p * 2.0, "noisy")
+
+
+def run_arm(
+    up: list[str], reqs: list[Any], slo: SLO, predictor: OutputLengthPredictor | None = None
+) -> dict[str, float]:
+    costs = pool_costs("llama3-8b", "h100", "nvlink", "bfloat16")
+    spec = spec_from_up_flags(up, costs, MAX_LEN)
+    cluster = SimCluster(spec, predictor=predictor)
+    records = cluster.run([replace(r) for r in reqs])
+    ends = [r.finish_s for r in records if r.finish_s is not None]
+    wall = max(ends) if ends else 0.0
+    s = summarize(records, wall)
+    tau = None
+    if cluster.length is not None and hasattr(cluster.length.predictor, "running_tau"):
+        tau = cluster.length.predictor.running_tau()
+    arrivals = [r.arrival_s for r in reqs]
+    span = max(arrivals) - min(arrivals)
+    att = attainment(records, slo)
+    return {
+        # requests/s meeting both SLOs over the arrival window (not over the drain, whose
+        # length is set by the single longest answer)
+        "goodput": att * len(reqs) / span if span > 0 else 0.0,
+        "attainment": att,
+        "e2e_mean": s["e2e_ms"]["mean"],
+        "e2e_p99": s["e2e_ms"]["p99"],
+        "completed": s["completed"],
+        "preemptions": sum(i.scheduler.num_preemptions for i in cluster.instances.values()),
+        "flips": len(cluster.flips),
+        "tau": tau,
+    }
+
+
+def ci(xs: list[float]) -> tuple[float, float]:
+    """Mean and 95 % half-width (Student's t)."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, math.nan
+    return m, T95.get(len(xs), 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+# (group, workload, cluster flags, rate, n, SLO, arms {name: router flags}, baseline)
+KV = ["--worker-arg=--num-blocks=150"]  # 2.4k tokens of KV per decode: KV binds
+Q = "--queue-max-running-per-decode=8"  # binds: the natural concurrency is ~15 per decode
+SJF_ARMS = {
+    "no queue": [LEN],
+    "fcfs": [LEN, Q, "--queue-order=fcfs"],
+    "sjf online": [LEN, Q, "--queue-order=sjf"],
+    "sjf oracle": [LEN, Q, "--queue-order=sjf", "--predictor-oracle"],
+}
+PLACE = {"count": [LEN], "predicted": [LEN, "--decode-placement=predicted"]}
+SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str]], str]] = [
+    ("sjf", "lengths", "4P4D", D44, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
+    ("sjf", "lengths", "8 colocated", C8, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
+    ("placement", "lengths", "4P4D", D44, 80.0, 300, "ttft:2000 tpot:60", PLACE, "count"),
+    ("placement", "lengths-2k", "4P4D KV-binds", D44 + KV, 40.0, 300, "ttft:2000 tpot:60", PLACE,
+     "count"),
+    ("headroom", "lengths-2k", "4P4D KV-binds", D44 + KV, 40.0, 300, "ttft:2000 tpot:60", {
+        "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
+    ("headroom", "azure", "4P4D", D44, 60.0, 600, "ttft:1000 tpot:60", {
+        "off": [LEN], "reserve 512": [LEN, "--reserve-max-tokens=512"]}, "off"),
+    ("prefix", "mooncake", "4P4D + kvstore", [*D44, "--kvstore"], 12.0, 300, "ttft:3000 tpot:60", {
+        "least_loaded": ["--policy=least_loaded"], "prefix_aware": ["--policy=prefix_aware"]},
+        "least_loaded"),
+    ("prefix", "mooncake", "8 colocated + kvstore", [*C8, "--kvstore"], 6.0, 300,
+        "ttft:3000 tpot:60", {
+        "least_loaded": ["--policy=least_loaded"], "prefix_aware": ["--policy=prefix_aware"]},
+        "least_loaded"),
+    ("flip", "shift", "4P4D", D44, 12.0, 300, "ttft:3000 tpot:60", {
+        "static": [LEN], "flip": [LEN, "--flip-enabled", "--flip-cooldown-s=5",
+                                  "--flip-interval-s=1"]}, "static"),
+]  # fmt: skip
+
+
+def run_setup(setup, seeds: list[int], log) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    group, kind, cname, cluster, rate, n, slo_s, arms, base = setup
+    slo = SLO.parse(slo_s.split())
+    per_arm: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
+    for seed in seeds:
+        reqs = requests_for(kind, seed, n, rate)
+        for arm, flags in arms.items():
+            up = cluster + [f"--router-arg={f}" for f in flags if not f.startswith("--policy")]
+            up += [f.replace("=", " ").split()[0] for f in flags if f.startswith("--policy")]
+            up += [f.split("=")[1] for f in flags if f.startswith("--policy")]
+            t = time.perf_counter()
+            per_arm[arm].append(run_arm(up, reqs, slo))
+            log(f"{group}/{kind}/{cname} seed {seed} {arm}: {per_arm[arm][-1]} "
+                f"({time.perf_counter() - t:.0f} s)")  # fmt: skip
+    rows = []
+    for arm, runs in per_arm.items():
+        row: dict[str, Any] = {"group": group, "workload": kind, "cluster": cname, "rate": rate,
+                               "n": n, "slo": slo_s, "arm": arm, "baseline": base,
+                               "seeds": len(runs)}  # fmt: skip
+        for key in ("goodput", "attainment", "e2e_mean", "e2e_p99", "preemptions", "flips"):
+            vals = [r[key] for r in runs]
+            row[key] = ci(vals)
+            if arm != base:
+                b = [r[key] for r in per_arm[base]]
+                diffs = [100.0 * (x - y) / statistics.fmean(b) if statistics.fmean(b) else 0.0
+                         for x, y in zip(vals, b, strict=True)]  # fmt: skip
+                row[f"{key}_gain_pct"] = ci(diffs)
+        taus = [r["tau"] for r in runs if r["tau"] is not None]
+        row["tau"] = statistics.fmean(taus) if taus else None
+        rows.append(row)
+    return {"rows": rows, "runs": per_arm}
+
+
+def tau_sweep(seeds: list[int], log, sigmas: list[float], n_override: int | None = None):  # type: ignore[no-untyped-def]
+    """SJF's goodput and mean E2E with predictors of chosen quality (noisy oracle), against
+    FCFS and the exact oracle: where does SJF close half of the FCFS -> oracle gap?"""
+    setup = SETUPS[0]
+    _, kind, _, cluster, rate, n, slo_s, arms, _ = setup
+    n = n_override or n
+    slo = SLO.parse(slo_s.split())
+    out = []
+    for sigma in sigmas:
+        vals, taus = [], []
+        for seed in seeds:
+            reqs = requests_for(kind, seed, n, rate)
+            pred = NoisyOracle(sigma, seed)
+            up = cluster + [f"--router-arg={f}" for f in arms["sjf oracle"]]  # oracle_tokens on
+            r = run_arm(up, reqs, slo, predictor=pred)
+            p, a = zip(*pred.pairs, strict=True)
+            taus.append(kendall_tau(p, a))
+            vals.append(r)
+        row = {"sigma": sigma, "tau": statistics.fmean(taus),
+               "goodput": ci([v["goodput"] for v in vals]),
+               "e2e_mean": ci([v["e2e_mean"] for v in vals])}  # fmt: skip
+        log(f"tau sweep sigma {sigma}: {row}")
+        out.append(row)
+    return out
+
+
+def _pm(v: Any, fmt: str = ".1f") -> str:
+    m, h = v
+    return f"{m:{fmt}} ± {h:{fmt}}" if not math.isnan(h) else f"{m:{fmt}}"
+
+
+def table(paths: list[str]) -> str:
+    """The markdown evidence table of saved results: per arm the mean ± 95 % half-width over
+    seeds, and the paired gain vs the baseline in % (+ = more goodput / more E2E)."""
+    head = ("| policy | workload | cluster | arm | goodput (req/s) | attainment | mean E2E (s) "
+            "| p99 E2E (s) | goodput gain % | mean E2E gain % | p99 E2E gain % | preemptions | tau |")  # fmt: skip
+    lines = [head, "|" + "---|" * 13]
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for setup in data["setups"]:
+            for r in setup["rows"]:
+                e2e = (r["e2e_mean"][0] / 1e3, r["e2e_mean"][1] / 1e3)
+                p99 = (r["e2e_p99"][0] / 1e3, r["e2e_p99"][1] / 1e3)
+                gains = [_pm(r[k]) if k in r else "baseline"
+                         for k in ("goodput_gain_pct", "e2e_mean_gain_pct", "e2e_p99_gain_pct")]  # fmt: skip
+                tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
+                lines.append(
+                    f"| {r['group']} | {r['workload']} @ {r['rate']:g}/s | {r['cluster']} "
+                    f"| {r['arm']} | {_pm(r['goodput'], '.2f')} | {_pm(r['attainment'], '.2f')} "
+                    f"| {_pm(e2e, '.2f')} | {_pm(p99, '.1f')} | {' | '.join(gains)} "
+                    f"| {r['preemptions'][0]:.0f} | {tau} |"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", default="sjf,placement,headroom,prefix,flip")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--only", help="comma-separated 'group/workload/cluster' names to run")
+    p.add_argument("--n", type=int, help="requests per run (default: each setup's)")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="answer lengths of the length data x this (CPU time)")  # fmt: skip
+    p.add_argument("--sigmas", default="0,0.7,1.5", help="tau sweep: log-normal noise levels")
+    p.add_argument("--out", default="bench-results/evidence.json")
+    p.add_argument("--table", nargs="+", metavar="JSON", help="print the table of saved runs")
+    a = p.parse_args(argv)
+    if a.table:
+        print(table(a.table))
+        return 0
+    seeds = list(range(1, a.seeds + 1))
+    LENGTH_SCALE[0] = a.length_scale
+    groups = a.groups.split(",")
+
+    def log(m: str) -> None:
+        print(m, file=sys.stderr, flush=True)
+
+    result: dict[str, Any] = {"seeds": seeds, "setups": [], "tau_sweep": None}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for setup in SETUPS:
+        name = f"{setup[0]}/{setup[1]}/{setup[2]}"
+        if setup[0] not in groups or (a.only and name not in a.only.split(",")):
+            continue
+        if a.n:
+            setup = (*setup[:5], a.n, *setup[6:])
+        result["setups"].append(run_setup(setup, seeds, log))
+        out.write_text(json.dumps(result, indent=1, default=str))
+    if "tau" in groups:
+        sigmas = [float(x) for x in a.sigmas.split(",")]
+        result["tau_sweep"] = tau_sweep(seeds, log, sigmas, a.n)
+        out.write_text(json.dumps(result, indent=1, default=str))
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
