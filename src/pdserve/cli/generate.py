@@ -142,7 +142,7 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_ms": ttft,
         "tpot_ms": tpot,
         "e2e_ms": (end - start) * 1e3,
-        "dtype": engine.spec.dtype,  # resolved: what ran (never "auto")
+        "dtype": engine.dtype,  # resolved: what ran (never "auto")
     }
 
 

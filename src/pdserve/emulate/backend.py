@@ -63,6 +63,7 @@ class EmulatedBackend:
         clock: Clock | None = None,
     ) -> None:
         self.options = options
+        self.dtype: str = options.dtype  # the modelled compute dtype
         self.raw_config = raw_config
         self.config = ModelConfig.from_dict(raw_config, generation_config)
         self.shape = ModelShape.from_config(raw_config)

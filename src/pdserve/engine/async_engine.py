@@ -70,6 +70,7 @@ class AsyncEngine:
         self._llm = engine
         # immutable facts about the engine, safe to read from any thread
         self.spec: KVSpec = engine.spec
+        self.dtype: str = engine.dtype  # compute dtype served (spec.dtype is the KV dtype)
         self.kv_fingerprint: str = engine.kv_fingerprint
         self.model_fingerprint: str = engine.loaded.fingerprint
         self.num_blocks: int = engine.num_blocks

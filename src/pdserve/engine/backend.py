@@ -47,6 +47,7 @@ class Runner(Protocol):
 class ForwardBackend(Protocol):
     config: ModelConfig
     fingerprint: str  # weights identity + dtype (emulated: the model config's identity)
+    dtype: str  # the compute (weights') dtype served, resolved: never "auto"
 
     def kv_spec(self, block_size: int, kv_dtype: str | None = None) -> KVSpec:
         """The KV layout this engine holds and moves (emulated: a few bytes per block)."""

@@ -66,6 +66,7 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.eos_token_ids = frozenset(mc.eos_token_ids or ())
+        self.dtype: str = backend.dtype  # compute dtype served (spec.dtype is the KV's)
         self.spec = backend.kv_spec(config.block_size, config.kv_dtype)
         if self.spec.quantized and not str(config.device).startswith("cpu"):
             raise ValueError(f"kv_dtype {config.kv_dtype}: only the torch (CPU) backend reads it")

@@ -20,6 +20,7 @@ class TorchBackend:
         self.loaded = loaded  # pdserve.model.loader.LoadedModel
         self.config = loaded.config
         self.fingerprint: str = loaded.fingerprint
+        self.dtype: str = str(loaded.dtype).removeprefix("torch.")
 
     def kv_spec(self, block_size: int, kv_dtype: str | None = None) -> KVSpec:
         """One LayerKV per stored layer (KV-shared layers store none; K = V layers V only).

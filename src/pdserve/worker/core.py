@@ -87,7 +87,7 @@ class WorkerCore:
             "worker loaded", role=self.role, model=self.model_dir, blocks=engine.num_blocks,
             emulated=self.emulation.describe() if self.emulation else None,
             block_size=engine.spec.block_size, kv_fingerprint=engine.kv_fingerprint[:16],
-            dtype=engine.spec.dtype, dtype_setting=s.dtype,  # served (resolved) and as asked
+            dtype=engine.dtype, kv_dtype=engine.spec.dtype, dtype_setting=s.dtype,  # served (resolved) and as asked
         )  # fmt: skip
 
     @property

@@ -93,7 +93,7 @@ class Registration:
                 model_fingerprint=core.engine.model_fingerprint,
                 block_size=core.engine.spec.block_size,
                 load=core.load_snapshot().to_proto(),
-                dtype=core.engine.spec.dtype,
+                dtype=core.engine.dtype,  # the compute dtype (the KV dtype may be int8/fp8)
             ),
             timeout=5.0,
         )
