@@ -70,12 +70,6 @@ class TimedWorker:
     def __init__(self, iid: str, log: list[tuple[str, str, str]]) -> None:
         self.iid, self.log = iid, log
 
-    async def Reserve(self, req, timeout=None, metadata=None):
-        self.log.append(("decode", req.request_id, self.iid))
-        return worker_pb2.ReserveResponse(
-            ticket=worker_pb2.Ticket(ticket_id=1, decode_instance_id=self.iid)
-        )
-
     def Prefill(self, req, timeout=None, metadata=None):
         self.log.append(("prefill", req.request_id, self.iid))
 
@@ -86,9 +80,14 @@ class TimedWorker:
         return UnaryCall(go())
 
     def Decode(self, req, metadata=None):
+        """One stream reserves and decodes: the ticket first, then the tokens after token 0."""
+        self.log.append(("decode", req.request_id, self.iid))
         n = req.sampling.max_tokens
 
         async def go():
+            yield worker_pb2.TokenChunk(
+                ticket=worker_pb2.Ticket(ticket_id=1, decode_instance_id=self.iid)
+            )
             for i in range(1, n):
                 await asyncio.sleep(TOKEN_S)
                 last = i == n - 1
@@ -228,7 +227,7 @@ def test_simulator_decides_as_the_router(name):
     assert len(real) == 2 * len(reqs)
     decode_real = [(r, i) for k, r, i in real if k == "decode"]
     decode_sim = [(r, i) for k, r, i in sim if k == "decode"]
-    assert decode_sim == decode_real  # queue order (the order of Reserves) and placement
+    assert decode_sim == decode_real  # queue order (the order of Decode streams opened) and placement
     assert [x for x in sim if x[0] == "prefill"] == [x for x in real if x[0] == "prefill"]
 
 
