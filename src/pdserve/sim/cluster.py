@@ -40,6 +40,7 @@ from pdserve.engine.sequence import Sequence as Seq
 from pdserve.errors import OverloadedError
 from pdserve.kv.hashing import block_hashes
 from pdserve.kvstore.store import BlockStore
+from pdserve.router.app import predictions_needed
 from pdserve.router.cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
 from pdserve.router.flip.controller import snapshot
 from pdserve.router.flip.policy import FlipPolicy, FlipThresholds
@@ -125,7 +126,7 @@ class SimCluster:
         # The router's length scheduling when some decision reads a prediction (or a
         # predictor is given explicitly, e.g. by a test) or the admission queue orders by it;
         # the admission stage when a running limit can make requests wait.
-        needed = predictor is not None or router_side.consumes_prediction(rs)
+        needed = predictor is not None or predictions_needed(rs)
         limited = router_side.admission_limited(rs)
         self.length: LengthScheduling | None = None
         self.admission: Admission | None = None

@@ -42,13 +42,6 @@ def router_settings(argv: list[str] | None = None) -> RouterSettings:
     return load_settings(RouterSettings, list(argv or []), exit_on_error=False)
 
 
-def consumes_prediction(s: RouterSettings) -> bool:
-    """`RouterApp`'s test: predicted decode placement, KV headroom, an SJF admission queue,
-    the flip controller (its decode pressure reads the predicted demand) or oracle mode.
-    Otherwise the simulator runs no predictor at all."""
-    return predictions_needed(s)
-
-
 def admission_limited(s: RouterSettings) -> bool:
     """Whether the admission stage can make a request wait (a router-wide running limit)."""
     return s.admission.max_running > 0 or s.admission.queue_max_running_per_decode > 0
