@@ -143,6 +143,10 @@ class ClusterConfig:
     colocated: int = 2
     kvstore: bool = False
     kvstore_capacity_bytes: int = 1 << 30
+    # the kvstore's disk tier (pdserve.kvstore.disk): a directory for block files, and its
+    # budget in block bytes (modelled bytes on an emulated cluster, like the RAM capacity)
+    kvstore_disk_dir: str | None = None
+    kvstore_disk_bytes: int = 16 << 30
     port: int = 50051  # router port; 0 = any free port
     http_port: int | None = None  # router's OpenAI HTTP API; 0 = any free port; None = off
     api_key: str | None = None  # a key the router accepts (for the launcher's Status polls)
@@ -434,16 +438,21 @@ class Cluster:
         return proc
 
     def _kvstore_argv(self, port: int = 0) -> list[str]:
-        return [
+        argv = [
             sys.executable, "-m", "pdserve.kvstore", "--port", str(port),
-            "--capacity-bytes", str(self._kvstore_capacity()),
+            "--capacity-bytes", str(self._wire_bytes(self.config.kvstore_capacity_bytes)),
             *self._tls_argv("kvstore"),
         ]  # fmt: skip
+        if self.config.kvstore_disk_dir:
+            argv += [
+                "--disk-dir", self.config.kvstore_disk_dir,
+                "--disk-bytes", str(self._wire_bytes(self.config.kvstore_disk_bytes)),
+            ]  # fmt: skip
+        return argv
 
-    def _kvstore_capacity(self) -> int:
-        """In wire bytes: an emulated cluster's blocks are a few bytes each, and the store
-        holds as many of them as its modelled capacity holds modelled blocks."""
-        cap = self.config.kvstore_capacity_bytes
+    def _wire_bytes(self, cap: int) -> int:
+        """A kvstore budget in wire bytes: an emulated cluster's blocks are a few bytes each,
+        and the store holds as many of them as the modelled budget holds modelled blocks."""
         if not self.config.emulate:
             return cap
         from pdserve.emulate.model_dir import wire_ratio

@@ -31,6 +31,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "workers and turns (default: on; --no-kvstore runs without it)",
     )
     p.add_argument("--kvstore-capacity-bytes", type=int, default=1 << 30)
+    p.add_argument(
+        "--kvstore-disk-dir",
+        default=None,
+        help="the kvstore's disk tier: blocks evicted from RAM are kept as files here (mode "
+        "0600), verified on read, and found again after a restart (default: RAM only)",
+    )
+    p.add_argument(
+        "--kvstore-disk-bytes",
+        type=int,
+        default=16 << 30,
+        help="disk tier budget in block bytes (with --kvstore-disk-dir)",
+    )
     p.add_argument("--port", type=int, default=50051, help="router port (0 = any free port)")
     p.add_argument(
         "--http-port",
@@ -143,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         colocated=args.colocated,
         kvstore=args.kvstore,
         kvstore_capacity_bytes=args.kvstore_capacity_bytes,
+        kvstore_disk_dir=args.kvstore_disk_dir,
+        kvstore_disk_bytes=args.kvstore_disk_bytes,
         port=args.port,
         pin_cpus=args.pin_cpus,
         policy=args.policy,
