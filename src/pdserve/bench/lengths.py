@@ -56,7 +56,11 @@ def length_requests(
     return reqs
 
 
-async def _preemptions(addr: str, timeout: float = 5.0) -> dict[str, float]:
+async def worker_counters(
+    addr: str, timeout: float = 5.0, tls_dir: str | None = None
+) -> tuple[Any, dict[str, dict[str, float]]]:
+    """The router's Status and every worker's Info counters, by instance id. `tls_dir`: the
+    cluster's certificates (the admin one is used), else a plaintext channel (--insecure)."""
     import grpc
 
     from pdserve.client import AsyncClient
@@ -64,19 +68,33 @@ async def _preemptions(addr: str, timeout: float = 5.0) -> dict[str, float]:
 
     async with AsyncClient(addr) as client:
         status = await client.status(timeout=timeout)
-    out: dict[str, float] = {
-        "_predictor_kendall_tau": status.predictor_kendall_tau,
-        "_predictor_observed": float(status.predictor_observed),
-    }
+    out: dict[str, dict[str, float]] = {}
     for inst in status.instances:
+        if tls_dir:
+            from pdserve.rpc.tls import TlsFiles, secure_channel
+
+            channel = secure_channel(inst.address, TlsFiles.in_dir(tls_dir, "admin"))
+        else:
+            channel = grpc.aio.insecure_channel(inst.address)
         try:
-            async with grpc.aio.insecure_channel(inst.address) as channel:
+            async with channel:
                 info = await worker_pb2_grpc.WorkerStub(channel).Info(
                     worker_pb2.InfoRequest(), timeout=timeout
                 )
         except grpc.RpcError:
             continue
-        out[inst.instance_id] = float(info.counters.get("engine_num_preemptions", 0.0))
+        out[inst.instance_id] = dict(info.counters)
+    return status, out
+
+
+async def _preemptions(addr: str, timeout: float = 5.0) -> dict[str, float]:
+    status, counters = await worker_counters(addr, timeout)
+    out: dict[str, float] = {
+        "_predictor_kendall_tau": status.predictor_kendall_tau,
+        "_predictor_observed": float(status.predictor_observed),
+    }
+    for name, c in counters.items():
+        out[name] = float(c.get("engine_num_preemptions", 0.0))
     return out
 
 

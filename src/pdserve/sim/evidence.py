@@ -11,7 +11,13 @@ the kvstore), and a shift from Mooncake's long prompts and short answers to long
 For each arm and seed: goodput (SLO attainment x the offered rate: requests/s meeting both
 SLOs over the arrival window), mean and p99 E2E. A gain is the
 paired per-seed difference against the baseline arm (same requests, same arrivals), as a
-percentage of the baseline's mean; the CI is Student's t over seeds.
+percentage of the baseline's mean; the CI is Student's t over seeds (`evidence_stats`).
+
+`--emulate [--time-scale X]`: every arm and seed also runs on a fresh emulated cluster
+(`pdserve up <arm> --emulate h100 --model-config llama3-8b --time-scale X`, `evidence_emu`)
+with the same requests as its simulated twin; each row gets an `emulated` block of the same
+statistics and `--table` prints simulation and emulation side by side. Text prompts then run
+as the emulated tokenizer's ids on both sides (not len(text) / 4), so prompt lengths match.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +39,14 @@ from pdserve.bench.serve import add_workload_args, workload_at
 from pdserve.router.scheduling.predictor import LengthEstimate, OutputLengthPredictor
 from pdserve.router.scheduling.predictor.stats import kendall_tau
 from pdserve.sim.cluster import SimCluster
+from pdserve.sim.evidence_emu import (
+    EmuOptions,
+    emulated_arm,
+    requests_digest,
+    tokenize_prompts,
+    tokenizer_dir,
+)
+from pdserve.sim.evidence_stats import ci, setup_rows, table
 from pdserve.sim.hardware import pool_costs
 from pdserve.sim.run import spec_from_up_flags, text_prompt_ids
 
@@ -40,7 +55,6 @@ LENGTHS = f"{DATA}/lengths/arena_train_val.jsonl.gz"
 AZURE = f"{DATA}/traces/azure_llm_2023_conv.csv"
 MOONCAKE = f"{DATA}/traces/mooncake_conversation_trace.jsonl"
 MAX_LEN = 8192
-T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
 
 D44 = ["--mode", "disagg", "--prefill", "4", "--decode", "4"]
 C8 = ["--mode", "colocated", "--colocated", "8"]
@@ -70,14 +84,20 @@ def workload(kind: str, seed: int, n: int) -> argparse.Namespace:
     return a
 
 
-def requests_for(kind: str, seed: int, n: int, rate: float) -> list[Any]:
+def requests_for(
+    kind: str, seed: int, n: int, rate: float, tokenizer: str | None = None
+) -> list[Any]:
+    """The requests of one seed. `tokenizer`: text prompts get that tokenizer's ids (the
+    emulated cluster's; see evidence_emu), else len(text) / 4 pseudo-random ids."""
     if kind == "shift":  # prefill-heavy (Mooncake: long prompts, short answers), then decode-heavy
-        first = requests_for("mooncake", seed, n // 2, rate)
-        second = requests_for("lengths", seed, n - n // 2, rate)
+        first = requests_for("mooncake", seed, n // 2, rate, tokenizer)
+        second = requests_for("lengths", seed, n - n // 2, rate, tokenizer)
         t0 = max(r.arrival_s for r in first)
         return [replace(r, index=i, arrival_s=(r.arrival_s if i < len(first) else t0 + r.arrival_s))
                 for i, r in enumerate(first + second)]  # fmt: skip
     reqs = workload_at(workload(kind, seed, n), rate, 0)
+    if tokenizer:
+        tokenize_prompts(reqs, tokenizer)
     return text_prompt_ids(reqs, 128256)
 
 
@@ -99,19 +119,11 @@ class NoisyOracle(OutputLengthPredictor):
         return LengthEstimate(p, p * 2.0, "noisy")
 
 
-def run_arm(
-    up: list[str], reqs: list[Any], slo: SLO, predictor: OutputLengthPredictor | None = None
-) -> dict[str, float]:
-    costs = pool_costs("llama3-8b", "h100", "nvlink", "bfloat16")
-    spec = spec_from_up_flags(up, costs, MAX_LEN)
-    cluster = SimCluster(spec, predictor=predictor)
-    records = cluster.run([replace(r) for r in reqs])
+def arm_metrics(records: list[Any], reqs: list[Any], slo: SLO) -> dict[str, Any]:
+    """Goodput, attainment, mean and p99 E2E of one run (simulated or emulated, in modelled
+    time); `completed` of `len(reqs)`."""
     ends = [r.finish_s for r in records if r.finish_s is not None]
-    wall = max(ends) if ends else 0.0
-    s = summarize(records, wall)
-    tau = None
-    if cluster.length is not None and hasattr(cluster.length.predictor, "running_tau"):
-        tau = cluster.length.predictor.running_tau()
+    s = summarize(records, max(ends) if ends else 0.0)
     arrivals = [r.arrival_s for r in reqs]
     span = max(arrivals) - min(arrivals)
     att = attainment(records, slo)
@@ -123,18 +135,24 @@ def run_arm(
         "e2e_mean": s["e2e_ms"]["mean"],
         "e2e_p99": s["e2e_ms"]["p99"],
         "completed": s["completed"],
+    }
+
+
+def run_arm(
+    up: list[str], reqs: list[Any], slo: SLO, predictor: OutputLengthPredictor | None = None
+) -> dict[str, Any]:
+    costs = pool_costs("llama3-8b", "h100", "nvlink", "bfloat16")
+    spec = spec_from_up_flags(up, costs, MAX_LEN)
+    cluster = SimCluster(spec, predictor=predictor)
+    records = cluster.run([replace(r) for r in reqs])
+    tau = None
+    if cluster.length is not None and hasattr(cluster.length.predictor, "running_tau"):
+        tau = cluster.length.predictor.running_tau()
+    return arm_metrics(records, reqs, slo) | {
         "preemptions": sum(i.scheduler.num_preemptions for i in cluster.instances.values()),
         "flips": len(cluster.flips),
         "tau": tau,
     }
-
-
-def ci(xs: list[float]) -> tuple[float, float]:
-    """Mean and 95 % half-width (Student's t)."""
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return m, math.nan
-    return m, T95.get(len(xs), 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
 # (group, workload, cluster flags, rate, n, SLO, arms {name: router flags}, baseline)
@@ -170,37 +188,60 @@ SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str
 ]  # fmt: skip
 
 
-def run_setup(setup, seeds: list[int], log) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def arm_up(cluster: list[str], flags: list[str]) -> list[str]:
+    """`pdserve up` flags of an arm: the cluster's, `--policy P`, the rest as router flags."""
+    up = cluster + [f"--router-arg={f}" for f in flags if not f.startswith("--policy")]
+    for f in flags:
+        if f.startswith("--policy"):
+            up += ["--policy", f.split("=", 1)[1]]
+    return up
+
+
+SimRunner = Callable[[list[str], list[Any], SLO], dict[str, Any]]
+EmuRunner = Callable[[list[str], list[Any], SLO, str], dict[str, Any]]
+
+
+def run_setup(  # type: ignore[no-untyped-def]
+    setup,
+    seeds: list[int],
+    log,
+    emulate: EmuRunner | None = None,
+    tokenizer: str | None = None,
+    sim: SimRunner = run_arm,
+    save: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Every arm of `setup` for each seed, simulated and (with `emulate`) emulated, on one
+    request list per seed. Each run records its seed and the digest of the requests it ran
+    (taken after it ran); `setup_rows` refuses to pair runs whose digests differ. `save` is
+    called with the result so far after every seed (a long emulated setup can be cut)."""
     group, kind, cname, cluster, rate, n, slo_s, arms, base = setup
     slo = SLO.parse(slo_s.split())
-    per_arm: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
+    meta = {"group": group, "workload": kind, "cluster": cname, "rate": rate, "n": n,
+            "slo": slo_s}  # fmt: skip
+    per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+    emu_arm: dict[str, list[dict[str, Any]]] | None = {a: [] for a in arms} if emulate else None
+    result: dict[str, Any] = {}
     for seed in seeds:
-        reqs = requests_for(kind, seed, n, rate)
+        reqs = requests_for(kind, seed, n, rate, tokenizer)
         for arm, flags in arms.items():
-            up = cluster + [f"--router-arg={f}" for f in flags if not f.startswith("--policy")]
-            up += [f.replace("=", " ").split()[0] for f in flags if f.startswith("--policy")]
-            up += [f.split("=")[1] for f in flags if f.startswith("--policy")]
+            up = arm_up(cluster, flags)
             t = time.perf_counter()
-            per_arm[arm].append(run_arm(up, reqs, slo))
-            log(f"{group}/{kind}/{cname} seed {seed} {arm}: {per_arm[arm][-1]} "
+            run = sim(up, reqs, slo) | {"seed": seed, "requests": requests_digest(reqs)}
+            per_arm[arm].append(run)
+            log(f"{group}/{kind}/{cname} seed {seed} {arm}: {run} "
                 f"({time.perf_counter() - t:.0f} s)")  # fmt: skip
-    rows = []
-    for arm, runs in per_arm.items():
-        row: dict[str, Any] = {"group": group, "workload": kind, "cluster": cname, "rate": rate,
-                               "n": n, "slo": slo_s, "arm": arm, "baseline": base,
-                               "seeds": len(runs)}  # fmt: skip
-        for key in ("goodput", "attainment", "e2e_mean", "e2e_p99", "preemptions", "flips"):
-            vals = [r[key] for r in runs]
-            row[key] = ci(vals)
-            if arm != base:
-                b = [r[key] for r in per_arm[base]]
-                diffs = [100.0 * (x - y) / statistics.fmean(b) if statistics.fmean(b) else 0.0
-                         for x, y in zip(vals, b, strict=True)]  # fmt: skip
-                row[f"{key}_gain_pct"] = ci(diffs)
-        taus = [r["tau"] for r in runs if r["tau"] is not None]
-        row["tau"] = statistics.fmean(taus) if taus else None
-        rows.append(row)
-    return {"rows": rows, "runs": per_arm}
+            if emulate is not None and emu_arm is not None:
+                name = f"{group}_{kind}_{cname}_s{seed}_{arm}".replace(" ", "-").replace("/", "-")
+                erun = emulate(up, reqs, slo, name)
+                erun |= {"seed": seed, "requests": requests_digest(reqs)}
+                emu_arm[arm].append(erun)
+                log(f"  emulated: {erun}")
+        result = {"rows": setup_rows(meta, base, per_arm, emu_arm), "runs": per_arm}
+        if emu_arm is not None:
+            result["emulated_runs"] = emu_arm
+        if save is not None:
+            save(result)
+    return result
 
 
 def tau_sweep(seeds: list[int], log, sigmas: list[float], n_override: int | None = None):  # type: ignore[no-untyped-def]
@@ -229,44 +270,22 @@ def tau_sweep(seeds: list[int], log, sigmas: list[float], n_override: int | None
     return out
 
 
-def _pm(v: Any, fmt: str = ".1f") -> str:
-    m, h = v
-    return f"{m:{fmt}} ± {h:{fmt}}" if not math.isnan(h) else f"{m:{fmt}}"
-
-
-def table(paths: list[str]) -> str:
-    """The markdown evidence table of saved results: per arm the mean ± 95 % half-width over
-    seeds, and the paired gain vs the baseline in % (+ = more goodput / more E2E)."""
-    head = ("| policy | workload | cluster | arm | goodput (req/s) | attainment | mean E2E (s) "
-            "| p99 E2E (s) | goodput gain % | mean E2E gain % | p99 E2E gain % | preemptions | tau |")  # fmt: skip
-    lines = [head, "|" + "---|" * 13]
-    for path in paths:
-        data = json.loads(Path(path).read_text())
-        for setup in data["setups"]:
-            for r in setup["rows"]:
-                e2e = (r["e2e_mean"][0] / 1e3, r["e2e_mean"][1] / 1e3)
-                p99 = (r["e2e_p99"][0] / 1e3, r["e2e_p99"][1] / 1e3)
-                gains = [_pm(r[k]) if k in r else "baseline"
-                         for k in ("goodput_gain_pct", "e2e_mean_gain_pct", "e2e_p99_gain_pct")]  # fmt: skip
-                tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
-                lines.append(
-                    f"| {r['group']} | {r['workload']} @ {r['rate']:g}/s | {r['cluster']} "
-                    f"| {r['arm']} | {_pm(r['goodput'], '.2f')} | {_pm(r['attainment'], '.2f')} "
-                    f"| {_pm(e2e, '.2f')} | {_pm(p99, '.1f')} | {' | '.join(gains)} "
-                    f"| {r['preemptions'][0]:.0f} | {tau} |"
-                )
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", default="sjf,placement,headroom,prefix,flip")
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--only", help="comma-separated 'group/workload/cluster' names to run")
+    p.add_argument("--arms", help="comma-separated arms to run (the baseline is always run)")
     p.add_argument("--n", type=int, help="requests per run (default: each setup's)")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="answer lengths of the length data x this (CPU time)")  # fmt: skip
     p.add_argument("--sigmas", default="0,0.7,1.5", help="tau sweep: log-normal noise levels")
+    p.add_argument("--emulate", action="store_true",
+                   help="also run every arm and seed on a fresh emulated cluster (pdserve up "
+                   "--emulate h100 --model-config llama3-8b) with the same requests")  # fmt: skip
+    p.add_argument("--time-scale", type=float, default=10.0, help="--emulate: its time scale")
+    p.add_argument("--tokenizer", help="--emulate: the emulated model's tokenizer directory "
+                   "(default: the built-in tiny model's, as `pdserve up`)")  # fmt: skip
     p.add_argument("--out", default="bench-results/evidence.json")
     p.add_argument("--table", nargs="+", metavar="JSON", help="print the table of saved runs")
     a = p.parse_args(argv)
@@ -280,21 +299,43 @@ def main(argv: list[str] | None = None) -> int:
     def log(m: str) -> None:
         print(m, file=sys.stderr, flush=True)
 
-    result: dict[str, Any] = {"seeds": seeds, "setups": [], "tau_sweep": None}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"seeds": seeds, "setups": [], "tau_sweep": None,
+                              "argv": sys.argv[1:] if argv is None else argv}  # fmt: skip
+    emulate, tokenizer = None, None
+    if a.emulate:
+        opt = EmuOptions(time_scale=a.time_scale, tokenizer=a.tokenizer,
+                         log_dir=out.parent / f"{out.stem}_emu")  # fmt: skip
+        tokenizer = tokenizer_dir(opt)
+        result["emulate"] = {"time_scale": a.time_scale, "tokenizer": tokenizer}
+
+        def emulate(up: list[str], reqs: list[Any], slo: SLO, name: str) -> dict[str, Any]:
+            return emulated_arm(up, reqs, slo, opt, name)
+
+    def write() -> None:
+        out.write_text(json.dumps(result, indent=1, default=str))
+
     for setup in SETUPS:
         name = f"{setup[0]}/{setup[1]}/{setup[2]}"
         if setup[0] not in groups or (a.only and name not in a.only.split(",")):
             continue
         if a.n:
             setup = (*setup[:5], a.n, *setup[6:])
-        result["setups"].append(run_setup(setup, seeds, log))
-        out.write_text(json.dumps(result, indent=1, default=str))
+        if a.arms:
+            keep = set(a.arms.split(",")) | {setup[8]}
+            setup = (*setup[:7], {k: v for k, v in setup[7].items() if k in keep}, setup[8])
+        result["setups"].append({})
+
+        def save(r: dict[str, Any]) -> None:
+            result["setups"][-1] = r
+            write()
+
+        run_setup(setup, seeds, log, emulate=emulate, tokenizer=tokenizer, save=save)
     if "tau" in groups:
         sigmas = [float(x) for x in a.sigmas.split(",")]
         result["tau_sweep"] = tau_sweep(seeds, log, sigmas, a.n)
-        out.write_text(json.dumps(result, indent=1, default=str))
+        write()
     log(f"wrote {out}")
     return 0
 
