@@ -97,7 +97,7 @@ def requests_for(
                 for i, r in enumerate(first + second)]  # fmt: skip
     reqs = workload_at(workload(kind, seed, n), rate, 0)
     if tokenizer:
-        tokenize_prompts(reqs, tokenizer)
+        tokenize_prompts(reqs, tokenizer, 2200 if kind == "lengths-2k" else MAX_LEN)
     return text_prompt_ids(reqs, 128256)
 
 

@@ -50,9 +50,11 @@ def tokenizer_dir(opt: EmuOptions) -> str:
 _MODELS: dict[str, Any] = {}
 
 
-def tokenize_prompts(reqs: list[Any], model_dir: str) -> list[Any]:
+def tokenize_prompts(reqs: list[Any], model_dir: str, max_len: int) -> list[Any]:
     """Text prompts get the ids the emulated router computes for them (its `ModelInfo`):
-    the simulated twin then serves prompts of exactly the emulated lengths. In place."""
+    the simulated twin then serves prompts of exactly the emulated lengths. A request whose
+    prompt + answer would pass `max_len` (the router would refuse it) has its answer cut to
+    fit, on both sides. In place."""
     from pdserve.router.frontdoor.model_info import ModelInfo
 
     if model_dir not in _MODELS:
@@ -61,6 +63,9 @@ def tokenize_prompts(reqs: list[Any], model_dir: str) -> list[Any]:
     for r in reqs:
         if r.prompt_text and not r.prompt_ids:
             r.prompt_ids = info.encode(r.prompt_text)
+            if len(r.prompt_ids) + r.max_tokens > max_len:
+                r.max_tokens = max(1, max_len - len(r.prompt_ids))
+                r.oracle_tokens = r.max_tokens
     return reqs
 
 
