@@ -473,14 +473,32 @@ class Cluster:
             argv += ["--policy", self.config.policy]
         if self.config.http_port is not None:
             argv += ["--http-port", str(self.config.http_port)]
-        return argv + list(self.config.router_args)
+        return argv + self._modelled(self.config.router_args, "router")
 
     def _worker_argv(self, role: str, name: str) -> list[str]:
         return [
             sys.executable, "-m", "pdserve.worker", "--port", "0", "--role", role,
             "--model", self.model_dir, "--router-addr", self.internal_addr,
-            *self._tls_argv(name), *self._emulate_argv(), *self.config.worker_args,
+            *self._tls_argv(name), *self._emulate_argv(),
+            *self._modelled(self.config.worker_args, "worker"),
         ]  # fmt: skip
+
+    def _modelled(self, args: list[str], service: str) -> list[str]:
+        """A service's extra flags; on an emulated cluster with its control-plane timers in
+        modelled seconds (pdserve.emulate.timers)."""
+        if not self.config.emulate:
+            return list(args)
+        from pdserve.emulate import timers
+
+        if service == "router":
+            from pdserve.router.settings import RouterSettings as cls
+
+            table = timers.ROUTER_TIMERS
+        else:
+            from pdserve.worker.settings import WorkerSettings as cls
+
+            table = timers.WORKER_TIMERS
+        return timers.modelled_timer_args(cls, table, args, self.config.time_scale)
 
 
 def registered_instances(addr: str, timeout: float, api_key: str | None = None) -> int:

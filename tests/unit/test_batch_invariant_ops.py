@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.attention import fixed
-from pdserve.model.cpu_linear import PackedLinear, linear_rows, pack_linears, packing_supported
+from pdserve.model.cpu_linear import (
+    FP32_MIN_ROWS,
+    PackedLinear,
+    linear_rows,
+    pack_linears,
+    packing_supported,
+)
 
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -124,16 +130,18 @@ def test_packed_linear_rows_are_invariant(dtype, shape):
 
 def test_fp32_single_row_kernel_differs_without_padding():
     """The old path: oneDNN's fp32 one-row kernel sums in another order for in_features 2048
-    (what min_rows=2 removes)."""
+    (what min_rows >= 2 removes; 2 and FP32_MIN_ROWS give the same bits)."""
     if not packing_supported(torch.float32):
         pytest.skip("oneDNN packing unavailable")
     torch.manual_seed(0)
     lin = nn.Linear(2048, 512).float()
     x = torch.randn(8, 2048)
-    old, new = PackedLinear(lin), PackedLinear(lin, min_rows=2)
+    old, two = PackedLinear(lin), PackedLinear(lin, min_rows=2)
+    four = PackedLinear(lin, min_rows=FP32_MIN_ROWS)
     with torch.inference_mode():
         assert not torch.equal(old(x[:1]), old(x[:8])[:1])
-        assert torch.equal(new(x[:1]), new(x[:8])[:1])
+        assert torch.equal(two(x[:1]), two(x[:8])[:1])
+        assert torch.equal(four(x[:1]), two(x[:1]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -161,4 +169,4 @@ def test_worker_flag_and_engine_config_reach_the_runner(monkeypatch, tmp_path):
         e = LLMEngine(EngineConfig(model, dtype="float32", num_blocks=8, batch_invariant=flag))
         assert e.runner.model.attn_backend.batch_invariant is flag
         rows = {m.min_rows for m in e.runner.model.modules() if isinstance(m, PackedLinear)}
-        assert rows == ({2} if flag else {1}) or not packing_supported(torch.float32)
+        assert rows == ({FP32_MIN_ROWS} if flag else {1}) or not packing_supported(torch.float32)

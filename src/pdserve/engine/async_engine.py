@@ -231,15 +231,25 @@ class AsyncEngine:
         return self._outputs(request_id, queue)
 
     async def _outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        finished = False
+        """The stream's outputs in order. After the first one, outputs already queued when
+        the consumer comes back (it fell behind the engine: a slow client, a busy loop) are
+        merged into one, so a stream that lags sends fewer, larger messages instead of
+        falling further behind."""
+        finished, first = False, True
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
+                pending: BaseException | None = None
+                if not first:
+                    item, pending = _merge_queued(item, queue)
+                first = False
+                finished = item.finished or pending is not None
                 yield item
+                if pending is not None:
+                    raise pending
                 if finished:
                     return
         finally:
@@ -385,3 +395,21 @@ class AsyncEngine:
             if item.fut is not None and item.loop is not None:
                 item.loop.call_soon_threadsafe(_resolve, item.fut, None, err)
         self._fail_all(err)
+
+
+def _merge_queued(
+    out: RequestOutput, queue: asyncio.Queue
+) -> tuple[RequestOutput, BaseException | None]:
+    """`out` followed by every output already in `queue`, as one output (the tokens in order,
+    the rest from the last one); stops at the stream's finish or at a queued error, which is
+    returned for the caller to raise after yielding the merged output."""
+    tokens: list[int] | None = None
+    while not out.finished and not queue.empty():
+        nxt = queue.get_nowait()
+        if isinstance(nxt, BaseException):
+            return out, nxt
+        if tokens is None:
+            tokens = list(out.new_token_ids)
+        tokens.extend(nxt.new_token_ids)
+        out = dataclasses.replace(nxt, new_token_ids=tokens, extras={**out.extras, **nxt.extras})
+    return out, None

@@ -17,8 +17,12 @@ results differ from `F.linear` by float rounding only (~1e-6 relative).
 Batch invariance (measured, `tests/unit/test_batch_invariant_ops.py`): a packed bf16 linear
 gives a row the same bits for any row count, row position and thread count. In fp32, oneDNN
 takes a matrix-vector kernel for ONE row when in_features >= ~2048, which sums in another
-order; `min_rows=2` (what `pack_linears(batch_invariant=True)` sets for fp32) pads a single
-row to two so every row count runs the same kernel. Plain `F.linear` in fp32 (MKL) has three
+order; `pack_linears(batch_invariant=True)` sets `min_rows=FP32_MIN_ROWS` (4) for fp32, which
+pads one to three rows to four so every row count runs the same kernel. Four, not two: every
+count >= 2 gives a row the same bits, but oneDNN's fp32 kernel takes 19-27 % more time at two
+rows than at four (CPU time, one thread, bench50m's shapes 512x2048 / 2048x512 / 512x16384,
+weights out of cache: 422 / 409 / 3155 us vs 308 / 333 / 2566 us), and a batch-1 decode pads
+its one row. Plain `F.linear` in fp32 (MKL) has three
 row-count classes (1, 2-3, >= 4): `linear_rows` pads to MIN_MKL_ROWS for the tied lm_head.
 """
 
@@ -33,6 +37,7 @@ from torch import nn
 # the batch size oneDNN tunes the packed layout for; any row count works at run time
 BATCH_HINT = 64
 MIN_MKL_ROWS = 4  # MKL's fp32 GEMM: one kernel for >= 4 rows, others below
+FP32_MIN_ROWS = 4  # packed fp32 linears: >= 2 rows for invariance, 4 for speed (module doc)
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -75,7 +80,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT, min_rows: int = 1) -> None:
         super().__init__()
-        self.min_rows = min_rows  # run at least this many rows (2 in fp32: batch invariance)
+        self.min_rows = min_rows  # run at least this many rows (FP32_MIN_ROWS: batch invariance)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
@@ -104,7 +109,7 @@ def pack_linears(
 ) -> int:
     """Replace every CPU `nn.Linear` of `model` (in a dtype oneDNN packs) by a PackedLinear, in
     place. Returns how many were packed; 0 when unsupported (the model is left as it was).
-    batch_invariant: fp32 layers run single rows padded to two (see the module doc).
+    batch_invariant: fp32 layers run 1-3 rows padded to FP32_MIN_ROWS (see the module doc).
     Idempotent."""
     targets = [
         (parent, name, child)
@@ -116,7 +121,7 @@ def pack_linears(
     ]
 
     def rows(dtype: torch.dtype) -> int:
-        return 2 if batch_invariant and dtype == torch.float32 else 1
+        return FP32_MIN_ROWS if batch_invariant and dtype == torch.float32 else 1
 
     for module in model.modules():  # already packed (a model shared by engines): re-set
         if isinstance(module, PackedLinear):
