@@ -23,9 +23,6 @@ from pathlib import Path
 from typing import Any
 
 EMULATE = ["--emulate", "h100", "--model-config", "llama3-8b"]
-# heartbeats of 8 workers on 2 shared cores arrive late under load; an instance expired
-# mid-run would be a failure of this machine, not of the policy (bench emulated-lag: same)
-ROUTER_EXTRA = ["--router-arg=--heartbeat-timeout-s=30"]
 WARMUP = 2  # sequential short requests before the load (connections, first steps)
 
 
@@ -82,7 +79,9 @@ def requests_digest(reqs: list[Any]) -> str:
 
 def up_flags(up: list[str], opt: EmuOptions, log_dir: Path) -> list[str]:
     """The arm's `pdserve up` flags as an emulated cluster."""
-    flags = [*up, *EMULATE, "--time-scale", f"{opt.time_scale:g}", *ROUTER_EXTRA]
+    # the launcher converts the router's and workers' timers (heartbeats, queue timeouts and
+    # aging, deadlines, flip periods) from modelled to wall seconds (pdserve.emulate.timers)
+    flags = [*up, *EMULATE, "--time-scale", f"{opt.time_scale:g}"]
     if opt.tokenizer:
         flags += ["--tokenizer", opt.tokenizer]
     return [*flags, "--log-dir", str(log_dir)]
