@@ -108,7 +108,7 @@ def emulated_arm(
     log_dir = opt.log_dir / name
     flags = up_flags(up, opt, log_dir)
     tls = str(log_dir / "certs")
-    # prompts no run shares (no prefix-cache hit), 4 tokens each
+    # 16-token prompts that no run shares (no prefix-cache hit), 4 tokens out
     warm = [replace(reqs[0], index=-1 - i, prompt_ids=[TOKEN_LO + 7 + 31 * i + k for k in
                                                       range(16)], prompt_text=None,
                     max_tokens=4, arrival_s=0.0, oracle_tokens=4) for i in range(WARMUP)]  # fmt: skip
