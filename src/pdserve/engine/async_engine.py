@@ -86,11 +86,12 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- named commands (asyncio side) ------------------------------------------------
-    async def reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        """Reserve blocks for `num_tokens` tokens of `request_id`. If the caller is cancelled
+    async def reserve(self, request_id: str, num_tokens: int, num_kv_tokens: int = 0) -> list[int]:
+        """Reserve blocks for `num_tokens` tokens of `request_id`, whose first `num_kv_tokens`
+        tokens' KV arrives from elsewhere (LLMEngine.reserve). If the caller is cancelled
         while waiting, the reservation is released (it may already have been made)."""
         try:
-            return await self._submit(Reserve(request_id, num_tokens))
+            return await self._submit(Reserve(request_id, num_tokens, num_kv_tokens))
         except asyncio.CancelledError:
             self._post(Release(request_id))
             raise
@@ -257,8 +258,8 @@ class AsyncEngine:
         """The one place where commands touch the engine (engine thread only)."""
         llm = self._llm
         match cmd:
-            case Reserve(request_id, num_tokens):
-                return llm.reserve(request_id, num_tokens)
+            case Reserve(request_id, num_tokens, num_kv_tokens):
+                return llm.reserve(request_id, num_tokens, num_kv_tokens)
             case Release(request_id):
                 return llm.release(request_id)
             case Abort(request_id):
