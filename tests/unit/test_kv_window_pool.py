@@ -193,6 +193,10 @@ def test_long_decode_frees_window_blocks(engine):
     rises = sum(1 for a, b in itertools.pairwise(free_seen) if b > a)
     assert rises >= (90 - 24) // BS - 2  # a block leaves the window every 4 tokens
     assert min(free_seen) >= 40 - (24 // BS + 2)
+    # the null block was read (freed entries) but never written: still zero
+    for i, c in enumerate(e.runner.kv_caches):
+        if i != 2:
+            assert float(c[NULL_BLOCK].abs().sum()) == 0
 
 
 def test_tokens_equal_one_pool_engine_and_transformers(engine, g4_dir):
