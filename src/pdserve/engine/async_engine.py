@@ -74,6 +74,7 @@ class AsyncEngine:
         self.kv_fingerprint: str = engine.kv_fingerprint
         self.model_fingerprint: str = engine.loaded.fingerprint
         self.num_blocks: int = engine.num_blocks
+        self.num_window_blocks: int = engine.num_window_blocks  # 0 without a window pool
         self.vocab_size: int = engine.vocab_size
         self.max_model_len: int = engine.max_model_len
         self.step_ms_ewma = 0.0  # written by the engine thread after each step
@@ -154,6 +155,7 @@ class AsyncEngine:
             "num_running": llm.num_running,
             "num_waiting": llm.num_waiting,
             "num_free_blocks": llm.kv.num_free_blocks,
+            "num_free_window_blocks": llm.kv.num_free_window_blocks,
             "prefix_hit_tokens": st.hit_tokens,
             "prefix_hit_blocks": st.hit_blocks,
             "num_preemptions": llm.scheduler.num_preemptions,
