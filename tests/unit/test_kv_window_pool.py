@@ -294,3 +294,30 @@ def test_disaggregated_request_lands_its_window(engine):
     assert toks == engine(window_pool=False).generate([p], _greedy(20))[0]
     # the received blocks are cached: the same prompt hits (main [0, k), window [k - W, k))
     assert len(decode.cached_prefix(decode.compute_block_hashes(p))) == len(p) // BS
+
+
+def test_kvstore_read_and_import_fill_both_pools(engine):
+    """A publish reads blocks cached in both pools (all layers); an import writes every
+    block's full layers into the main pool and the chain's last window into the window pool,
+    which is what a hit at the chain's end needs."""
+    src, dst = engine(window_blocks=60), engine(window_blocks=60)
+    base = _prompts(1, [64], seed=17)[0]
+    src.generate([base], _greedy(1))
+    hashes = src.compute_block_hashes(base)
+    data = src.read_cached(hashes, 0)
+    assert tuple(data.shape) == src.spec.blocks_shape(16)
+    assert dst.import_cached_blocks(hashes, data) == 16
+    assert dst.kv._w.pool.num_cached_blocks == 24 // BS + 2  # the tail only
+    assert len(dst.cached_prefix(hashes)) == 16
+    dst.add_request("d", [*base, 3, 4], _greedy(6))
+    outs = []
+    while dst.has_unfinished_requests():
+        outs += dst.step()
+        dst.check_integrity()
+    assert outs[0].num_cached_tokens == 64
+    toks = [t for o in outs for t in o.new_token_ids]
+    assert toks == engine(window_pool=False).generate([[*base, 3, 4]], _greedy(6))[0]
+    # one pool <-> window pool: the same bytes per block (a kvstore block is every layer)
+    one = engine(window_pool=False)
+    assert one.spec.blocks_shape(16) == src.spec.blocks_shape(16)
+    assert (one.import_cached_blocks(hashes, data), len(one.cached_prefix(hashes))) == (16, 16)
