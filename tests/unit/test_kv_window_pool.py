@@ -65,6 +65,10 @@ def test_trim_frees_window_blocks_and_keeps_them_cached():
     assert seq.window_table[:5] == [NULL_BLOCK] * 5 and NULL_BLOCK not in seq.window_table[5:]
     assert kv.num_free_window_blocks == 16 - 3
     kv.check_integrity([seq])
+    leaked = kv._w.pool.allocate(1)  # a reference nobody owns: integrity must say so
+    with pytest.raises(AssertionError, match="window block"):
+        kv.check_integrity([seq])
+    kv._w.pool.free(leaked)
     kv.free(seq)
     kv.check_integrity([])
     assert kv.num_free_window_blocks == 16 and kv.num_free_blocks == 32

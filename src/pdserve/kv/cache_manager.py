@@ -192,18 +192,7 @@ class KVCacheManager:
         """Free `seq`'s window blocks that lie wholly before the window of every query at or
         after its `num_computed_tokens` (call `register_computed` first: they stay cached,
         evictable like any freed block). Returns the blocks freed."""
-        if self._w is None:
-            return 0
-        upto = min(self._w.first_needed(seq.num_computed_tokens), len(seq.window_table))
-        start = seq.num_window_freed
-        if upto <= start:
-            return 0
-        table = seq.window_table
-        dropped = self._w.live(table[start:upto])
-        self._w.pool.free(dropped)
-        table[start:upto] = [NULL_BLOCK] * (upto - start)
-        seq.num_window_freed = upto
-        return len(dropped)
+        return 0 if self._w is None else self._w.trim(seq)
 
     # ---- running sequences -----------------------------------------------------------
     def allocate_first_chunk(self, seq: SeqBlocks, budget: int, record: bool) -> int:
@@ -412,21 +401,7 @@ class KVCacheManager:
         for b in range(self.num_blocks):
             rc = self._pool.ref_counts[b]
             assert rc == owned.get(b, 0), f"block {b}: ref {rc} but {owned.get(b, 0)} owners"
-        if self._w is None:
-            return
-        pool = self._w.pool
-        pool.check_integrity()
-        w_owned = {NULL_BLOCK: 1}  # the group itself holds the null block
-        for s in seqs_list:
-            assert len(s.window_table) == len(s.block_table), f"{s.request_id}: table lengths"
-            assert all(b == NULL_BLOCK for b in s.window_table[: s.num_window_freed])
-            for b in self._w.live(s.window_table):
-                w_owned[b] = w_owned.get(b, 0) + 1
-        for r in self._requests.values():
-            for b in r.window_blocks():
-                w_owned[b] = w_owned.get(b, 0) + 1
-        for b in range(pool.num_blocks):
-            rc = pool.ref_counts[b]
-            assert rc == w_owned.get(b, 0), (
-                f"window block {b}: ref {rc}, {w_owned.get(b, 0)} owners"
+        if self._w is not None:
+            self._w.check_integrity(
+                seqs_list, [list(r.window_blocks()) for r in self._requests.values()]
             )

@@ -19,7 +19,8 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from pdserve.kv.block_pool import BlockPool
 
@@ -65,6 +66,37 @@ class WindowGroup:
 
     def free(self, table: Sequence[int]) -> None:
         self.pool.free(self.live(table))
+
+    def trim(self, seq: Any) -> int:
+        """Free the entries of `seq.window_table` (a SeqBlocks) below
+        first_needed(seq.num_computed_tokens): they become NULL. Returns the blocks freed."""
+        table = seq.window_table
+        upto = min(self.first_needed(seq.num_computed_tokens), len(table))
+        start = seq.num_window_freed
+        if upto <= start:
+            return 0
+        dropped = self.live(table[start:upto])
+        self.pool.free(dropped)
+        table[start:upto] = [NULL_BLOCK] * (upto - start)
+        seq.num_window_freed = upto
+        return len(dropped)
+
+    def check_integrity(self, seqs: Iterable[Any], held: Iterable[Iterable[int]]) -> None:
+        """Every block's ref count equals its owners: the window tables of `seqs` (every live
+        SeqBlocks), the requests' window blocks `held`, and the group (the null block)."""
+        self.pool.check_integrity()
+        owned = {NULL_BLOCK: 1}
+        tables = []
+        for s in seqs:
+            assert len(s.window_table) == len(s.block_table), f"{s.request_id}: table lengths"
+            assert all(b == NULL_BLOCK for b in s.window_table[: s.num_window_freed])
+            tables.append(self.live(s.window_table))
+        for blocks in [*tables, *held]:
+            for b in blocks:
+                owned[b] = owned.get(b, 0) + 1
+        for b in range(self.pool.num_blocks):
+            rc = self.pool.ref_counts[b]
+            assert rc == owned.get(b, 0), f"window block {b}: ref {rc}, {owned.get(b, 0)} owners"
 
 
 def lone_request_blocks(block_size: int, window: int, step_tokens: int) -> int:
