@@ -20,6 +20,7 @@ backend rewrites the same rows, a no-op, then attends), so it stores and moves n
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -174,6 +175,9 @@ class Gemma4Model(nn.Module):
                 mp = config.max_position_embeddings
                 self.rope[layer.layer_type] = rope_tables(spec, layer.head_dim, mp, device, dtype)
         self.cache_index = [config.kv_cache_index(i) for i in range(n)]
+        # layer i attends over a sliding layer's cache (the window group's pool, if any)
+        stored = config.kv_layers()
+        self.sliding_cache = [stored[c].window is not None for c in self.cache_index]
 
     def store_k_and_v(self) -> None:
         """Serve K = V layers from an ordinary K + V cache through the attention backend (the
@@ -195,7 +199,9 @@ class Gemma4Model(nn.Module):
         meta: AttentionMetadata,
         layer_callback: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        plans = {key: be.prepare(meta) for key, be in self.backends.items()}
+        # sliding layers read their own pool through meta.window when the engine keeps one
+        # (pdserve.kv.window_group); one plan per (backend, table group) actually used
+        plans: dict[tuple[tuple[int, int], bool], Any] = {}
         keqv_plan = plan_keqv(meta) if any(self.keqv) else None
         rope = {
             t: (cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None])
@@ -220,7 +226,12 @@ class Gemma4Model(nn.Module):
                 o = keqv_attention(keqv_plan, q, k, v, cache, w, cos_t, sin_t, not layer.shared)
             else:
                 key = (layer.kv_heads, layer.head_dim)
-                o = self.backends[key].forward(plans[key], q, k, v, cache, layer.window)
+                sliding = meta.window is not None and self.sliding_cache[i]
+                plan = plans.get((key, sliding))
+                if plan is None:
+                    m = meta.window if sliding and meta.window is not None else meta
+                    plan = plans[(key, sliding)] = self.backends[key].prepare(m)
+                o = self.backends[key].forward(plan, q, k, v, cache, layer.window)
             x = layer.finish(x, o, None if ple is None else ple[:, i])
             if layer_callback is not None and not layer.shared:
                 layer_callback(self.cache_index[i])
