@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kv.quant import QuantRows
-from pdserve.model.attention import fixed
+from pdserve.model.attention import fixed, fixed_kernel
 from pdserve.model.attention.base import AttentionBackend
 from pdserve.model.attention.metadata import AttentionMetadata
 
@@ -63,8 +63,20 @@ def _rows(table: list[int], n: int, bs: int) -> torch.Tensor:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     batch_invariant = True  # set per instance by the runner (EngineConfig.batch_invariant)
+    # the fused kernel (fixed_kernel) when invariant; resolved on first use, then kept for life
+    use_kernel: bool | None = None
 
-    def prepare(self, meta: AttentionMetadata) -> TorchPlan:
+    def prepare(self, meta: AttentionMetadata) -> TorchPlan | fixed_kernel.KernelPlan:
+        if self.batch_invariant:
+            if self.use_kernel is None:
+                self.use_kernel = (
+                    meta.slot_mapping.device.type == "cpu" and fixed_kernel.available()
+                )
+            if self.use_kernel:
+                return fixed_kernel.plan(meta)
+        return self._prepare_torch(meta)
+
+    def _prepare_torch(self, meta: AttentionMetadata) -> TorchPlan:
         bs = meta.block_size
         device = meta.slot_mapping.device
         slots = meta.slot_mapping.to(torch.int64)
@@ -101,7 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(
         self,
-        plan: TorchPlan,
+        plan: TorchPlan | fixed_kernel.KernelPlan,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -109,6 +121,16 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
     ) -> torch.Tensor:
         hkv, d = self.num_kv_heads, self.head_dim
+        if isinstance(plan, fixed_kernel.KernelPlan):
+            if kv_cache.dim() == 5:  # the fused kernel reads the paged cache itself
+                flat = kv_cache.view(-1, hkv, d)
+                flat.index_copy_(0, plan.k_rows, k)
+                flat.index_copy_(0, plan.v_rows, v)
+                a = (plan.tables, plan.tok_seq, plan.tok_pos, plan.ctx_lens, window, self.scale)
+                return fixed_kernel.attend_paged(q, kv_cache, *a)
+            if plan.torch_plan is None:  # quantized KV: the torch fixed path, for life
+                plan.torch_plan = self._prepare_torch(plan.meta)
+            plan = plan.torch_plan
         if kv_cache.dim() == 2:  # quantized KV (pdserve.kv.quant): same row API, dequantized
             flat = QuantRows(kv_cache, plan.block_size, hkv, d, q.dtype)
         else:

@@ -1,0 +1,368 @@
+// Batch-invariant paged attention for CPU (pdserve.model.attention.fixed_kernel).
+//
+// One call per layer attends every query token of a step (prefill chunks and decodes alike)
+// against its sequence's keys, read straight from the paged cache
+// [num_blocks, 2, block_size, Hkv, D] through the block table (bf16 or fp32, converted to
+// fp32 in registers). A task is one (query token, kv head): its G = H / Hkv query heads are
+// computed together (each K/V row is loaded once for the G rows). Tasks are split across
+// threads; a task never is, so no row's reduction is ever split.
+//
+// The order of every reduction of a row depends only on the row's own position p, the
+// window and head_dim, never on the batch, the chunking, the other rows or the thread count:
+//   keys: lo = max(0, p - window + 1) (0 without window) .. hi = p; no key outside is read
+//         into any sum (a masked key never contributes, not even an exact zero);
+//   score_j = (sum over d of q[d] * k_j[d], 16-lane FMA chains over d-chunks in order, then a
+//             fixed horizontal reduction), q pre-multiplied by `scale` in fp32;
+//   m = max_j score_j (exact, any order); e_j = exp(score_j - m) by one polynomial;
+//   l = sum of e_j in 16-lane partial sums over j - lo in order, then a fixed reduction;
+//   out[d] = (sum over j = lo .. hi in order of e_j * v_j[d], one FMA per key) / l.
+// The build has no -ffast-math and no FP contraction outside the explicit FMA intrinsics.
+// Without AVX-512 the same algorithm runs in scalar code (other bits, equally invariant).
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PD_AVX512 1
+#include <immintrin.h>
+#else
+#define PD_AVX512 0
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+struct Shape {
+  int64_t hkv, g, d, bs, width;  // kv heads, query heads per kv head, head_dim, block, table
+  int64_t row;                   // elements per cache row (Hkv * D)
+};
+
+#if PD_AVX512
+constexpr int kLanes = 16;
+
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const bf16* p, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, p);  // bf16 -> fp32 is exact: bits << 16
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial, 2^n by
+// scalef). exp(0) == 1 exactly; x < -103 gives 0.
+inline __m512 exp_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// q: [G][NV*16] fp32 (scaled, zero-padded); writes s[g * n + (j - lo)], returns nothing.
+template <typename CT, int NV>
+void scores_fixed(const float* q, const CT* kbase, const int32_t* table, const Shape& sh,
+                  int64_t lo, int64_t hi, float* s, int64_t n) {
+  __m512 kv[NV];
+  const __mmask16 last = tail_mask(sh.d - (NV - 1) * kLanes);
+  for (int64_t j = lo; j <= hi; ++j) {
+    const CT* kp = kbase + ((int64_t)table[j / sh.bs] * 2 * sh.bs + j % sh.bs) * sh.row;
+    for (int c = 0; c < NV; ++c) kv[c] = load16(kp + c * kLanes, c == NV - 1 ? last : 0xFFFF);
+    for (int64_t g = 0; g < sh.g; ++g) {
+      const float* qg = q + g * NV * kLanes;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+      for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c * kLanes), kv[c], acc);
+      s[g * n + (j - lo)] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+// Same for any head_dim (NV chunks at run time; K row converted into `kf` once per key).
+template <typename CT>
+void scores_any(const float* q, const CT* kbase, const int32_t* table, const Shape& sh,
+                int64_t lo, int64_t hi, float* s, int64_t n, float* kf) {
+  const int64_t nv = (sh.d + kLanes - 1) / kLanes;
+  for (int64_t j = lo; j <= hi; ++j) {
+    const CT* kp = kbase + ((int64_t)table[j / sh.bs] * 2 * sh.bs + j % sh.bs) * sh.row;
+    for (int64_t c = 0; c < nv; ++c)
+      _mm512_storeu_ps(kf + c * kLanes, load16(kp + c * kLanes, tail_mask(sh.d - c * kLanes)));
+    for (int64_t g = 0; g < sh.g; ++g) {
+      const float* qg = q + g * nv * kLanes;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kf));
+      for (int64_t c = 1; c < nv; ++c)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c * kLanes), _mm512_loadu_ps(kf + c * kLanes), acc);
+      s[g * n + (j - lo)] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+// s[g] (n scores) -> exp(s - max) in place; returns the sum l per row into `l`.
+void softmax_rows(float* s, int64_t g_rows, int64_t n, float* l) {
+  for (int64_t g = 0; g < g_rows; ++g) {
+    float* sg = s + g * n;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += kLanes)
+      mx = _mm512_mask_max_ps(mx, tail_mask(n - i), mx, _mm512_maskz_loadu_ps(tail_mask(n - i), sg + i));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const __mmask16 k = tail_mask(n - i);
+      __m512 e = _mm512_maskz_mov_ps(k, exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + i), m)));
+      _mm512_mask_storeu_ps(sg + i, k, e);
+      sum = _mm512_add_ps(sum, e);  // masked lanes add an exact +0 to a sum of >= +0 values
+    }
+    l[g] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+// out rows g0 .. g0 + RB - 1: acc[r] = sum_j e[r][j] * v_j (keys in order), then / l.
+template <typename CT, int NV, int RB>
+void pv_block(const float* e, const float* l, int64_t g0, const CT* vbase, const int32_t* table,
+              const Shape& sh, int64_t lo, int64_t hi, int64_t n, float* out) {
+  __m512 acc[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  const __mmask16 last = tail_mask(sh.d - (NV - 1) * kLanes);
+  for (int64_t j = lo; j <= hi; ++j) {
+    const CT* vp = vbase + ((int64_t)table[j / sh.bs] * 2 * sh.bs + j % sh.bs) * sh.row;
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = load16(vp + c * kLanes, c == NV - 1 ? last : 0xFFFF);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 w = _mm512_set1_ps(e[(g0 + r) * n + (j - lo)]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    const __m512 den = _mm512_set1_ps(l[g0 + r]);
+    for (int c = 0; c < NV; ++c)
+      _mm512_storeu_ps(out + (g0 + r) * NV * kLanes + c * kLanes, _mm512_div_ps(acc[r][c], den));
+  }
+}
+
+template <typename CT, int NV>
+void pv_fixed(const float* e, const float* l, const CT* vbase, const int32_t* table,
+              const Shape& sh, int64_t lo, int64_t hi, int64_t n, float* out) {
+  constexpr int RB = NV >= 8 ? 1 : (NV >= 4 ? 4 : 8);  // RB * NV accumulators <= 16 (+ NV)
+  int64_t g = 0;
+  for (; g + RB <= sh.g; g += RB) pv_block<CT, NV, RB>(e, l, g, vbase, table, sh, lo, hi, n, out);
+  for (; g < sh.g; ++g) pv_block<CT, NV, 1>(e, l, g, vbase, table, sh, lo, hi, n, out);
+}
+
+template <typename CT>
+void pv_any(const float* e, const float* l, const CT* vbase, const int32_t* table,
+            const Shape& sh, int64_t lo, int64_t hi, int64_t n, float* out) {
+  const int64_t nv = (sh.d + kLanes - 1) / kLanes, w = nv * kLanes;
+  for (int64_t i = 0; i < sh.g * w; ++i) out[i] = 0.0f;
+  for (int64_t j = lo; j <= hi; ++j) {
+    const CT* vp = vbase + ((int64_t)table[j / sh.bs] * 2 * sh.bs + j % sh.bs) * sh.row;
+    for (int64_t c = 0; c < nv; ++c) {
+      const __m512 vv = load16(vp + c * kLanes, tail_mask(sh.d - c * kLanes));
+      for (int64_t g = 0; g < sh.g; ++g) {
+        float* o = out + g * w + c * kLanes;
+        const __m512 wt = _mm512_set1_ps(e[g * n + (j - lo)]);
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(wt, vv, _mm512_loadu_ps(o)));
+      }
+    }
+  }
+  for (int64_t g = 0; g < sh.g; ++g) {
+    const __m512 den = _mm512_set1_ps(l[g]);
+    for (int64_t c = 0; c < nv; ++c) {
+      float* o = out + g * w + c * kLanes;
+      _mm512_storeu_ps(o, _mm512_div_ps(_mm512_loadu_ps(o), den));
+    }
+  }
+}
+
+template <typename CT>
+void attend_task(const float* q, const CT* cache, const int32_t* table, const Shape& sh,
+                 int64_t lo, int64_t hi, float* s, float* l, float* kf, float* out) {
+  const int64_t n = hi - lo + 1, nv = (sh.d + kLanes - 1) / kLanes;
+  const CT* vbase = cache + sh.bs * sh.row;  // V rows follow the K rows of each block
+  switch (nv) {
+#define PD_CASE(NV)                                                  \
+  case NV:                                                           \
+    scores_fixed<CT, NV>(q, cache, table, sh, lo, hi, s, n);         \
+    softmax_rows(s, sh.g, n, l);                                     \
+    pv_fixed<CT, NV>(s, l, vbase, table, sh, lo, hi, n, out);        \
+    return;
+    PD_CASE(1)
+    PD_CASE(2)
+    PD_CASE(4)
+    PD_CASE(8)
+#undef PD_CASE
+    default:
+      scores_any<CT>(q, cache, table, sh, lo, hi, s, n, kf);
+      softmax_rows(s, sh.g, n, l);
+      pv_any<CT>(s, l, vbase, table, sh, lo, hi, n, out);
+  }
+}
+constexpr bool kVector = true;
+
+#else  // scalar fallback: the same order, one lane
+
+constexpr int kLanes = 16;  // only pads the q/out rows
+constexpr bool kVector = false;
+
+inline float exp_nonpos(float x) {
+  x = std::max(x, -103.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(-n, 0.693359375f, x);
+  r = std::fma(-n, -2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r + 1.0f);
+  return std::ldexp(p, (int)n);
+}
+
+template <typename CT>
+void attend_task(const float* q, const CT* cache, const int32_t* table, const Shape& sh,
+                 int64_t lo, int64_t hi, float* s, float* l, float* /*kf*/, float* out) {
+  const int64_t n = hi - lo + 1, w = (sh.d + kLanes - 1) / kLanes * kLanes;
+  const CT* vbase = cache + sh.bs * sh.row;
+  for (int64_t j = lo; j <= hi; ++j) {
+    const CT* kp = cache + ((int64_t)table[j / sh.bs] * 2 * sh.bs + j % sh.bs) * sh.row;
+    for (int64_t g = 0; g < sh.g; ++g) {
+      float acc = q[g * w] * (float)kp[0];
+      for (int64_t d = 1; d < sh.d; ++d) acc = std::fma(q[g * w + d], (float)kp[d], acc);
+      s[g * n + (j - lo)] = acc;
+    }
+  }
+  for (int64_t g = 0; g < sh.g; ++g) {
+    float* sg = s + g * n;
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
+    for (int64_t i = 0; i < n; ++i) {
+      sg[i] = exp_nonpos(sg[i] - m);
+      sum += sg[i];
+    }
+    l[g] = sum;
+    for (int64_t d = 0; d < w; ++d) out[g * w + d] = 0.0f;
+  }
+  for (int64_t j = lo; j <= hi; ++j) {
+    const CT* vp = vbase + ((int64_t)table[j / sh.bs] * 2 * sh.bs + j % sh.bs) * sh.row;
+    for (int64_t g = 0; g < sh.g; ++g)
+      for (int64_t d = 0; d < sh.d; ++d)
+        out[g * w + d] = std::fma(s[g * n + (j - lo)], (float)vp[d], out[g * w + d]);
+  }
+  for (int64_t g = 0; g < sh.g; ++g)
+    for (int64_t d = 0; d < sh.d; ++d) out[g * w + d] = out[g * w + d] / l[g];
+}
+#endif
+
+template <typename QT, typename CT>
+void run(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
+         const torch::Tensor& tok_seq, const torch::Tensor& tok_pos, const torch::Tensor& ctx,
+         int64_t window, double scale, torch::Tensor& out) {
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
+  Shape sh{cache.size(3), h / cache.size(3), d, cache.size(2), tables.size(1), cache.size(3) * d};
+  const int64_t w = (d + kLanes - 1) / kLanes * kLanes;
+  const QT* qp = q.data_ptr<QT>();
+  QT* op = out.data_ptr<QT>();
+  const CT* cp = cache.data_ptr<CT>();
+  const int32_t* tb = tables.data_ptr<int32_t>();
+  const int32_t* seq = tok_seq.data_ptr<int32_t>();
+  const int32_t* pos = tok_pos.data_ptr<int32_t>();
+  const int32_t* cl = ctx.data_ptr<int32_t>();
+  const float sc = (float)scale;
+  // grain: tasks of a few hundred keys each are ~10 us; keep decode batches on one thread
+  at::parallel_for(0, t * sh.hkv, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(sh.g * w), of(sh.g * w), l(sh.g), kf(w), s;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t ti = task / sh.hkv, hk = task % sh.hkv, b = seq[ti], p = pos[ti];
+      const int64_t hi = std::min<int64_t>(p, (int64_t)cl[b] - 1);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      const QT* qt = qp + (ti * h + hk * sh.g) * d;
+      QT* ot = op + (ti * h + hk * sh.g) * d;
+      for (int64_t g = 0; g < sh.g; ++g)
+        for (int64_t i = 0; i < w; ++i) qf[g * w + i] = i < d ? (float)qt[g * d + i] * sc : 0.0f;
+      const int64_t n = hi - lo + 1;
+      if ((int64_t)s.size() < sh.g * n) s.resize(sh.g * n);
+      attend_task<CT>(qf.data(), cp + hk * d, tb + b * sh.width, sh, lo, hi, s.data(), l.data(),
+                      kf.data(), of.data());
+      for (int64_t g = 0; g < sh.g; ++g)
+        for (int64_t i = 0; i < d; ++i) ot[g * d + i] = (QT)of[g * w + i];
+    }
+  });
+}
+
+void check_tables(const torch::Tensor& cache, const torch::Tensor& tables,
+                  const torch::Tensor& tok_seq, const torch::Tensor& tok_pos,
+                  const torch::Tensor& ctx) {
+  const int64_t nb = cache.size(0), bs = cache.size(2), width = tables.size(1);
+  const int64_t b = tables.size(0);
+  const int32_t* tb = tables.data_ptr<int32_t>();
+  const int32_t* cl = ctx.data_ptr<int32_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(cl[i] >= 0 && cl[i] <= width * bs, "context length ", cl[i],
+                " exceeds its block table (", width, " blocks)");
+    for (int64_t k = 0; k < (cl[i] + bs - 1) / bs; ++k)
+      TORCH_CHECK(tb[i * width + k] >= 0 && tb[i * width + k] < nb, "block id ",
+                  tb[i * width + k], " out of range");
+  }
+  const int32_t* seq = tok_seq.data_ptr<int32_t>();
+  const int32_t* pos = tok_pos.data_ptr<int32_t>();
+  for (int64_t i = 0; i < tok_seq.size(0); ++i) {
+    TORCH_CHECK(seq[i] >= 0 && seq[i] < b, "token ", i, ": sequence index out of range");
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < cl[seq[i]], "token ", i, ": position ", pos[i],
+                " not inside its context of ", cl[seq[i]]);
+  }
+}
+
+}  // namespace
+
+// q [T, H, D] (bf16 | fp32), cache [num_blocks, 2, block_size, Hkv, D] (bf16 | fp32),
+// block_tables [B, W] int32, tok_seq [T] int32 (row of block_tables), tok_pos [T] int32,
+// ctx_lens [B] int32 (keys 0 .. ctx - 1 are in the cache), window <= 0: none.
+// Returns [T, H, D] in q's dtype: query at position p sees keys max(0, p - window + 1) .. p.
+torch::Tensor attend_paged(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                           torch::Tensor tok_seq, torch::Tensor tok_pos, torch::Tensor ctx_lens,
+                           int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && cache.size(1) == 2, "bad shapes");
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "q and cache must be contiguous");
+  TORCH_CHECK(cache.size(4) == q.size(2) && q.size(1) % cache.size(3) == 0, "head shapes");
+  for (const auto* x : {&block_tables, &tok_seq, &tok_pos, &ctx_lens})
+    TORCH_CHECK(x->scalar_type() == torch::kInt32 && x->is_contiguous(), "int32 index tensors");
+  TORCH_CHECK(tok_seq.size(0) == q.size(0) && tok_pos.size(0) == q.size(0), "one seq/pos per token");
+  TORCH_CHECK(ctx_lens.size(0) == block_tables.size(0), "one context length per table row");
+  check_tables(cache, block_tables, tok_seq, tok_pos, ctx_lens);
+  auto out = torch::empty_like(q);
+  const auto qt = q.scalar_type(), ct = cache.scalar_type();
+  if (qt == torch::kBFloat16 && ct == torch::kBFloat16)
+    run<bf16, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
+  else if (qt == torch::kFloat32 && ct == torch::kFloat32)
+    run<float, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
+  else if (qt == torch::kFloat32 && ct == torch::kBFloat16)
+    run<float, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
+  else if (qt == torch::kBFloat16 && ct == torch::kFloat32)
+    run<bf16, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
+  else
+    TORCH_CHECK(false, "dtypes: bf16 or fp32 only");
+  return out;
+}
+
+bool vectorized() { return kVector; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend_paged", &attend_paged, "batch-invariant paged attention (CPU)");
+  m.def("vectorized", &vectorized, "true when built with AVX-512");
+}
