@@ -20,6 +20,7 @@ attention backend resolves this once and keeps the same path for its whole life.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 import time
@@ -53,6 +54,14 @@ def build_dir(variant: str) -> Path:
     return Path(root) / f"pdserve_fixed_attn-{variant}-torch{tv}-{py}"
 
 
+def _ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH: add the venv's bin (the `ninja` wheel) when the
+    interpreter runs without an activated venv."""
+    venv_ninja = Path(sys.executable).parent / "ninja"
+    if shutil.which("ninja") is None and venv_ninja.exists():
+        os.environ["PATH"] = f"{venv_ninja.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 def load() -> Any | None:
     """The compiled module, or None when it cannot be used (reason logged once)."""
     with _lock:
@@ -69,6 +78,7 @@ def load() -> Any | None:
         try:
             from torch.utils import cpp_extension
 
+            _ninja_on_path()
             path.mkdir(parents=True, exist_ok=True)
             ext = cpp_extension.load(
                 name=f"pdserve_fixed_attn_{variant}",

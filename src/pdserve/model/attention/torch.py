@@ -10,9 +10,12 @@ is `b * 2 * block_size + o` and its V row is that plus `block_size`. Every layer
   - runs each prefill chunk with one SDPA against its context (fresh k/v directly when the
     chunk is the whole context, else the gathered cache) under a causal-with-offset mask.
 
-`batch_invariant` (the default) swaps both SDPA calls for `fixed.attend`, whose result for a
-query does not depend on the batch, the chunking or decode-vs-prefill (see that module); the
-SDPA path stays as the faster, batch-variant alternative (`--no-batch-invariant`).
+`batch_invariant` (the default) replaces the SDPA calls by an attention whose result for a
+query does not depend on the batch, the chunking or decode-vs-prefill: the fused C++ kernel
+(`fixed_kernel`: one call per layer for the whole step, reading the paged cache through the
+block table) when it builds, else `fixed.attend` in torch ops (the fallback, and quantized KV).
+The choice is made once per backend (`use_kernel`) and kept. The SDPA path stays as the
+batch-variant alternative (`--no-batch-invariant`).
 """
 
 from __future__ import annotations

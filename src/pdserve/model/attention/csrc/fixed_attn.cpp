@@ -19,9 +19,11 @@
 // The build has no -ffast-math and no FP contraction outside the explicit FMA intrinsics.
 // Without AVX-512 the same algorithm runs in scalar code (other bits, equally invariant).
 
+// ATen + the pybind bridge only (not torch/extension.h: a much shorter first-use build)
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <algorithm>
 #include <cmath>
@@ -74,20 +76,57 @@ inline __m512 exp_nonpos(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// q: [G][NV*16] fp32 (scaled, zero-padded); writes s[g * n + (j - lo)], returns nothing.
+// Lane i of the result = the sum of the 16 lanes of p[i], by one fixed tree for every i:
+// per 128-bit quarter (x0 + x2) + (x1 + x3), then (Q0 + Q1) + (Q2 + Q3).
+inline __m512 sum16(const __m512* p) {
+  __m512 u[4];
+  for (int m = 0; m < 4; ++m) {
+    const __m512* x = p + 4 * m;
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    u[m] = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// q: [G][NV*16] fp32 (scaled, zero-padded); writes s[g * n + (j - lo)] for j = lo .. hi.
+// Keys go in groups of 16 (from lo); a group's K rows are converted once into kf [16][NV*16]
+// (rows past hi zeroed, their scores never stored); per row and key the product vector is an
+// FMA chain over the NV chunks in order, then sum16 (the same tree for every key slot).
 template <typename CT, int NV>
 void scores_fixed(const float* q, const CT* kbase, const int32_t* table, const Shape& sh,
-                  int64_t lo, int64_t hi, float* s, int64_t n) {
-  __m512 kv[NV];
+                  int64_t lo, int64_t hi, float* s, int64_t n, float* kf) {
   const __mmask16 last = tail_mask(sh.d - (NV - 1) * kLanes);
-  for (int64_t j = lo; j <= hi; ++j) {
-    const CT* kp = kbase + ((int64_t)table[j / sh.bs] * 2 * sh.bs + j % sh.bs) * sh.row;
-    for (int c = 0; c < NV; ++c) kv[c] = load16(kp + c * kLanes, c == NV - 1 ? last : 0xFFFF);
+  for (int64_t base = lo; base <= hi; base += kLanes) {
+    const int64_t cnt = std::min<int64_t>(kLanes, hi - base + 1);
+    for (int64_t i = 0; i < kLanes; ++i) {
+      float* kr = kf + i * NV * kLanes;
+      if (i < cnt) {
+        const int64_t j = base + i;
+        const CT* kp = kbase + ((int64_t)table[j / sh.bs] * 2 * sh.bs + j % sh.bs) * sh.row;
+        for (int c = 0; c < NV; ++c)
+          _mm512_storeu_ps(kr + c * kLanes, load16(kp + c * kLanes, c == NV - 1 ? last : 0xFFFF));
+      } else {
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(kr + c * kLanes, _mm512_setzero_ps());
+      }
+    }
     for (int64_t g = 0; g < sh.g; ++g) {
       const float* qg = q + g * NV * kLanes;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-      for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c * kLanes), kv[c], acc);
-      s[g * n + (j - lo)] = _mm512_reduce_add_ps(acc);
+      __m512 qv[NV], p[kLanes];
+      for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(qg + c * kLanes);
+      for (int i = 0; i < kLanes; ++i) {
+        const float* kr = kf + i * NV * kLanes;
+        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+        for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + c * kLanes), acc);
+        p[i] = acc;
+      }
+      _mm512_mask_storeu_ps(s + g * n + (base - lo), tail_mask(cnt), sum16(p));
     }
   }
 }
@@ -196,7 +235,7 @@ void attend_task(const float* q, const CT* cache, const int32_t* table, const Sh
   switch (nv) {
 #define PD_CASE(NV)                                                  \
   case NV:                                                           \
-    scores_fixed<CT, NV>(q, cache, table, sh, lo, hi, s, n);         \
+    scores_fixed<CT, NV>(q, cache, table, sh, lo, hi, s, n, kf);         \
     softmax_rows(s, sh.g, n, l);                                     \
     pv_fixed<CT, NV>(s, l, vbase, table, sh, lo, hi, n, out);        \
     return;
@@ -269,9 +308,9 @@ void attend_task(const float* q, const CT* cache, const int32_t* table, const Sh
 #endif
 
 template <typename QT, typename CT>
-void run(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
-         const torch::Tensor& tok_seq, const torch::Tensor& tok_pos, const torch::Tensor& ctx,
-         int64_t window, double scale, torch::Tensor& out) {
+void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+         const at::Tensor& tok_seq, const at::Tensor& tok_pos, const at::Tensor& ctx,
+         int64_t window, double scale, at::Tensor& out) {
   const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
   Shape sh{cache.size(3), h / cache.size(3), d, cache.size(2), tables.size(1), cache.size(3) * d};
   const int64_t w = (d + kLanes - 1) / kLanes * kLanes;
@@ -285,7 +324,7 @@ void run(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor
   const float sc = (float)scale;
   // grain: tasks of a few hundred keys each are ~10 us; keep decode batches on one thread
   at::parallel_for(0, t * sh.hkv, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(sh.g * w), of(sh.g * w), l(sh.g), kf(w), s;
+    std::vector<float> qf(sh.g * w), of(sh.g * w), l(sh.g), kf(kLanes * w), s;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t ti = task / sh.hkv, hk = task % sh.hkv, b = seq[ti], p = pos[ti];
       const int64_t hi = std::min<int64_t>(p, (int64_t)cl[b] - 1);
@@ -304,9 +343,9 @@ void run(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor
   });
 }
 
-void check_tables(const torch::Tensor& cache, const torch::Tensor& tables,
-                  const torch::Tensor& tok_seq, const torch::Tensor& tok_pos,
-                  const torch::Tensor& ctx) {
+void check_tables(const at::Tensor& cache, const at::Tensor& tables,
+                  const at::Tensor& tok_seq, const at::Tensor& tok_pos,
+                  const at::Tensor& ctx) {
   const int64_t nb = cache.size(0), bs = cache.size(2), width = tables.size(1);
   const int64_t b = tables.size(0);
   const int32_t* tb = tables.data_ptr<int32_t>();
@@ -333,27 +372,27 @@ void check_tables(const torch::Tensor& cache, const torch::Tensor& tables,
 // block_tables [B, W] int32, tok_seq [T] int32 (row of block_tables), tok_pos [T] int32,
 // ctx_lens [B] int32 (keys 0 .. ctx - 1 are in the cache), window <= 0: none.
 // Returns [T, H, D] in q's dtype: query at position p sees keys max(0, p - window + 1) .. p.
-torch::Tensor attend_paged(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
-                           torch::Tensor tok_seq, torch::Tensor tok_pos, torch::Tensor ctx_lens,
+at::Tensor attend_paged(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
+                           at::Tensor tok_seq, at::Tensor tok_pos, at::Tensor ctx_lens,
                            int64_t window, double scale) {
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && cache.size(1) == 2, "bad shapes");
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "q and cache must be contiguous");
   TORCH_CHECK(cache.size(4) == q.size(2) && q.size(1) % cache.size(3) == 0, "head shapes");
   for (const auto* x : {&block_tables, &tok_seq, &tok_pos, &ctx_lens})
-    TORCH_CHECK(x->scalar_type() == torch::kInt32 && x->is_contiguous(), "int32 index tensors");
+    TORCH_CHECK(x->scalar_type() == at::kInt && x->is_contiguous(), "int32 index tensors");
   TORCH_CHECK(tok_seq.size(0) == q.size(0) && tok_pos.size(0) == q.size(0), "one seq/pos per token");
   TORCH_CHECK(ctx_lens.size(0) == block_tables.size(0), "one context length per table row");
   check_tables(cache, block_tables, tok_seq, tok_pos, ctx_lens);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const auto qt = q.scalar_type(), ct = cache.scalar_type();
-  if (qt == torch::kBFloat16 && ct == torch::kBFloat16)
+  if (qt == at::kBFloat16 && ct == at::kBFloat16)
     run<bf16, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
-  else if (qt == torch::kFloat32 && ct == torch::kFloat32)
+  else if (qt == at::kFloat && ct == at::kFloat)
     run<float, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
-  else if (qt == torch::kFloat32 && ct == torch::kBFloat16)
+  else if (qt == at::kFloat && ct == at::kBFloat16)
     run<float, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
-  else if (qt == torch::kBFloat16 && ct == torch::kFloat32)
+  else if (qt == at::kBFloat16 && ct == at::kFloat)
     run<bf16, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
   else
     TORCH_CHECK(false, "dtypes: bf16 or fp32 only");
