@@ -215,3 +215,38 @@ def test_bad_tables_are_refused():
             None,
             0.25,
         )
+
+
+def test_kernel_off_switch_falls_back(monkeypatch):
+    """PDSERVE_ATTN_KERNEL=0 (or a failed build): load() gives None, the backend takes the
+    torch fixed path and keeps it."""
+    saved = dict(fixed_kernel._state)
+    monkeypatch.setenv("PDSERVE_ATTN_KERNEL", "0")
+    fixed_kernel._state.clear()
+    try:
+        assert fixed_kernel.load() is None and not fixed_kernel.available()
+        be = TorchAttentionBackend(4, 2, 16)
+        meta, _ = _meta([(3, 3)])
+        assert not isinstance(be.prepare(meta), fixed_kernel.KernelPlan)
+        assert be.use_kernel is False
+    finally:
+        fixed_kernel._state.clear()
+        fixed_kernel._state.update(saved)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_engine_paths_are_each_invariant(tmp_path, use_kernel):
+    """The engine runs the kernel by default; with the kernel (and with the torch fallback
+    forced) a request's tokens alone equal its tokens inside a chunked batch (bf16)."""
+    from pdserve.model.loader import load_model
+    from pdserve.model.tiny import TinySpec, make_tiny
+    from tests.unit.test_conformance import SUBSET, engine, params_of, prompts, run, solo
+
+    lm = load_model(make_tiny(tmp_path / "m", TinySpec(family="qwen2", vocab=512)), "bfloat16")
+    be = lm.model.attn_backend
+    if not use_kernel:
+        be.use_kernel = False
+    ps = prompts()
+    alone = {i: solo(engine(lm, "bfloat16"), [ps[i]], params_of(i))[0] for i in SUBSET}
+    assert be.use_kernel is use_kernel
+    assert run(engine(lm, "bfloat16", max_num_batched_tokens=64), SUBSET) == alone
