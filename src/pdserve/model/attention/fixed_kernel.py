@@ -163,3 +163,4 @@ def attend_paged(
     return ext.attend_paged(
         q.contiguous(), kv_cache, tables, tok_seq, tok_pos, ctx_lens, window or 0, scale
     )
+

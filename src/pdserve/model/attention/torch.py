@@ -65,17 +65,30 @@ def _rows(table: list[int], n: int, bs: int) -> torch.Tensor:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    batch_invariant = True  # set per instance by the runner (EngineConfig.batch_invariant)
-    # the fused kernel (fixed_kernel) when invariant; resolved on first use, then kept for life
+    # the fused kernel (fixed_kernel) when invariant, on CPU; resolved once (when the runner
+    # sets batch_invariant, so a first build happens at start-up, or at the first step), kept
     use_kernel: bool | None = None
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self._batch_invariant = True
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Set by the runner (EngineConfig.batch_invariant); default True."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self._batch_invariant = on
+        if on and self.use_kernel is None:
+            self.use_kernel = fixed_kernel.available()
 
     def prepare(self, meta: AttentionMetadata) -> TorchPlan | fixed_kernel.KernelPlan:
         if self.batch_invariant:
             if self.use_kernel is None:
-                self.use_kernel = (
-                    meta.slot_mapping.device.type == "cpu" and fixed_kernel.available()
-                )
-            if self.use_kernel:
+                self.use_kernel = fixed_kernel.available()
+            if self.use_kernel and meta.slot_mapping.device.type == "cpu":
                 return fixed_kernel.plan(meta)
         return self._prepare_torch(meta)
 
