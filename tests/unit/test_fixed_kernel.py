@@ -187,6 +187,21 @@ def test_backend_kernel_path_matches_the_torch_fixed_path(dtype):
     torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=tol, rtol=tol)
 
 
+def test_blocks_outside_the_window_are_never_read():
+    """A sliding layer's table may leave the blocks before the window unset (-1): the kernel
+    reads (and checks) only the blocks of keys max(0, p - window + 1) .. p."""
+    h, hkv, d, w = 4, 2, 32, 24
+    seqs = [_seq(150, h, hkv, d, torch.float32, 0)]
+    paged = Paged(seqs, hkv, d, torch.float32)
+    full = paged.call([(0, 140, 150)], w)[0]
+    table = list(paged.tables[0])
+    first = (140 - w + 1) // BS
+    paged.tables[0] = [-1] * first + table[first:]
+    assert torch.equal(paged.call([(0, 140, 150)], w)[0], full)
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged.call([(0, 140, 150)], None)  # without the window the unset blocks are needed
+
+
 def test_bad_tables_are_refused():
     h, hkv, d = 2, 1, 16
     seqs = [_seq(20, h, hkv, d, torch.float32, 0)]

@@ -26,6 +26,7 @@
 #include <torch/python.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -343,26 +344,31 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
   });
 }
 
-void check_tables(const at::Tensor& cache, const at::Tensor& tables,
-                  const at::Tensor& tok_seq, const at::Tensor& tok_pos,
-                  const at::Tensor& ctx) {
+// Every block the kernel will read exists: per sequence, the blocks of keys min(lo) .. max(p)
+// over its tokens (blocks outside a window are never read, so a table may leave them unset).
+void check_tables(const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& tok_seq,
+                  const at::Tensor& tok_pos, const at::Tensor& ctx, int64_t window) {
   const int64_t nb = cache.size(0), bs = cache.size(2), width = tables.size(1);
   const int64_t b = tables.size(0);
   const int32_t* tb = tables.data_ptr<int32_t>();
   const int32_t* cl = ctx.data_ptr<int32_t>();
-  for (int64_t i = 0; i < b; ++i) {
-    TORCH_CHECK(cl[i] >= 0 && cl[i] <= width * bs, "context length ", cl[i],
-                " exceeds its block table (", width, " blocks)");
-    for (int64_t k = 0; k < (cl[i] + bs - 1) / bs; ++k)
-      TORCH_CHECK(tb[i * width + k] >= 0 && tb[i * width + k] < nb, "block id ",
-                  tb[i * width + k], " out of range");
-  }
   const int32_t* seq = tok_seq.data_ptr<int32_t>();
   const int32_t* pos = tok_pos.data_ptr<int32_t>();
+  std::vector<int64_t> first(b, INT64_MAX), last(b, -1);
   for (int64_t i = 0; i < tok_seq.size(0); ++i) {
     TORCH_CHECK(seq[i] >= 0 && seq[i] < b, "token ", i, ": sequence index out of range");
     TORCH_CHECK(pos[i] >= 0 && pos[i] < cl[seq[i]], "token ", i, ": position ", pos[i],
                 " not inside its context of ", cl[seq[i]]);
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[i] - window + 1) : 0;
+    first[seq[i]] = std::min(first[seq[i]], lo / bs);
+    last[seq[i]] = std::max(last[seq[i]], (int64_t)pos[i] / bs);
+  }
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(last[i] < width, "sequence ", i, ": position beyond its block table (", width,
+                " blocks)");
+    for (int64_t k = first[i]; k <= last[i]; ++k)
+      TORCH_CHECK(tb[i * width + k] >= 0 && tb[i * width + k] < nb, "block id ",
+                  tb[i * width + k], " out of range");
   }
 }
 
@@ -383,7 +389,7 @@ at::Tensor attend_paged(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
     TORCH_CHECK(x->scalar_type() == at::kInt && x->is_contiguous(), "int32 index tensors");
   TORCH_CHECK(tok_seq.size(0) == q.size(0) && tok_pos.size(0) == q.size(0), "one seq/pos per token");
   TORCH_CHECK(ctx_lens.size(0) == block_tables.size(0), "one context length per table row");
-  check_tables(cache, block_tables, tok_seq, tok_pos, ctx_lens);
+  check_tables(cache, block_tables, tok_seq, tok_pos, ctx_lens, window);
   auto out = at::empty_like(q);
   const auto qt = q.scalar_type(), ct = cache.scalar_type();
   if (qt == at::kBFloat16 && ct == at::kBFloat16)
