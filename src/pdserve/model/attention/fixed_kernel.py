@@ -1,4 +1,5 @@
-"""The fused batch-invariant CPU attention kernel (csrc/fixed_attn.cpp) and its loader.
+"""The fused batch-invariant CPU attention kernel (csrc/fixed_attn.cpp + fixed_attn_math.h)
+and its loader.
 
 `attend_paged` attends every query token of a step, prefill chunks and decodes alike, in ONE
 call per layer, reading K/V straight from the paged cache `[num_blocks, 2, bs, Hkv, D]`
@@ -163,4 +164,3 @@ def attend_paged(
     return ext.attend_paged(
         q.contiguous(), kv_cache, tables, tok_seq, tok_pos, ctx_lens, window or 0, scale
     )
-
