@@ -13,8 +13,8 @@ block table was built.
 Build: `torch.utils.cpp_extension.load` on first use (g++ and ninja), cached in
 `$TORCH_EXTENSIONS_DIR` or `$PDSERVE_HOME/torch_extensions` (default ~/.cache/pdserve/...),
 one directory per torch / Python version and per ISA variant (AVX-512 when the CPU has it,
-else scalar). `load()` tries once per process; if the build fails (no compiler) or
-`PDSERVE_ATTN_KERNEL=0`, it returns None, logs why, and the torch `fixed` path is used: the
+else scalar; `PDSERVE_ATTN_KERNEL=scalar` forces scalar). `load()` tries once per process;
+if the build fails (no compiler) or `PDSERVE_ATTN_KERNEL=0`, it returns None, logs why, and the torch `fixed` path is used: the
 attention backend resolves this once and keeps the same path for its whole life.
 """
 
@@ -69,10 +69,11 @@ def load() -> Any | None:
         if "ext" in _state:
             return _state["ext"]
         _state["ext"] = None
-        if os.environ.get("PDSERVE_ATTN_KERNEL", "1") == "0":
+        setting = os.environ.get("PDSERVE_ATTN_KERNEL", "1")
+        if setting == "0":
             _log.info("attention kernel off (PDSERVE_ATTN_KERNEL=0): torch fixed path")
             return None
-        variant = "avx512" if _avx512() else "scalar"
+        variant = "avx512" if _avx512() and setting != "scalar" else "scalar"
         flags = _BASE_FLAGS + (_AVX512_FLAGS if variant == "avx512" else [])
         path = build_dir(variant)
         t0 = time.perf_counter()
