@@ -5,6 +5,7 @@ SDPA in fp32 (and the torch `fixed` path) within tolerance, for bf16 and fp32 ca
 ratios 1/2/4, head_dim 16/64/80/128 (80: the any-width path), with and without a window.
 Invariance, bitwise: a sequence's rows alone vs inside batches of other sequences (other block
 placements, longer neighbours), its prompt whole vs chunked vs as decode rows, 1 vs 2 threads.
+The scalar build (no AVX-512) passes this file too: `PDSERVE_ATTN_KERNEL=scalar pytest ...`.
 """
 
 from __future__ import annotations
