@@ -160,6 +160,7 @@ class Gemma4Model(nn.Module):
         self.ple_scale = torch.tensor(g.ple_dim**0.5).to(dtype).item() if g.ple_dim else 1.0
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.backends: dict[tuple[int, int], AttentionBackend] = {}
+        self.batch_invariant = True  # set_batch_invariant: every backend and the K = V layers
         # layers whose KV source is a K = V layer attend over its one-tensor cache
         self.keqv = [config.layer_kv(i).k_eq_v for i in range(n)]
         for i, layer in enumerate(self.layers):
@@ -179,6 +180,13 @@ class Gemma4Model(nn.Module):
         stored = config.kv_layers()
         self.sliding_cache = [stored[c].window is not None for c in self.cache_index]
 
+    def set_batch_invariant(self, flag: bool) -> None:
+        """The engine's batch-invariance setting, for every attention this model runs."""
+        self.batch_invariant = flag
+        for be in self.backends.values():
+            if hasattr(be, "batch_invariant"):
+                be.batch_invariant = flag
+
     def store_k_and_v(self) -> None:
         """Serve K = V layers from an ordinary K + V cache through the attention backend (the
         baseline of `python -m pdserve.bench.keqv`; caches then need 2 tensors on every
@@ -190,6 +198,7 @@ class Gemma4Model(nn.Module):
                 be = select_backend(self.embed_tokens.weight.device, self.config.num_heads, *key)
                 be.scale = 1.0
                 self.backends[key] = be
+        self.set_batch_invariant(self.batch_invariant)
 
     def forward(
         self,
@@ -223,7 +232,10 @@ class Gemma4Model(nn.Module):
                 assert keqv_plan is not None
                 w = self.layers[src].k_norm.weight
                 cos_t, sin_t = self.rope[layer.layer_type]
-                o = keqv_attention(keqv_plan, q, k, v, cache, w, cos_t, sin_t, not layer.shared)
+                o = keqv_attention(
+                    keqv_plan, q, k, v, cache, w, cos_t, sin_t, not layer.shared,
+                    invariant=self.batch_invariant,
+                )  # fmt: skip
             else:
                 key = (layer.kv_heads, layer.head_dim)
                 sliding = meta.window is not None and self.sliding_cache[i]
