@@ -23,6 +23,9 @@ run: setup
 	$(VENV)/bin/pdserve up $(ARGS)
 
 test: setup
+	# build the batch-invariant attention kernel once, up front (cached; without a compiler
+	# the engine falls back to the torch path and tests/unit/test_fixed_kernel.py skips)
+	-$(PY) -c "from pdserve.model.attention import fixed_kernel as k; raise SystemExit(not k.available())"
 	$(PY) -m pytest -q
 
 lint: setup

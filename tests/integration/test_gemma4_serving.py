@@ -18,7 +18,7 @@ import torch
 
 from pdserve.worker.nonce import TOKEN_MESSAGE_INT32
 
-from .conftest import counter, mixed_requests, reference_tokens, start_cluster
+from .conftest import counter, mixed_requests, reference_tokens, start_cluster, wait_until
 from .conftest import worker_info as info_of
 from .kvreuse_helpers import Conversation, StoreProbe, reference, reuse_floor, wait_written_back
 
@@ -84,12 +84,19 @@ def test_serving_matches_engine_and_moves_stored_layers_only(mode, model_dir, en
             assert res.token_ids == ref, f"request {i} differs"
         received = counter(cluster, recv, "ucx_bytes_received") - before
         info = info_of(cluster, recv)
+        # the sliding layers' own pool (kv/window_group.py) is full again after the burst
+        window_total = counter(cluster, recv, "pool_window_total_blocks")
+        wait_until(
+            lambda: counter(cluster, recv, "pool_window_free_blocks") == window_total,
+            what="the window pool full again",
+        )
     finally:
         cluster.stop()
     # 4 stored layers of 6: sliding (2 KV heads x 16, K and V) x3 and full (1 KV head x 32,
     # K = V: V only), fp32
     sliding, full = 2 * BLOCK_SIZE * 2 * 16 * 4, 1 * BLOCK_SIZE * 1 * 32 * 4
     assert info.num_layers == 4
+    assert window_total > 0
     assert info.bytes_per_block == 3 * sliding + full
     if mode == "colocated":
         assert received == 0

@@ -29,9 +29,15 @@ def _spec(c: ModelConfig, dtype: str = "float32") -> KVSpec:
 def test_engine_spec_agrees_with_footprint(n):
     c = _config("gemma4")
     spec, layers = _spec(c), layers_of(c)
-    assert spec.bytes_per_block * spec.num_blocks_for(n) == kv_bytes(layers, n, 4, BS, "cache")
+    one_pool = kv_bytes(layers, n, 4, BS, "one_pool")
+    assert spec.bytes_per_block * spec.num_blocks_for(n) == one_pool
     assert spec.transfer_bytes(n) == kv_bytes(layers, n, 4, BS, "transfer")
-    assert kv_bytes(layers, n, 4, BS, "store") == kv_bytes(layers, n, 4, BS, "cache")
+    assert kv_bytes(layers, n, 4, BS, "store") == one_pool
+    # the window pool: main-group blocks for every token, window-group blocks for the window
+    full_b, win_b = spec.group_block_bytes()
+    nb = spec.num_blocks_for(n)
+    held = full_b * nb + win_b * (nb - max(0, n - spec.window_group) // BS)
+    assert held == kv_bytes(layers, n, 4, BS, "cache")
 
 
 def test_tiny_gemma4_by_hand():
@@ -42,9 +48,9 @@ def test_tiny_gemma4_by_hand():
     n = 50  # 4 blocks; window 24 keeps blocks from (50 - 24) // 16 = 1 on
     half = blk // 2  # the K = V layer keeps V only
     assert kv_bytes(layers, n, 4, BS, "naive") == 6 * 4 * blk
-    assert kv_bytes(layers, n, 4, BS, "cache") == 3 * 4 * blk + 4 * half
+    assert kv_bytes(layers, n, 4, BS, "one_pool") == 3 * 4 * blk + 4 * half
     assert kv_bytes(layers, n, 4, BS, "transfer") == 3 * 3 * blk + 4 * half
-    assert kv_bytes(layers, n, 4, BS, "goal") == kv_bytes(layers, n, 4, BS, "transfer")
+    assert kv_bytes(layers, n, 4, BS, "cache") == kv_bytes(layers, n, 4, BS, "transfer")
     r = report(layers, 4, n)
     assert r["transfer"]["vs_naive"] == pytest.approx(11 / 24)
 
@@ -57,11 +63,15 @@ def test_uniform_models_keep_layout_and_fingerprint():
     assert spec.kv_fingerprint("m") == old.kv_fingerprint("m")
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
     assert kv_bytes_per_token(layers_of(c), 2, "cache", context=64) == per_token
+    assert kv_bytes_per_token(layers_of(c), 2, "one_pool", context=64) == per_token
     # Mistral (one shape, a window on every layer) keeps the uniform spec: its transfer
     # still moves every block (trimming applies to layered specs only, see KVSpec.for_layers)
     mistral = _spec(_config("mistral"))
-    assert mistral.layers is None
+    assert mistral.layers is None and mistral.window_group is None
     assert mistral.transfer_bytes(200) == mistral.bytes_per_block * 13
+    m_layers = layers_of(_config("mistral"))
+    for stage in ("cache", "transfer"):  # one pool, whole transfers: nothing trimmed
+        assert kv_bytes(m_layers, 200, 4, BS, stage) == kv_bytes(m_layers, 200, 4, BS, "store")
 
 
 def test_layered_fingerprint_names_layer_shapes():
@@ -83,7 +93,7 @@ def test_sim_uses_footprint_for_layered_models():
 
         layers = layers_of_hf(json.loads((MODEL_CONFIG_DIR / f"{name}.json").read_text()))
         assert shape.kv_layers == tuple(layers)
-        assert shape.kv_bytes_per_token(2) == round(kv_bytes_per_token(layers, 2, "cache"))
+        assert shape.kv_bytes_per_token(2) == round(kv_bytes_per_token(layers, 2, "one_pool"))
         naive = kv_bytes_per_token(layers, 2, "naive")
         assert kv_bytes_per_token(layers, 2, "transfer") < naive
     e2b = layers_of_hf(json.loads((MODEL_CONFIG_DIR / "gemma4-e2b.json").read_text()))

@@ -164,7 +164,7 @@ class ModelCost:
             norm_params=norms,
             kv_bytes_per_token=2 * c.num_layers * kv * size
             if c.gemma4 is None
-            else round(kv_bytes_per_token(layers_of(c), size, "cache")),
+            else round(kv_bytes_per_token(layers_of(c), size, "one_pool")),
             itemsize=size,
             num_layers=c.num_layers,
             num_heads=c.num_heads,

@@ -74,6 +74,7 @@ class AsyncEngine:
         self.kv_fingerprint: str = engine.kv_fingerprint
         self.model_fingerprint: str = engine.loaded.fingerprint
         self.num_blocks: int = engine.num_blocks
+        self.num_window_blocks: int = engine.num_window_blocks  # 0 without a window pool
         self.vocab_size: int = engine.vocab_size
         self.max_model_len: int = engine.max_model_len
         self.step_ms_ewma = 0.0  # written by the engine thread after each step
@@ -86,11 +87,12 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- named commands (asyncio side) ------------------------------------------------
-    async def reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        """Reserve blocks for `num_tokens` tokens of `request_id`. If the caller is cancelled
+    async def reserve(self, request_id: str, num_tokens: int, num_kv_tokens: int = 0) -> list[int]:
+        """Reserve blocks for `num_tokens` tokens of `request_id`, whose first `num_kv_tokens`
+        tokens' KV arrives from elsewhere (LLMEngine.reserve). If the caller is cancelled
         while waiting, the reservation is released (it may already have been made)."""
         try:
-            return await self._submit(Reserve(request_id, num_tokens))
+            return await self._submit(Reserve(request_id, num_tokens, num_kv_tokens))
         except asyncio.CancelledError:
             self._post(Release(request_id))
             raise
@@ -153,6 +155,7 @@ class AsyncEngine:
             "num_running": llm.num_running,
             "num_waiting": llm.num_waiting,
             "num_free_blocks": llm.kv.num_free_blocks,
+            "num_free_window_blocks": llm.kv.num_free_window_blocks,
             "prefix_hit_tokens": st.hit_tokens,
             "prefix_hit_blocks": st.hit_blocks,
             "num_preemptions": llm.scheduler.num_preemptions,
@@ -267,8 +270,8 @@ class AsyncEngine:
         """The one place where commands touch the engine (engine thread only)."""
         llm = self._llm
         match cmd:
-            case Reserve(request_id, num_tokens):
-                return llm.reserve(request_id, num_tokens)
+            case Reserve(request_id, num_tokens, num_kv_tokens):
+                return llm.reserve(request_id, num_tokens, num_kv_tokens)
             case Release(request_id):
                 return llm.release(request_id)
             case Abort(request_id):

@@ -42,10 +42,12 @@ class AdmitPrefilled:
 
 @dataclass(frozen=True)
 class Reserve:
-    """Reserve blocks for `num_tokens` tokens of a request whose KV arrives from elsewhere."""
+    """Reserve blocks for `num_tokens` tokens of a request whose KV (of its first
+    `num_kv_tokens` tokens) arrives from elsewhere (a window group reserves its window)."""
 
     request_id: str
     num_tokens: int
+    num_kv_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.kv.cache_manager import KVCacheManager
+from pdserve.kv.window_group import lone_request_blocks, window_pool_sizes
 
 KVSink = Callable[[int, Any], None]  # (layer, kv [n_blocks, 2, bs, kvh, hd])
 
@@ -40,6 +41,10 @@ class EngineConfig:
     seed: int | None = None  # generator for unseeded random sampling
     batch_invariant: bool = True  # tokens independent of batch/chunking/path (runner doc)
     kv_dtype: str | None = None  # None = the weights' dtype; "int8" | "fp8_e4m3": kv/quant.py
+    # layered specs with sliding layers (Gemma 4): the sliding layers get their own block
+    # pool whose blocks before the window are freed (kv/window_group.py); False = one pool
+    window_pool: bool = True
+    window_blocks: int | None = None  # the window pool's size; default: see _num_blocks
 
 
 class LLMEngine:
@@ -71,25 +76,71 @@ class LLMEngine:
         if self.spec.quantized and not str(config.device).startswith("cpu"):
             raise ValueError(f"kv_dtype {config.kv_dtype}: only the torch (CPU) backend reads it")
         self.kv_fingerprint = self.spec.kv_fingerprint(backend.fingerprint)
-        self.num_blocks = self._num_blocks(config)
+        # the sliding window group (None: one pool for every layer, today's layout)
+        self.window = self.spec.window_group if config.window_pool else None
+        self.num_blocks, self.num_window_blocks = self._num_blocks(config)
         self.kv = KVCacheManager(
-            self.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_fingerprint
+            self.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.kv_fingerprint,
+            window=self.window,
+            window_blocks=self.num_window_blocks,
         )
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill
         )
-        self.runner: Runner = backend.make_runner(self.spec, self.num_blocks, config)
+        if self.window is None:
+            self.runner: Runner = backend.make_runner(self.spec, self.num_blocks, config)
+        else:
+            self.runner = backend.make_runner(  # type: ignore[call-arg]
+                self.spec, self.num_blocks, config, window_blocks=self.num_window_blocks
+            )
+        # stored layer -> True when it lives in the window group
+        self._in_window = [
+            self.window is not None and self.spec.in_window_group(i)
+            for i in range(self.spec.num_layers)
+        ]
         self._seqs: dict[str, Seq] = {}
         self._arrival = itertools.count()
 
-    def _num_blocks(self, config: EngineConfig) -> int:
+    def _num_blocks(self, config: EngineConfig) -> tuple[int, int]:
+        """(main pool blocks, window pool blocks; 0 without a window group)."""
+        if self.window is None:
+            return self._one_pool_blocks(config, self.spec.bytes_per_block), 0
+        chunk = config.max_num_batched_tokens
+        step = chunk if config.chunked_prefill else max(chunk, self.max_model_len)
+        n, n_w = window_pool_sizes(
+            self.spec.group_block_bytes(),
+            config.block_size,
+            self.window,
+            step_tokens=step,
+            max_num_seqs=config.max_num_seqs,
+            kv_cache_bytes=config.kv_cache_bytes,
+            num_blocks=config.num_blocks,
+            window_blocks=config.window_blocks,
+            default_blocks=self._one_pool_blocks(config, self.spec.bytes_per_block),
+        )
+        lone = lone_request_blocks(config.block_size, self.window, step)
+        if n_w < min(n, lone):  # a lone long prompt could never run
+            raise ValueError(
+                f"window_blocks={n_w}: one request can need {lone} window blocks "
+                f"(window {self.window} + a step of {step} tokens)"
+            )
+        return n, n_w
+
+    def _one_pool_blocks(self, config: EngineConfig, bytes_per_block: int) -> int:
         if config.num_blocks is not None:
             return config.num_blocks
         per_seq = self.spec.num_blocks_for(self.max_model_len)
         if config.kv_cache_bytes is not None:
-            return max(1, config.kv_cache_bytes // self.spec.bytes_per_block)
-        budget = (1 << 30) // self.spec.bytes_per_block
+            return max(1, config.kv_cache_bytes // bytes_per_block)
+        budget = (1 << 30) // bytes_per_block
         return max(per_seq + 1, min(budget, per_seq * config.max_num_seqs))
+
+    def _table(self, layer: int, block_table: list[int], window_table: list[int]) -> list[int]:
+        """The table stored `layer` reads: the window group's or the main one."""
+        return window_table if self._in_window[layer] else block_table
 
     # ---- requests ---------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -177,7 +228,8 @@ class LLMEngine:
                 n = self.spec.num_blocks_for(seq.num_tokens)
                 first = self.spec.first_needed_block(layer, seq.num_tokens)
                 assert seq.kv_sink is not None
-                seq.kv_sink(layer, self.runner.read_layer(layer, seq.block_table[first:n]))
+                table = self._table(layer, seq.block_table, seq.window_table)
+                seq.kv_sink(layer, self.runner.read_layer(layer, table[first:n]))
 
         return callback
 
@@ -220,17 +272,18 @@ class LLMEngine:
         return [result[rid] for rid in ids]
 
     # ---- disaggregation hooks (engine thread, between steps) ---------------------------
-    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        """Reserve blocks for `num_tokens` tokens of `request_id`, whose KV arrives from
-        elsewhere. Freed by `add_prefilled_request` (they become the sequence's), `release`
-        or `abort_request`."""
-        return self.kv.reserve(request_id, num_tokens)
+    def reserve(self, request_id: str, num_tokens: int, num_kv_tokens: int = 0) -> list[int]:
+        """Reserve blocks for `num_tokens` tokens of `request_id`, whose KV (of its first
+        `num_kv_tokens` tokens: the prompt) arrives from elsewhere; a window group reserves
+        that KV's window only. Freed by `add_prefilled_request` (they become the
+        sequence's), `release` or `abort_request`."""
+        return self.kv.reserve(request_id, num_tokens, num_kv_tokens)
 
     def write_kv(self, request_id: str, layer: int, kv: Any, num_tokens: int | None = None) -> None:
         """kv: [n, 2, bs, kvh, hd] of stored `layer`: fills reserved blocks first..first+n-1
         of `request_id`, where first = spec.first_needed_block(layer, num_tokens) (a sliding
         layer's transfer starts at its window; None = 0)."""
-        ids = self.kv.reserved_blocks(request_id)
+        ids = self.kv.reserved_blocks(request_id, window=self._in_window[layer])
         first = 0 if num_tokens is None else self.spec.first_needed_block(layer, num_tokens)
         if len(ids) < first + kv.shape[0]:
             raise NotFoundError(f"{request_id!r} has no reservation for {kv.shape[0]} blocks")
@@ -263,11 +316,15 @@ class LLMEngine:
             raise InvalidRequestError("block_ids", "too few blocks for the prompt + 1 token")
         seq = Seq(request_id, list(prompt_token_ids), params, arrival=next(self._arrival))
         seq.output_token_ids.append(first_token)
-        seq.block_table = self.kv.claim_reservation(request_id)
         seq.num_computed_tokens = len(prompt_token_ids)
-        # blocks whose sliding layers did not travel (outside the window) are never offered
-        # as cached prefix: register_computed starts past them
-        seq.num_registered_blocks = self.spec.trimmed_blocks(len(prompt_token_ids))
+        if self.window is not None:
+            # the window entries whose KV did not travel become NULL (never registered)
+            self.kv.admit_reservation(seq, len(prompt_token_ids))
+        else:
+            seq.block_table = self.kv.claim_reservation(request_id)
+            # blocks whose sliding layers did not travel (outside the window) are never
+            # offered as cached prefix: register_computed starts past them
+            seq.num_registered_blocks = self.spec.trimmed_blocks(len(prompt_token_ids))
         self._seqs[request_id] = seq
         self.scheduler.add_running(seq)
         reason = self._finish_reason(seq)
@@ -289,10 +346,18 @@ class LLMEngine:
         """An uninitialised CPU buffer of the KV dtype (any thread: it touches no state)."""
         return self.runner.empty_kv(shape)
 
-    def read_blocks(self, block_ids: Sequence[int]) -> Any:
-        """CPU copy of the given blocks (every stored layer), shaped spec.blocks_shape(n):
+    def read_blocks(self, block_ids: Sequence[int], window_ids: Sequence[int] = ()) -> Any:
+        """CPU copy of the given blocks (every stored layer; a window group's layers from
+        `window_ids`, the same logical blocks in its pool), shaped spec.blocks_shape(n):
         [n, L, 2, bs, kvh, hd] for uniform models, else [n, elems_per_block]."""
-        data = self.runner.read_blocks(list(block_ids))
+        if self.window is None:
+            data = self.runner.read_blocks(list(block_ids))
+        else:
+            tables = [
+                self._table(i, list(block_ids), list(window_ids))
+                for i in range(self.spec.num_layers)
+            ]
+            data = self.runner.read_blocks(list(block_ids), per_layer=tables)  # type: ignore[call-arg]
         return data.reshape(self.spec.blocks_shape(len(block_ids)))
 
     def layer_views(self, data: Any) -> list[Any]:
@@ -307,8 +372,8 @@ class LLMEngine:
     def read_cached(self, hashes: Sequence[bytes], skip: int) -> Any:
         """The locally cached blocks of the chain `hashes` past its first `skip` ones, read
         in one go (nothing can evict them in between); None when there are none."""
-        local = self.kv.cached_run(hashes, skip)
-        return self.read_blocks(local) if local else None
+        local, window = self.kv.cached_run(hashes, skip)
+        return self.read_blocks(local, window) if local else None
 
     def import_cached_blocks(self, hashes: Sequence[bytes], data: Any) -> int:
         """Insert blocks fetched from the kvstore into the prefix cache. data:
@@ -319,11 +384,17 @@ class LLMEngine:
             raise InvalidRequestError("data", f"expected {want} got {list(data.shape)}")
         layers = self.layer_views(data)
 
-        def write(blocks: list[int], indices: list[int]) -> None:
-            for layer, view in enumerate(layers):
-                self.runner.write_layer(layer, blocks, view[indices])
+        def writer(window: bool):
+            def write(blocks: list[int], indices: list[int]) -> None:
+                for layer, view in enumerate(layers):
+                    if self._in_window[layer] == window:
+                        self.runner.write_layer(layer, blocks, view[indices])
 
-        return self.kv.import_blocks(hashes, write)
+            return write
+
+        if self.window is None:
+            return self.kv.import_blocks(hashes, writer(False))
+        return self.kv.import_blocks(hashes, writer(False), writer(True))
 
     def hold_prefix(self, request_id: str, hashes: Sequence[bytes]) -> int:
         """Hold the longest locally cached prefix of `hashes` until `request_id` is scheduled
@@ -343,6 +414,8 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_blocks": self.num_blocks,
             "num_free_blocks": self.kv.num_free_blocks,
+            "num_window_blocks": self.kv.num_window_blocks,
+            "num_free_window_blocks": self.kv.num_free_window_blocks,
             "num_reservations": self.kv.num_reservations,
             "num_reserved_blocks": self.kv.num_reserved_blocks,
             "num_held_blocks": self.kv.num_held_blocks,

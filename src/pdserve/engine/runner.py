@@ -27,6 +27,7 @@ class ModelRunner:
         sampler: Sampler | None = None,
         pack_weights: bool | None = None,
         batch_invariant: bool = True,
+        window_group: bool = False,
     ) -> None:
         """pack_weights: on CPU, swap the model's linears for oneDNN-prepacked ones (in place;
         see pdserve.model.cpu_linear): ~2x faster bf16 decode, ~1.3x fp32 prefill. None = yes
@@ -34,17 +35,23 @@ class ModelRunner:
         baseline of `pdserve bench engine --compare-unpacked`).
         batch_invariant: a request's tokens do not depend on the rest of the batch, its chunking
         or the path it took (attention.fixed, cpu_linear); False = the faster SDPA attention.
-        Invariance needs the packed linears on CPU (plain F.linear is not row-invariant)."""
+        Invariance needs the packed linears on CPU (plain F.linear is not row-invariant).
+        window_group: the sliding layers' caches are a second pool addressed by each
+        sequence's `window_table` (AttentionMetadata.window; kv/window_group.py)."""
         if pack_weights is None:
             pack_weights = os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0"
         if pack_weights and torch.device(device).type == "cpu":
             from pdserve.model.cpu_linear import pack_linears
 
             pack_linears(model, batch_invariant=batch_invariant)
+        set_invariant = getattr(model, "set_batch_invariant", None)  # models with many backends
         backend = getattr(model, "attn_backend", None)
-        if backend is not None and hasattr(backend, "batch_invariant"):
+        if set_invariant is not None:
+            set_invariant(batch_invariant)
+        elif backend is not None and hasattr(backend, "batch_invariant"):
             backend.batch_invariant = batch_invariant
         self.batch_invariant = batch_invariant
+        self.window_group = window_group
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -57,7 +64,7 @@ class ModelRunner:
         """Run one step; returns request_id -> sampled token for entries with `sample`."""
         ids: list[int] = []
         positions: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
+        query_lens, seq_lens, tables, window_tables = [], [], [], []
         last_index: list[int] = []  # row in the flat batch of each sampled entry's last token
         sample_reqs: list[SampleRequest] = []
         sample_ids: list[str] = []
@@ -69,11 +76,19 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_table)
+            window_tables.append(seq.window_table)
             if e.sample:
                 last_index.append(len(ids) - 1)
                 sample_reqs.append(SampleRequest(seq.params, seq.num_output_tokens))
                 sample_ids.append(seq.request_id)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        meta = AttentionMetadata.build(
+            query_lens,
+            seq_lens,
+            tables,
+            self.block_size,
+            self.device,
+            window_block_tables=window_tables if self.window_group else None,
+        )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         with torch.inference_mode():
@@ -108,10 +123,14 @@ class ModelRunner:
         """An uninitialised CPU tensor of the cache's dtype (UCX receives, kvstore fetches)."""
         return torch.empty(tuple(shape), dtype=self.kv_caches[0].dtype)
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def read_blocks(
+        self, block_ids: list[int], per_layer: list[list[int]] | None = None
+    ) -> torch.Tensor:
         """[n, elems per block] CPU tensor: each block's stored layers back to back (layers may
-        differ in shape; for equal shapes this is [n, L, 2, bs, kvh, hd] flattened)."""
+        differ in shape; for equal shapes this is [n, L, 2, bs, kvh, hd] flattened).
+        `per_layer`: each layer's own block ids of the same n logical blocks (window group)."""
         n = len(block_ids)
+        ids = per_layer or [block_ids] * len(self.kv_caches)
         return torch.cat(
-            [self.read_layer(i, block_ids).view(n, -1) for i in range(len(self.kv_caches))], 1
+            [self.read_layer(i, ids[i]).view(n, -1) for i in range(len(self.kv_caches))], 1
         )

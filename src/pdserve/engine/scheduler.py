@@ -5,6 +5,8 @@ then waiting requests FCFS while budget, max_num_seqs and free blocks allow. Lon
 chunked across steps. When blocks run out, the newest running request not yet planned this
 step is preempted by recompute: its blocks are freed, num_computed_tokens goes back to 0 and it
 returns to the front of the waiting queue keeping its generated tokens, so it resumes exactly.
+With a sliding window group (KVCacheManager), every check counts both pools, and after each
+step a sequence's window blocks that left the window are freed (`trim_window`).
 
 `chunked_prefill=False` is vLLM <= 0.3's scheduler (prefill priority, no chunking): a step
 either prefills or decodes. While a waiting prompt can start, the step is a prefill step of
@@ -153,7 +155,7 @@ class Scheduler:
         need = self.kv.blocks_to_grow(seq, target)  # seq's own need: preempting others keeps it
         if not need:  # most decode steps: the last block has room
             return True
-        while need > self.kv.num_free_blocks:
+        while not self.kv.has_room(need):  # both pools (a window group grows alike)
             victims = [s for s in self.running if id(s) not in planned]
             victim = victims[-1]  # newest unplanned (seq itself is unplanned)
             self._preempt(victim)
@@ -183,6 +185,7 @@ class Scheduler:
                 seq.output_token_ids.append(sampled[seq.request_id])
                 produced.append(entry)
             self.kv.register_computed(seq)
+            self.kv.trim_window(seq)  # after registering: freed window blocks stay cached
         return produced
 
     def iter_all(self) -> Iterable[Sequence]:

@@ -27,6 +27,10 @@ class Sequence:
     # tokens of all_token_ids whose K/V are in the cache (in block_table)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # the sliding window group's table (KVCacheManager with a window; [] without one): same
+    # length as block_table, its first num_window_freed entries freed (NULL_BLOCK)
+    window_table: list[int] = field(default_factory=list)
+    num_window_freed: int = 0
     # chained hashes of the full blocks of all_token_ids, computed lazily (prefix caching)
     block_hashes: list[bytes] = field(default_factory=list)
     # how many leading blocks of block_table are already registered in the prefix cache

@@ -9,6 +9,7 @@ import torch
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.kv.spec import KVSpec, LayerKV
+from pdserve.model.dtypes import torch_dtype
 from pdserve.model.loader import allocate_kv_caches
 
 if TYPE_CHECKING:
@@ -34,11 +35,28 @@ class TorchBackend:
             dtype=kv_dtype or str(self.loaded.dtype).removeprefix("torch."),
         )
 
-    def make_runner(self, spec: KVSpec, num_blocks: int, config: EngineConfig) -> ModelRunner:
+    def make_runner(
+        self, spec: KVSpec, num_blocks: int, config: EngineConfig, window_blocks: int = 0
+    ) -> ModelRunner:
+        """window_blocks > 0: the sliding layers (spec.in_window_group) get their own caches
+        of window_blocks + 1 blocks (block 0 = the null block: zero, never written)."""
         gen = None if config.seed is None else torch.Generator().manual_seed(config.seed)
-        kv_caches = allocate_kv_caches(
-            self.config, num_blocks, config.block_size, spec.dtype, config.device
-        )
+        if window_blocks:
+            kv_caches = [
+                torch.zeros(
+                    (
+                        window_blocks + 1 if spec.in_window_group(i) else num_blocks,
+                        *spec.layer_block_shape(i),
+                    ),
+                    dtype=torch_dtype(spec.dtype),
+                    device=config.device,
+                )
+                for i in range(spec.num_layers)
+            ]
+        else:
+            kv_caches = allocate_kv_caches(
+                self.config, num_blocks, config.block_size, spec.dtype, config.device
+            )
         return ModelRunner(
             self.loaded.model,
             kv_caches,
@@ -46,4 +64,5 @@ class TorchBackend:
             config.device,
             Sampler(gen),
             batch_invariant=config.batch_invariant,
+            window_group=window_blocks > 0,
         )

@@ -13,6 +13,11 @@ Every block reference an engine takes or drops goes through here, under a named 
     to the kvstore (`hold_on_finish` asks for it);
 - the prefix cache (hash -> block) is filled by `register_computed` and `import_blocks`.
 
+With a sliding window group (`window`, kv/window_group.py: Gemma 4's sliding layers) every
+owner above has a second list for the window pool (`seq.window_table`, `w_*` in RequestKV);
+capacity checks (`has_room`, `allocate_first_chunk`, `reserve`) count both pools, and
+`trim_window` frees a sequence's window blocks that left the window of every future query.
+
 `release(request_id)` drops every piece of a request's side state; it is idempotent, so a
 caller that lost track (cancelled, timed out, aborted twice) can always call it again.
 `check_integrity` proves that every block's ref count equals its owners.
@@ -21,50 +26,31 @@ caller that lost track (cancelled, timed out, aborted twice) can always call it 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.kv.block_pool import BlockPool, PrefixCacheStats
 from pdserve.kv.hashing import block_hashes, root_hash
-
-
-class SeqBlocks(Protocol):
-    """What the manager needs of a sequence (engine.sequence.Sequence)."""
-
-    request_id: str
-    block_table: list[int]
-    block_hashes: list[bytes]
-    num_computed_tokens: int
-    num_registered_blocks: int
-
-    @property
-    def all_token_ids(self) -> list[int]: ...
-
-
-@dataclass
-class RequestKV:
-    """Block state a request id owns outside a running sequence's block table."""
-
-    reserved: list[int] = field(default_factory=list)
-    prefix_hold: list[int] = field(default_factory=list)
-    finished_hold: list[int] = field(default_factory=list)
-    hold_on_finish: bool = False
-
-    def __bool__(self) -> bool:
-        return bool(self.reserved or self.prefix_hold or self.finished_hold or self.hold_on_finish)
-
-    def blocks(self) -> Iterable[int]:
-        yield from self.reserved
-        yield from self.prefix_hold
-        yield from self.finished_hold
+from pdserve.kv.owners import RequestKV, SeqBlocks, import_into
+from pdserve.kv.window_group import NULL_BLOCK, WindowGroup
 
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, kv_fingerprint: str
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        kv_fingerprint: str,
+        window: int | None = None,
+        window_blocks: int | None = None,
     ) -> None:
+        """`window` (tokens): keep a sliding window group of `window_blocks` blocks (default
+        `num_blocks`) beside the main pool; None = one group (today's layout)."""
         self._pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self._w: WindowGroup | None = None
+        if window is not None:
+            n_w = num_blocks if window_blocks is None else window_blocks
+            self._w = WindowGroup(n_w, block_size, window, enable_prefix_caching)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -81,6 +67,30 @@ class KVCacheManager:
     @property
     def num_cached_blocks(self) -> int:
         return self._pool.num_cached_blocks
+
+    @property
+    def window(self) -> int | None:
+        """The window group's window in tokens; None without one."""
+        return None if self._w is None else self._w.window
+
+    @property
+    def num_window_blocks(self) -> int:
+        return 0 if self._w is None else self._w.num_blocks
+
+    @property
+    def num_free_window_blocks(self) -> int:
+        return 0 if self._w is None else self._w.pool.num_free_blocks
+
+    def has_room(self, n: int, n_window: int | None = None) -> bool:
+        """`n` more blocks fit in the main pool and `n_window` (default n) in the window's."""
+        if n > self._pool.num_free_blocks:
+            return False
+        w = n if n_window is None else n_window
+        return self._w is None or w <= self._w.pool.num_free_blocks
+
+    def first_needed(self, num_tokens: int) -> int:
+        """First window-table entry a query at position >= num_tokens reads (0 w/o window)."""
+        return 0 if self._w is None else self._w.first_needed(num_tokens)
 
     @property
     def stats(self) -> PrefixCacheStats:
@@ -104,9 +114,12 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def reserved_blocks(self, request_id: str) -> list[int]:
+    def reserved_blocks(self, request_id: str, window: bool = False) -> list[int]:
+        """A reservation's table: the main pool's, or (`window`) the window group's."""
         state = self._requests.get(request_id)
-        return list(state.reserved) if state else []
+        if not state:
+            return []
+        return list(state.w_reserved if window else state.reserved)
 
     def _state(self, request_id: str) -> RequestKV:
         return self._requests.setdefault(request_id, RequestKV())
@@ -132,21 +145,36 @@ class KVCacheManager:
             )
         return seq.block_hashes[:n_blocks]
 
-    def cached_prefix(self, hashes: Sequence[bytes]) -> list[int]:
-        """Block ids of the longest locally cached prefix of `hashes` (no refs taken)."""
-        return self._pool.find_prefix(hashes, record=False)
+    def _hit(self, hashes: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        """The longest usable prefix of `hashes` cached here: (main pool block ids [0, k),
+        window block ids [first_needed(k * bs), k)). No refs taken."""
+        full = self._pool.find_prefix(hashes, record=False)
+        if self._w is None:
+            return full, []
+        k, window = self._w.hit(hashes, full)
+        return full[:k], window
 
-    def cached_run(self, hashes: Sequence[bytes], skip: int) -> list[int]:
-        """Block ids of `hashes[skip:]` cached here, up to the first miss (no refs taken).
-        A block's hash names its content whatever is cached before it, so the run may start
+    def cached_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """Main-pool block ids of the longest locally cached usable prefix of `hashes` (with
+        a window group: its window blocks are cached too). No refs taken."""
+        return self._hit(hashes)[0]
+
+    def cached_run(self, hashes: Sequence[bytes], skip: int) -> tuple[list[int], list[int]]:
+        """Block ids (main pool, window pool or [] without one) of `hashes[skip:]` whose
+        blocks are cached here in every group, up to the first miss (no refs taken). A
+        block's hash names its content whatever is cached before it, so the run may start
         past blocks this pool never registered (a decode's trimmed sliding-window prefix)."""
         out: list[int] = []
+        wout: list[int] = []
         for h in hashes[skip:]:
             b = self._pool.lookup(h)
-            if b is None:
+            w = None if self._w is None else self._w.pool.lookup(h)
+            if b is None or (self._w is not None and w is None):
                 break
             out.append(b)
-        return out
+            if w is not None:
+                wout.append(w)
+        return out, wout
 
     def register_computed(self, seq: SeqBlocks) -> None:
         """Publish the full blocks of `seq` whose K/V is computed to the prefix cache."""
@@ -156,7 +184,15 @@ class KVCacheManager:
         hashes = self.seq_hashes(seq, n_full)
         for i in range(seq.num_registered_blocks, n_full):
             self._pool.cache_block(seq.block_table[i], hashes[i])
+            if self._w is not None and seq.window_table[i] != NULL_BLOCK:
+                self._w.pool.cache_block(seq.window_table[i], hashes[i])
         seq.num_registered_blocks = n_full
+
+    def trim_window(self, seq: SeqBlocks) -> int:
+        """Free `seq`'s window blocks that lie wholly before the window of every query at or
+        after its `num_computed_tokens` (call `register_computed` first: they stay cached,
+        evictable like any freed block). Returns the blocks freed."""
+        return 0 if self._w is None else self._w.trim(seq)
 
     # ---- running sequences -----------------------------------------------------------
     def allocate_first_chunk(self, seq: SeqBlocks, budget: int, record: bool) -> int:
@@ -166,17 +202,26 @@ class KVCacheManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         num_tokens = len(seq.all_token_ids)
         hits: list[int] = []
+        whits: list[int] = []
         max_hit_blocks = 0
         if self.enable_prefix_caching:
             # always recompute at least the last token (it produces the next logits)
             max_hit_blocks = (num_tokens - 1) // self.block_size
-            hits = self._pool.find_prefix(self.seq_hashes(seq, max_hit_blocks), record=False)
+            hits, whits = self._hit(self.seq_hashes(seq, max_hit_blocks))
         hit_tokens = len(hits) * self.block_size
         num_new = min(num_tokens - hit_tokens, budget)
         need = self.blocks_for(hit_tokens + num_new) - len(hits)
         revived = sum(1 for b in hits if self._pool.ref_counts[b] == 0)
         if need + revived > self._pool.num_free_blocks:
             return 0
+        if self._w is not None:
+            w_revived = sum(1 for b in whits if self._w.pool.ref_counts[b] == 0)
+            if need + w_revived > self._w.pool.num_free_blocks:
+                return 0
+            self._w.pool.touch(whits)
+            head = len(hits) - len(whits)  # entries before the hit's window: NULL
+            seq.window_table = [NULL_BLOCK] * head + whits + self._w.pool.allocate(need)
+            seq.num_window_freed = head
         self._pool.touch(hits)
         seq.block_table = hits + self._pool.allocate(need)
         seq.num_computed_tokens = hit_tokens
@@ -191,8 +236,11 @@ class KVCacheManager:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
     def grow(self, seq: SeqBlocks, num_tokens: int) -> None:
-        """Extend `seq`'s table to hold `num_tokens` tokens (caller checked the room)."""
-        seq.block_table.extend(self._pool.allocate(self.blocks_to_grow(seq, num_tokens)))
+        """Extend `seq`'s tables to hold `num_tokens` tokens (caller checked `has_room`)."""
+        n = self.blocks_to_grow(seq, num_tokens)
+        seq.block_table.extend(self._pool.allocate(n))
+        if self._w is not None:
+            seq.window_table.extend(self._w.pool.allocate(n))
 
     def free(self, seq: SeqBlocks, finished: bool = False) -> None:
         """Release a sequence's blocks (full computed blocks stay cached). With `finished` and
@@ -206,30 +254,49 @@ class KVCacheManager:
             keep = seq.block_table[:n]
             self._pool.touch(keep)
             state.finished_hold.extend(keep)
+            if self._w is not None:
+                w_keep = self._w.live(seq.window_table[:n])
+                self._w.pool.touch(w_keep)
+                state.w_finished_hold.extend(w_keep)
         self._pool.free(seq.block_table)
         seq.block_table = []
+        if self._w is not None:
+            self._w.free(seq.window_table)
+            seq.window_table = []
+            seq.num_window_freed = 0
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         self._tidy(seq.request_id)
 
     # ---- decode reservations ---------------------------------------------------------
-    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+    def reserve(self, request_id: str, num_tokens: int, num_kv_tokens: int = 0) -> list[int]:
         """Reserve blocks for `num_tokens` tokens of a request whose KV arrives from elsewhere.
+        With a window group, the KV of its first `num_kv_tokens` tokens arrives trimmed to
+        the window: its window table starts with first_needed(num_kv_tokens) NULL entries.
         Registered under `request_id` before returning, so `release(request_id)` frees them
-        whatever happens to the caller."""
+        whatever happens to the caller. Returns the main pool's blocks."""
         state = self._requests.get(request_id)
         if state is not None and state.reserved:
             raise InvalidRequestError("request_id", f"{request_id!r} already has a reservation")
         n = self.blocks_for(num_tokens)
-        if n > self._pool.num_free_blocks:
-            raise OverloadedError(f"need {n} KV blocks, {self._pool.num_free_blocks} free")
+        head = min(n, self.first_needed(num_kv_tokens))
+        if not self.has_room(n, n - head):
+            raise OverloadedError(
+                f"need {n} KV blocks ({n - head} in the window pool), "
+                f"{self._pool.num_free_blocks} free ({self.num_free_window_blocks})"
+            )
         blocks = self._pool.allocate(n)
-        self._state(request_id).reserved = blocks
+        state = self._state(request_id)
+        state.reserved = blocks
+        if self._w is not None:
+            state.w_reserved = [NULL_BLOCK] * head + self._w.pool.allocate(n - head)
         return list(blocks)
 
     def claim_reservation(self, request_id: str) -> list[int]:
         """Hand a reservation's blocks to the sequence being admitted (they leave the
-        reservation; the sequence frees them). [] when there is none."""
+        reservation; the sequence frees them). [] when there is none. One group only: with
+        a window group use `admit_reservation`."""
+        assert self._w is None, "a window group's reservation: use admit_reservation"
         state = self._requests.get(request_id)
         if state is None or not state.reserved:
             return []
@@ -237,13 +304,34 @@ class KVCacheManager:
         self._tidy(request_id)
         return blocks
 
+    def admit_reservation(self, seq: SeqBlocks, num_kv_tokens: int) -> bool:
+        """Make `seq.request_id`'s reservation the tables of `seq`, whose first
+        `num_kv_tokens` tokens' KV it holds (the window group's entries before that KV's
+        window are freed unregistered: they never received it). False when there is none."""
+        state = self._requests.get(seq.request_id)
+        if state is None or not state.reserved:
+            return False
+        seq.block_table, state.reserved = state.reserved, []
+        if self._w is not None:
+            seq.window_table, state.w_reserved = state.w_reserved, []
+            head = min(self._w.first_needed(num_kv_tokens), len(seq.window_table))
+            self._w.free(seq.window_table[:head])
+            seq.window_table[:head] = [NULL_BLOCK] * head
+            seq.num_window_freed = head
+        self._tidy(seq.request_id)
+        return True
+
     # ---- holds -----------------------------------------------------------------------
     def hold_prefix(self, request_id: str, hashes: Sequence[bytes]) -> int:
         """Hold the longest locally cached prefix of `hashes` until `request_id` is scheduled
         (or released). Returns the blocks held."""
-        blocks = self._pool.find_prefix(hashes, record=False)
+        blocks, w_blocks = self._hit(hashes)
         self._pool.touch(blocks)
-        self._state(request_id).prefix_hold.extend(blocks)
+        state = self._state(request_id)
+        state.prefix_hold.extend(blocks)
+        if self._w is not None:
+            self._w.pool.touch(w_blocks)
+            state.w_prefix_hold.extend(w_blocks)
         return len(blocks)
 
     def hold_on_finish(self, request_id: str) -> None:
@@ -256,6 +344,9 @@ class KVCacheManager:
         if state is not None and state.prefix_hold:
             blocks, state.prefix_hold = state.prefix_hold, []
             self._pool.free(blocks)
+            if self._w is not None:
+                w_blocks, state.w_prefix_hold = state.w_prefix_hold, []
+                self._w.pool.free(w_blocks)
             self._tidy(request_id)
 
     def release(self, request_id: str) -> int:
@@ -269,27 +360,32 @@ class KVCacheManager:
             if blocks:
                 self._pool.free(blocks)
                 n += len(blocks)
+        if self._w is not None:
+            for blocks in (state.w_reserved, state.w_prefix_hold, state.w_finished_hold):
+                self._w.free(blocks)
         return n
 
     # ---- import / read -----------------------------------------------------------------
     def import_blocks(
-        self, hashes: Sequence[bytes], write: Callable[[list[int], list[int]], None]
+        self,
+        hashes: Sequence[bytes],
+        write: Callable[[list[int], list[int]], None],
+        write_window: Callable[[list[int], list[int]], None] | None = None,
     ) -> int:
         """Insert blocks fetched from elsewhere into the prefix cache. `write(block_ids,
-        indices)` copies data[indices] into block_ids. Already-cached hashes are skipped; the
-        new blocks stay free and cached. Returns the number inserted."""
+        indices)` copies data[indices] into block_ids of the main pool, `write_window` into
+        the window group's pool: the chain's tail only, the window of a hit at its end (each
+        pool skips the hashes it already caches). The new blocks stay free and cached.
+        Returns the number inserted into the main pool."""
         if not self.enable_prefix_caching:
             return 0
-        todo = [i for i, h in enumerate(hashes) if self._pool.lookup(h) is None]
-        todo = todo[: self._pool.num_free_blocks]
-        if not todo:
-            return 0
-        blocks = self._pool.allocate(len(todo))
-        write(blocks, todo)
-        for b, i in zip(blocks, todo, strict=True):
-            self._pool.cache_block(b, hashes[i])
-        self._pool.free(blocks)
-        return len(todo)
+        if self._w is not None:
+            assert write_window is not None, "a window group needs write_window"
+            # a hit at k (the chain's end, or one block less: the last token is recomputed)
+            # needs window blocks [k - ceil(W / bs), k)
+            tail = max(0, len(hashes) - (-(-self._w.window // self.block_size) + 2))
+            import_into(self._w.pool, hashes, write_window, tail)
+        return import_into(self._pool, hashes, write)
 
     # ---- checks ----------------------------------------------------------------------
     def check_integrity(self, seqs: Iterable[SeqBlocks]) -> None:
@@ -297,10 +393,15 @@ class KVCacheManager:
         tables of `seqs` (every live sequence) plus each request's reservation and holds."""
         self._pool.check_integrity()
         owned: dict[int, int] = {}
-        tables = [s.block_table for s in seqs]
+        seqs_list = list(seqs)
+        tables = [s.block_table for s in seqs_list]
         for blocks in [*tables, *(list(r.blocks()) for r in self._requests.values())]:
             for b in blocks:
                 owned[b] = owned.get(b, 0) + 1
         for b in range(self.num_blocks):
             rc = self._pool.ref_counts[b]
             assert rc == owned.get(b, 0), f"block {b}: ref {rc} but {owned.get(b, 0)} owners"
+        if self._w is not None:
+            self._w.check_integrity(
+                seqs_list, [list(r.window_blocks()) for r in self._requests.values()]
+            )

@@ -3,14 +3,18 @@
 Used by the engine's KVSpec (transfer sizes), the simulator (`sim.hardware.ModelShape`) and the
 bench cost models. Stages (what each holds for a request of n tokens, block granularity):
 - naive:     every model layer, K and V, every block (the all-layers layout);
-- cache:     what this engine's paged cache holds: layers that store KV only (KV-shared layers
+- one_pool:  a paged cache with one block pool for every layer (`EngineConfig(window_pool=
+             False)`, and every uniform model): layers that store KV only (KV-shared layers
              read their source's), K and V (V only on K = V layers), every block;
-- transfer:  prefill -> decode: as cache, but a sliding layer sends its last window only,
-             blocks [(n - W) // bs, ceil(n / bs));
-- store:     a kvstore block: as cache, every block (a hit at any prefix length needs its
-             sliding tail, so blocks stay whole);
-- goal:      not built yet: the transfer's trimming held in the cache too (sliding layers
-             free the blocks leaving their window during decode).
+- cache:     what the engine's paged cache holds: as one_pool, but the sliding layers of a
+             layered layout (kv/window_group.py) hold their window only, blocks
+             [(n - W) // bs, ceil(n / bs)), the earlier ones freed as the window moves;
+- transfer:  prefill -> decode: as cache (a sliding layer sends its last window only);
+- store:     a kvstore block: as one_pool, every block (a hit at any prefix length needs its
+             sliding tail, so blocks stay whole).
+Trimming to the window applies to layered layouts only (stored layers of different shapes,
+as `KVSpec.for_layers` decides, with one sliding window for the cache): a uniform model
+(Mistral's all-layer window) keeps and sends every block.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-STAGES = ("naive", "cache", "transfer", "store", "goal")
+STAGES = ("naive", "one_pool", "cache", "transfer", "store")
 
 
 @dataclass(frozen=True)
@@ -62,12 +66,19 @@ def kv_bytes(
     """KV bytes of one request of `num_tokens` tokens at `stage` (see the module doc)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    stored = [x for x in layers if not x.shared]
+    layered = any(
+        (x.num_kv_heads, x.head_dim, x.k_eq_v)
+        != (stored[0].num_kv_heads, stored[0].head_dim, False)
+        for x in stored
+    )
+    one_window = len({x.window for x in stored if x.window is not None}) == 1
+    trim = layered and (stage == "transfer" or (stage == "cache" and one_window))
     total = 0
     for x in layers:
         if x.shared and stage != "naive":
             continue
         tensors = 1 if (stage != "naive" and x.k_eq_v) else 2
-        trim = stage in ("transfer", "goal")
         per_block = tensors * block_size * x.num_kv_heads * x.head_dim * itemsize
         total += _blocks(x, num_tokens, block_size, trim) * per_block
     return total

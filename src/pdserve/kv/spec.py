@@ -157,6 +157,32 @@ class KVSpec:
         w = self.layer(layer).window
         return 0 if w is None else max(0, num_tokens - w) // self.block_size
 
+    @property
+    def window_group(self) -> int | None:
+        """The window W of the sliding group of a layered spec: its sliding layers then live
+        in their own block pool (KVCacheManager), whose blocks before the window are freed.
+        None for uniform specs (one group, today's layout: Mistral's all-layer window too),
+        for layered specs without sliding layers, and when sliding windows differ."""
+        if self.layers is None:
+            return None
+        windows = {x.window for x in self.layers if x.window is not None}
+        return windows.pop() if len(windows) == 1 else None
+
+    def in_window_group(self, layer: int) -> bool:
+        """True when stored `layer` lives in the sliding group's pool (see window_group)."""
+        return self.window_group is not None and self.layer(layer).window is not None
+
+    def group_block_bytes(self) -> tuple[int, int]:
+        """Bytes of one block of the full group and of the sliding group (0 without one)."""
+        full = window = 0
+        for i in range(self.num_layers):
+            b = self.layer_block_elems(i) * self.itemsize
+            if self.in_window_group(i):
+                window += b
+            else:
+                full += b
+        return full, window
+
     def trimmed_blocks(self, num_tokens: int) -> int:
         """Leading blocks that a transfer of `num_tokens` tokens leaves incomplete in some layer
         (the receiver must never offer them as cached prefix)."""

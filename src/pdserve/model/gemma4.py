@@ -20,6 +20,7 @@ backend rewrites the same rows, a no-op, then attends), so it stores and moves n
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +160,7 @@ class Gemma4Model(nn.Module):
         self.ple_scale = torch.tensor(g.ple_dim**0.5).to(dtype).item() if g.ple_dim else 1.0
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.backends: dict[tuple[int, int], AttentionBackend] = {}
+        self.batch_invariant = True  # set_batch_invariant: every backend and the K = V layers
         # layers whose KV source is a K = V layer attend over its one-tensor cache
         self.keqv = [config.layer_kv(i).k_eq_v for i in range(n)]
         for i, layer in enumerate(self.layers):
@@ -174,6 +176,16 @@ class Gemma4Model(nn.Module):
                 mp = config.max_position_embeddings
                 self.rope[layer.layer_type] = rope_tables(spec, layer.head_dim, mp, device, dtype)
         self.cache_index = [config.kv_cache_index(i) for i in range(n)]
+        # layer i attends over a sliding layer's cache (the window group's pool, if any)
+        stored = config.kv_layers()
+        self.sliding_cache = [stored[c].window is not None for c in self.cache_index]
+
+    def set_batch_invariant(self, flag: bool) -> None:
+        """The engine's batch-invariance setting, for every attention this model runs."""
+        self.batch_invariant = flag
+        for be in self.backends.values():
+            if hasattr(be, "batch_invariant"):
+                be.batch_invariant = flag
 
     def store_k_and_v(self) -> None:
         """Serve K = V layers from an ordinary K + V cache through the attention backend (the
@@ -186,6 +198,7 @@ class Gemma4Model(nn.Module):
                 be = select_backend(self.embed_tokens.weight.device, self.config.num_heads, *key)
                 be.scale = 1.0
                 self.backends[key] = be
+        self.set_batch_invariant(self.batch_invariant)
 
     def forward(
         self,
@@ -195,7 +208,9 @@ class Gemma4Model(nn.Module):
         meta: AttentionMetadata,
         layer_callback: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        plans = {key: be.prepare(meta) for key, be in self.backends.items()}
+        # sliding layers read their own pool through meta.window when the engine keeps one
+        # (pdserve.kv.window_group); one plan per (backend, table group) actually used
+        plans: dict[tuple[tuple[int, int], bool], Any] = {}
         keqv_plan = plan_keqv(meta) if any(self.keqv) else None
         rope = {
             t: (cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None])
@@ -217,10 +232,18 @@ class Gemma4Model(nn.Module):
                 assert keqv_plan is not None
                 w = self.layers[src].k_norm.weight
                 cos_t, sin_t = self.rope[layer.layer_type]
-                o = keqv_attention(keqv_plan, q, k, v, cache, w, cos_t, sin_t, not layer.shared)
+                o = keqv_attention(
+                    keqv_plan, q, k, v, cache, w, cos_t, sin_t, not layer.shared,
+                    invariant=self.batch_invariant,
+                )  # fmt: skip
             else:
                 key = (layer.kv_heads, layer.head_dim)
-                o = self.backends[key].forward(plans[key], q, k, v, cache, layer.window)
+                sliding = meta.window is not None and self.sliding_cache[i]
+                plan = plans.get((key, sliding))
+                if plan is None:
+                    m = meta.window if sliding and meta.window is not None else meta
+                    plan = plans[(key, sliding)] = self.backends[key].prepare(m)
+                o = self.backends[key].forward(plan, q, k, v, cache, layer.window)
             x = layer.finish(x, o, None if ple is None else ple[:, i])
             if layer_callback is not None and not layer.shared:
                 layer_callback(self.cache_index[i])

@@ -9,6 +9,12 @@ rebuilt K equals transformers' bit for bit (the same products in the same order)
 
 Built only from AttentionMetadata (not from a backend's private plan), so it works whichever
 backend runs the other layers; q heads read kv head h // (H / Hkv) as everywhere.
+
+Batch invariance (`invariant=True`, the engine's default): each sequence attends alone through
+`attention.fixed.attend_sequence` (fixed reduction order, keys tiled from position 0), and a
+chunk that is its whole context rebuilds K from its V in the cache dtype exactly as a later
+read does, so a row's bits do not depend on the batch, the chunking or decode vs prefill.
+`invariant=False` is the SDPA path (the batch-variant `--no-batch-invariant` mode).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.attention import AttentionMetadata
+from pdserve.model.attention.fixed import attend_sequence
 from pdserve.model.llama import apply_rope
 
 
@@ -75,11 +82,14 @@ def keqv_attention(
     cos: torch.Tensor,  # [P, D] the layer type's RoPE tables (positions 0..P-1)
     sin: torch.Tensor,
     write: bool = True,  # False for a KV-shared layer: its source already wrote these rows
+    invariant: bool = False,  # batch-invariant path (module doc)
 ) -> torch.Tensor:  # [T, H, D]
     hkv, d = cache.shape[-2], cache.shape[-1]
     flat = cache.view(-1, hkv, d)
     if write:
         flat.index_copy_(0, plan.slots, v)
+    if invariant:
+        return _invariant(plan, q, v, flat, k_weight, cos, sin)
     out = torch.empty_like(q)
     if plan.dec_tok is not None:
         assert plan.dec_rows is not None
@@ -107,6 +117,31 @@ def keqv_attention(
             enable_gqa=True,
         )
         out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def _invariant(
+    plan: KEqVPlan,
+    q: torch.Tensor,  # [T, H, D]
+    v: torch.Tensor,  # [T, Hkv, D] this step's V
+    flat: torch.Tensor,  # [rows, Hkv, D] the V-only cache
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """Every sequence alone, K rebuilt from V in the cache dtype whether read or just written."""
+    out = torch.empty_like(q)
+    if plan.dec_tok is not None:
+        assert plan.dec_rows is not None and plan.dec_mask is not None
+        lens = plan.dec_mask.sum(-1).reshape(-1).tolist()
+        for j, (tok, n) in enumerate(zip(plan.dec_tok.tolist(), lens, strict=True)):
+            cv = flat.index_select(0, plan.dec_rows[j, :n])  # [n, Hkv, D]
+            ck = _k_on_read(cv[None], k_weight, cos[:n], sin[:n])[0]
+            out[tok : tok + 1] = attend_sequence(q[tok : tok + 1], ck, cv, None, 1.0)
+    for start, end, s, rows, _ in plan.prefills:
+        cv = v[start:end].to(flat.dtype) if rows is None else flat.index_select(0, rows)
+        ck = _k_on_read(cv[None], k_weight, cos[:s], sin[:s])[0]
+        out[start:end] = attend_sequence(q[start:end], ck, cv, None, 1.0)
     return out
 
 

@@ -151,11 +151,12 @@ class ModelShape:
         return self.matmul_params + emb
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
-        """Engine cache bytes per token (kv.footprint, stage "cache"): KV-shared layers hold
-        none. Sliding layers are counted in full, as the paged cache holds them today."""
+        """Engine cache bytes per token (kv.footprint, stage "one_pool"): KV-shared layers
+        hold none. Sliding layers are counted in full, as a one-pool cache holds them (the
+        engine's window pool, which keeps their window only, is not modelled: an overestimate)."""
         if self.kv_layers is None:
             return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-        return round(kv_bytes_per_token(self.kv_layers, itemsize, "cache", self.kv_context))
+        return round(kv_bytes_per_token(self.kv_layers, itemsize, "one_pool", self.kv_context))
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], name: str = "") -> ModelShape:

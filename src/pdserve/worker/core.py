@@ -119,6 +119,8 @@ class WorkerCore:
             enable_prefix_caching=s.enable_prefix_caching,
             batch_invariant=s.batch_invariant,
             kv_dtype=None if s.kv_dtype == "auto" else s.kv_dtype,
+            window_pool=s.window_pool,
+            window_blocks=s.window_blocks,
         )
 
     def attach_kvstore(self, addr: str) -> None:
@@ -289,6 +291,10 @@ class WorkerCore:
         out["pool_reservations"] = float(acc.num_reservations)
         out["pool_reserved_blocks"] = float(acc.num_reserved_blocks)
         out["pool_held_blocks"] = float(acc.num_held_blocks)
+        n_window = getattr(parts.engine, "num_window_blocks", 0)
+        if n_window:  # the sliding layers' pool (kv/window_group.py)
+            out["pool_window_free_blocks"] = float(load["num_free_window_blocks"])
+            out["pool_window_total_blocks"] = float(n_window)
         for name in ("prefix_hit_tokens", "prefix_hit_blocks", "num_preemptions"):
             out[f"engine_{name}"] = float(load[name])
         out.update(parts.kv_reuse.counters())

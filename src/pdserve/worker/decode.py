@@ -160,12 +160,14 @@ class DecodeHandler:
             # Cancel-safe: a cancelled reserve releases what the engine reserved.
             try:
                 await self._engine.reserve(
-                    request_id, num_prompt_tokens + 1 + max(0, num_predicted_tokens)
+                    request_id,
+                    num_prompt_tokens + 1 + max(0, num_predicted_tokens),
+                    num_prompt_tokens,  # the KV that arrives: a window group reserves its window
                 )
             except OverloadedError:
                 if num_predicted_tokens <= 0:
                     raise
-                await self._engine.reserve(request_id, num_prompt_tokens + 1)
+                await self._engine.reserve(request_id, num_prompt_tokens + 1, num_prompt_tokens)
         except OverloadedError:  # no room now: the router waits and retries
             self.counters["reservations_refused"] += 1
             raise

@@ -16,7 +16,7 @@ from pdserve.worker.core import WorkerCore
 
 GAUGES = {  # the rest only grow
     "pool_free_blocks", "pool_total_blocks", "pool_reservations", "pool_reserved_blocks",
-    "pool_held_blocks",
+    "pool_held_blocks", "pool_window_free_blocks", "pool_window_total_blocks",
 }  # fmt: skip
 
 

@@ -35,6 +35,18 @@ class WorkerSettings(ServiceSettings):
         "prefills whole prompts first or decodes)",
     )
     enable_prefix_caching: bool = Field(True, description="reuse full blocks across requests")
+    window_pool: bool = Field(
+        True,
+        description="models with sliding and full layers of different shapes (Gemma 4): the "
+        "sliding layers keep their own block pool and free blocks that leave the window; "
+        "--no-window-pool: one pool for every layer",
+    )
+    window_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="blocks of the sliding layers' pool (default: as many as --num-blocks; "
+        "with --kv-cache-bytes, max_num_seqs windows plus one step, first)",
+    )
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default)")
     batch_invariant: bool = Field(
         True,

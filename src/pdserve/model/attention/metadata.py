@@ -5,6 +5,12 @@ tokens `query_start_loc[i]:query_start_loc[i+1]` of `input_ids[T]`. A sequence m
 prefill chunk (query_len > 1, possibly after cached context) or a decode (query_len == 1);
 they can appear in any order. Backends derive their own per-step plans from this once per
 forward (not per layer).
+
+`window`: with a sliding window group (pdserve.kv.window_group: Gemma 4's sliding layers in
+their own block pool) the same batch addressed through each sequence's window table: its
+own slot_mapping and block_tables (entries before the window are the null block, zero and
+never written). A model runs its sliding layers with `meta.window or meta`; a backend needs
+no change (it plans from whichever metadata it is given).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class AttentionMetadata:
     num_prefill_tokens: int = 0  # tokens of sequences with query_len > 1
     num_decode_tokens: int = 0  # tokens of sequences with query_len == 1
     extras: dict[str, Any] = field(default_factory=dict)  # backend-specific, optional
+    window: AttentionMetadata | None = None  # the sliding group's tables (see module doc)
 
     @property
     def num_seqs(self) -> int:
@@ -47,10 +54,14 @@ class AttentionMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        window_block_tables: Sequence[Sequence[int]] | None = None,
     ) -> AttentionMetadata:
         """Build metadata from host lists. Sequence i's new tokens sit at positions
         `seq_lens[i] - query_lens[i] .. seq_lens[i] - 1`; its block table must cover
-        `ceil(seq_lens[i] / block_size)` blocks."""
+        `ceil(seq_lens[i] / block_size)` blocks (its window table too, when given)."""
+        window = None
+        if window_block_tables is not None:
+            window = cls.build(query_lens, seq_lens, window_block_tables, block_size, device)
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables differ in length")
         slots: list[int] = []
@@ -80,4 +91,5 @@ class AttentionMetadata:
             block_tables_cpu=[list(t) for t in block_tables],
             num_prefill_tokens=n_prefill,
             num_decode_tokens=sum(query_lens) - n_prefill,
+            window=window,
         )

@@ -10,9 +10,12 @@ is `b * 2 * block_size + o` and its V row is that plus `block_size`. Every layer
   - runs each prefill chunk with one SDPA against its context (fresh k/v directly when the
     chunk is the whole context, else the gathered cache) under a causal-with-offset mask.
 
-`batch_invariant` (the default) swaps both SDPA calls for `fixed.attend`, whose result for a
-query does not depend on the batch, the chunking or decode-vs-prefill (see that module); the
-SDPA path stays as the faster, batch-variant alternative (`--no-batch-invariant`).
+`batch_invariant` (the default) replaces the SDPA calls by an attention whose result for a
+query does not depend on the batch, the chunking or decode-vs-prefill: the fused C++ kernel
+(`fixed_kernel`: one call per layer for the whole step, reading the paged cache through the
+block table) when it builds, else `fixed.attend` in torch ops (the fallback, and quantized KV).
+The choice is made once per backend (`use_kernel`) and kept. The SDPA path stays as the
+batch-variant alternative (`--no-batch-invariant`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kv.quant import QuantRows
-from pdserve.model.attention import fixed
+from pdserve.model.attention import fixed, fixed_kernel
 from pdserve.model.attention.base import AttentionBackend
 from pdserve.model.attention.metadata import AttentionMetadata
 
@@ -62,9 +65,34 @@ def _rows(table: list[int], n: int, bs: int) -> torch.Tensor:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    batch_invariant = True  # set per instance by the runner (EngineConfig.batch_invariant)
+    # the fused kernel (fixed_kernel) when invariant, on CPU; resolved once (when the runner
+    # sets batch_invariant, so a first build happens at start-up, or at the first step), kept
+    use_kernel: bool | None = None
 
-    def prepare(self, meta: AttentionMetadata) -> TorchPlan:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self._batch_invariant = True
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Set by the runner (EngineConfig.batch_invariant); default True."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self._batch_invariant = on
+        if on and self.use_kernel is None:
+            self.use_kernel = fixed_kernel.available()
+
+    def prepare(self, meta: AttentionMetadata) -> TorchPlan | fixed_kernel.KernelPlan:
+        if self.batch_invariant:
+            if self.use_kernel is None:
+                self.use_kernel = fixed_kernel.available()
+            if self.use_kernel and meta.slot_mapping.device.type == "cpu":
+                return fixed_kernel.plan(meta)
+        return self._prepare_torch(meta)
+
+    def _prepare_torch(self, meta: AttentionMetadata) -> TorchPlan:
         bs = meta.block_size
         device = meta.slot_mapping.device
         slots = meta.slot_mapping.to(torch.int64)
@@ -101,7 +129,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(
         self,
-        plan: TorchPlan,
+        plan: TorchPlan | fixed_kernel.KernelPlan,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -109,6 +137,16 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
     ) -> torch.Tensor:
         hkv, d = self.num_kv_heads, self.head_dim
+        if isinstance(plan, fixed_kernel.KernelPlan):
+            if kv_cache.dim() == 5:  # the fused kernel reads the paged cache itself
+                flat = kv_cache.view(-1, hkv, d)
+                flat.index_copy_(0, plan.k_rows, k)
+                flat.index_copy_(0, plan.v_rows, v)
+                a = (plan.tables, plan.tok_seq, plan.tok_pos, plan.ctx_lens, window, self.scale)
+                return fixed_kernel.attend_paged(q, kv_cache, *a)
+            if plan.torch_plan is None:  # quantized KV: the torch fixed path, for life
+                plan.torch_plan = self._prepare_torch(plan.meta)
+            plan = plan.torch_plan
         if kv_cache.dim() == 2:  # quantized KV (pdserve.kv.quant): same row API, dequantized
             flat = QuantRows(kv_cache, plan.block_size, hkv, d, q.dtype)
         else:

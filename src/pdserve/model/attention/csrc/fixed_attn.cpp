@@ -1,0 +1,142 @@
+// Batch-invariant paged attention for CPU (pdserve.model.attention.fixed_kernel).
+//
+// One call per layer attends every query token of a step (prefill chunks and decodes alike)
+// against its sequence's keys, read straight from the paged cache
+// [num_blocks, 2, block_size, Hkv, D] through the block table (bf16 or fp32, converted to
+// fp32 in registers). A task is one (query token, kv head): its G = H / Hkv query heads are
+// computed together (each K/V row is loaded once for the G rows). Tasks are split across
+// threads; a task never is, so no row's reduction is ever split.
+//
+// The order of every reduction of a row depends only on the row's own position p, the
+// window and head_dim, never on the batch, the chunking, the other rows or the thread count:
+//   keys: lo = max(0, p - window + 1) (0 without window) .. hi = p; no key outside is read
+//         into any sum (a masked key never contributes, not even an exact zero);
+//   score_j = (sum over d of q[d] * k_j[d], 16-lane FMA chains over d-chunks in order, then a
+//             fixed horizontal reduction), q pre-multiplied by `scale` in fp32;
+//   m = max_j score_j (exact, any order); e_j = exp(score_j - m) by one polynomial;
+//   l = sum of e_j in 16-lane partial sums over j - lo in order, then a fixed reduction;
+//   out[d] = (sum over j = lo .. hi in order of e_j * v_j[d], one FMA per key) / l.
+// The build has no -ffast-math and no FP contraction outside the explicit FMA intrinsics.
+// Without AVX-512 the same algorithm runs in scalar code (other bits, equally invariant).
+// The per-task math is in fixed_attn_math.h; this file splits tasks, checks inputs, binds.
+
+// ATen + the pybind bridge only (not torch/extension.h: a much shorter first-use build)
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/python.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <vector>
+
+#include "fixed_attn_math.h"
+
+namespace {
+
+using namespace pdserve_attn;
+
+template <typename QT, typename CT>
+void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+         const at::Tensor& tok_seq, const at::Tensor& tok_pos, const at::Tensor& ctx,
+         int64_t window, double scale, at::Tensor& out) {
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
+  Shape sh{cache.size(3), h / cache.size(3), d, cache.size(2), tables.size(1), cache.size(3) * d};
+  const int64_t w = (d + kLanes - 1) / kLanes * kLanes;
+  const QT* qp = q.data_ptr<QT>();
+  QT* op = out.data_ptr<QT>();
+  const CT* cp = cache.data_ptr<CT>();
+  const int32_t* tb = tables.data_ptr<int32_t>();
+  const int32_t* seq = tok_seq.data_ptr<int32_t>();
+  const int32_t* pos = tok_pos.data_ptr<int32_t>();
+  const int32_t* cl = ctx.data_ptr<int32_t>();
+  const float sc = (float)scale;
+  // grain: tasks of a few hundred keys each are ~10 us; keep decode batches on one thread
+  at::parallel_for(0, t * sh.hkv, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(sh.g * w), of(sh.g * w), l(sh.g), kf(kLanes * w), s;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t ti = task / sh.hkv, hk = task % sh.hkv, b = seq[ti], p = pos[ti];
+      const int64_t hi = std::min<int64_t>(p, (int64_t)cl[b] - 1);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      const QT* qt = qp + (ti * h + hk * sh.g) * d;
+      QT* ot = op + (ti * h + hk * sh.g) * d;
+      for (int64_t g = 0; g < sh.g; ++g)
+        for (int64_t i = 0; i < w; ++i) qf[g * w + i] = i < d ? (float)qt[g * d + i] * sc : 0.0f;
+      const int64_t n = hi - lo + 1;
+      if ((int64_t)s.size() < sh.g * n) s.resize(sh.g * n);
+      attend_task<CT>(qf.data(), cp + hk * d, tb + b * sh.width, sh, lo, hi, s.data(), l.data(),
+                      kf.data(), of.data());
+      for (int64_t g = 0; g < sh.g; ++g)
+        for (int64_t i = 0; i < d; ++i) ot[g * d + i] = (QT)of[g * w + i];
+    }
+  });
+}
+
+// Every block the kernel will read exists: per sequence, the blocks of keys min(lo) .. max(p)
+// over its tokens (blocks outside a window are never read, so a table may leave them unset).
+void check_tables(const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& tok_seq,
+                  const at::Tensor& tok_pos, const at::Tensor& ctx, int64_t window) {
+  const int64_t nb = cache.size(0), bs = cache.size(2), width = tables.size(1);
+  const int64_t b = tables.size(0);
+  const int32_t* tb = tables.data_ptr<int32_t>();
+  const int32_t* cl = ctx.data_ptr<int32_t>();
+  const int32_t* seq = tok_seq.data_ptr<int32_t>();
+  const int32_t* pos = tok_pos.data_ptr<int32_t>();
+  std::vector<int64_t> first(b, INT64_MAX), last(b, -1);
+  for (int64_t i = 0; i < tok_seq.size(0); ++i) {
+    TORCH_CHECK(seq[i] >= 0 && seq[i] < b, "token ", i, ": sequence index out of range");
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < cl[seq[i]], "token ", i, ": position ", pos[i],
+                " not inside its context of ", cl[seq[i]]);
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[i] - window + 1) : 0;
+    first[seq[i]] = std::min(first[seq[i]], lo / bs);
+    last[seq[i]] = std::max(last[seq[i]], (int64_t)pos[i] / bs);
+  }
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(last[i] < width, "sequence ", i, ": position beyond its block table (", width,
+                " blocks)");
+    for (int64_t k = first[i]; k <= last[i]; ++k)
+      TORCH_CHECK(tb[i * width + k] >= 0 && tb[i * width + k] < nb, "block id ",
+                  tb[i * width + k], " out of range");
+  }
+}
+
+}  // namespace
+
+// q [T, H, D] (bf16 | fp32), cache [num_blocks, 2, block_size, Hkv, D] (bf16 | fp32),
+// block_tables [B, W] int32, tok_seq [T] int32 (row of block_tables), tok_pos [T] int32,
+// ctx_lens [B] int32 (keys 0 .. ctx - 1 are in the cache), window <= 0: none.
+// Returns [T, H, D] in q's dtype: query at position p sees keys max(0, p - window + 1) .. p.
+at::Tensor attend_paged(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
+                           at::Tensor tok_seq, at::Tensor tok_pos, at::Tensor ctx_lens,
+                           int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && cache.size(1) == 2, "bad shapes");
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "q and cache must be contiguous");
+  TORCH_CHECK(cache.size(4) == q.size(2) && q.size(1) % cache.size(3) == 0, "head shapes");
+  for (const auto* x : {&block_tables, &tok_seq, &tok_pos, &ctx_lens})
+    TORCH_CHECK(x->scalar_type() == at::kInt && x->is_contiguous(), "int32 index tensors");
+  TORCH_CHECK(tok_seq.size(0) == q.size(0) && tok_pos.size(0) == q.size(0), "one seq/pos per token");
+  TORCH_CHECK(ctx_lens.size(0) == block_tables.size(0), "one context length per table row");
+  check_tables(cache, block_tables, tok_seq, tok_pos, ctx_lens, window);
+  auto out = at::empty_like(q);
+  const auto qt = q.scalar_type(), ct = cache.scalar_type();
+  if (qt == at::kBFloat16 && ct == at::kBFloat16)
+    run<bf16, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
+  else if (qt == at::kFloat && ct == at::kFloat)
+    run<float, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
+  else if (qt == at::kFloat && ct == at::kBFloat16)
+    run<float, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
+  else if (qt == at::kBFloat16 && ct == at::kFloat)
+    run<bf16, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
+  else
+    TORCH_CHECK(false, "dtypes: bf16 or fp32 only");
+  return out;
+}
+
+bool vectorized() { return kVector; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend_paged", &attend_paged, "batch-invariant paged attention (CPU)");
+  m.def("vectorized", &vectorized, "true when built with AVX-512");
+}

@@ -1,0 +1,167 @@
+"""The fused batch-invariant CPU attention kernel (csrc/fixed_attn.cpp + fixed_attn_math.h)
+and its loader.
+
+`attend_paged` attends every query token of a step, prefill chunks and decodes alike, in ONE
+call per layer, reading K/V straight from the paged cache `[num_blocks, 2, bs, Hkv, D]`
+through the block table (bf16 or fp32; no gather, no upcast copy, no padding). Each query row
+is reduced in an order fixed by its own position (keys from the window start to the row's
+position, in order; see the .cpp header), so its bits do not depend on the batch, the
+chunking, decode vs prefill or the thread count. The interface only needs "q, the paged cache,
+block-table rows, query positions, context lengths, window, scale": it does not care how the
+block table was built.
+
+Build: `torch.utils.cpp_extension.load` on first use (g++ and ninja), cached in
+`$TORCH_EXTENSIONS_DIR` or `$PDSERVE_HOME/torch_extensions` (default ~/.cache/pdserve/...),
+one directory per torch / Python version and per ISA variant (AVX-512 when the CPU has it,
+else scalar; `PDSERVE_ATTN_KERNEL=scalar` forces scalar). `load()` tries once per process;
+if the build fails (no compiler) or `PDSERVE_ATTN_KERNEL=0`, it returns None, logs why, and the torch `fixed` path is used: the
+attention backend resolves this once and keeps the same path for its whole life.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.logging import get_logger
+
+_log = get_logger(__name__)
+_SOURCE = Path(__file__).parent / "csrc" / "fixed_attn.cpp"
+_BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math"]
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+_lock = threading.Lock()
+_state: dict[str, Any] = {}  # "ext": the module or None once tried; "build_s": seconds
+
+
+def _avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def build_dir(variant: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        home = os.environ.get("PDSERVE_HOME") or Path.home() / ".cache" / "pdserve"
+        root = str(Path(home) / "torch_extensions")
+    tv = torch.__version__.replace("+", "_")
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(root) / f"pdserve_fixed_attn-{variant}-torch{tv}-{py}"
+
+
+def _ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH: add the venv's bin (the `ninja` wheel) when the
+    interpreter runs without an activated venv."""
+    venv_ninja = Path(sys.executable).parent / "ninja"
+    if shutil.which("ninja") is None and venv_ninja.exists():
+        os.environ["PATH"] = f"{venv_ninja.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def load() -> Any | None:
+    """The compiled module, or None when it cannot be used (reason logged once)."""
+    with _lock:
+        if "ext" in _state:
+            return _state["ext"]
+        _state["ext"] = None
+        setting = os.environ.get("PDSERVE_ATTN_KERNEL", "1")
+        if setting == "0":
+            _log.info("attention kernel off (PDSERVE_ATTN_KERNEL=0): torch fixed path")
+            return None
+        variant = "avx512" if _avx512() and setting != "scalar" else "scalar"
+        flags = _BASE_FLAGS + (_AVX512_FLAGS if variant == "avx512" else [])
+        path = build_dir(variant)
+        t0 = time.perf_counter()
+        try:
+            from torch.utils import cpp_extension
+
+            _ninja_on_path()
+            path.mkdir(parents=True, exist_ok=True)
+            ext = cpp_extension.load(
+                name=f"pdserve_fixed_attn_{variant}",
+                sources=[str(_SOURCE)],
+                extra_cflags=flags,
+                build_directory=str(path),
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler, no ninja, headers missing: fall back
+            _log.warning(
+                "attention kernel unavailable: using the torch fixed path",
+                error=f"{type(exc).__name__}: {exc}"[:500],
+            )
+            return None
+        _state["build_s"] = time.perf_counter() - t0
+        _state["ext"] = ext
+        _log.info(
+            "attention kernel loaded",
+            variant=variant,
+            vectorized=bool(ext.vectorized()),
+            load_s=round(_state["build_s"], 2),
+        )
+        return ext
+
+
+def available() -> bool:
+    return load() is not None
+
+
+@dataclass
+class KernelPlan:
+    """One step's kernel arguments (built once per step, shared by all layers)."""
+
+    k_rows: torch.Tensor  # [T] K row of each new token in the flat cache view
+    v_rows: torch.Tensor  # [T] its V row (k_rows + block_size)
+    block_size: int
+    tables: torch.Tensor  # [B, W] int32 block ids per sequence (padded)
+    tok_seq: torch.Tensor  # [T] int32 sequence (table row) of each token
+    tok_pos: torch.Tensor  # [T] int32 position of each token
+    ctx_lens: torch.Tensor  # [B] int32 context length incl. this step's tokens
+    meta: Any  # the AttentionMetadata (for the torch path of a quantized cache)
+    torch_plan: Any = None  # built on demand from meta by the backend
+
+
+def plan(meta: Any) -> KernelPlan:
+    """KernelPlan from AttentionMetadata (pdserve.model.attention.metadata)."""
+    bs = meta.block_size
+    device = meta.slot_mapping.device
+    slots = meta.slot_mapping.to(torch.int64)
+    k_rows = (slots // bs) * (2 * bs) + slots % bs
+    qlens = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
+    ctx = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
+    seq = torch.repeat_interleave(torch.arange(len(qlens)), qlens)  # [T]
+    starts = torch.cumsum(qlens, 0) - qlens
+    pos = torch.arange(int(qlens.sum())) - starts[seq] + (ctx - qlens)[seq]
+    i32 = torch.int32
+    return KernelPlan(
+        k_rows,
+        k_rows + bs,
+        bs,
+        meta.block_tables.to(device=device, dtype=i32).contiguous(),
+        seq.to(device=device, dtype=i32),
+        pos.to(device=device, dtype=i32),
+        ctx.to(device=device, dtype=i32),
+        meta,
+    )
+
+
+def attend_paged(
+    q: torch.Tensor,  # [T, H, D] bf16 | fp32
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D] bf16 | fp32, contiguous
+    tables: torch.Tensor,  # [B, W] int32
+    tok_seq: torch.Tensor,  # [T] int32
+    tok_pos: torch.Tensor,  # [T] int32
+    ctx_lens: torch.Tensor,  # [B] int32
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D] in q's dtype
+    ext = load()
+    if ext is None:
+        raise RuntimeError("the attention kernel is not available (see the log)")
+    return ext.attend_paged(
+        q.contiguous(), kv_cache, tables, tok_seq, tok_pos, ctx_lens, window or 0, scale
+    )

@@ -1,0 +1,268 @@
+"""The fused batch-invariant attention kernel (pdserve.model.attention.fixed_kernel).
+
+Math: prefill chunks and decodes of a mixed batch, read through shuffled block tables, match
+SDPA in fp32 (and the torch `fixed` path) within tolerance, for bf16 and fp32 caches, GQA
+ratios 1/2/4, head_dim 16/64/80/128 (80: the any-width path), with and without a window.
+Invariance, bitwise: a sequence's rows alone vs inside batches of other sequences (other block
+placements, longer neighbours), its prompt whole vs chunked vs as decode rows, 1 vs 2 threads.
+The scalar build (no AVX-512) passes this file too: `PDSERVE_ATTN_KERNEL=scalar pytest ...`.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.model.attention import AttentionMetadata, TorchAttentionBackend, fixed_kernel
+
+DTYPES = (torch.bfloat16, torch.float32)
+BS = 16  # block size
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if fixed_kernel.load() is None:
+        if shutil.which("c++") is None and shutil.which("g++") is None:
+            pytest.skip("no C++ compiler: the kernel cannot build (torch fixed path is used)")
+        pytest.fail("the attention kernel did not build (see the log)")
+
+
+def _seq(s, h, hkv, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, n, d, generator=g).to(dtype) for n in (h, hkv, hkv))
+
+
+class Paged:
+    """A paged cache holding whole sequences at shuffled blocks; `call` runs the kernel for
+    a list of (sequence index, first query position, last query position + 1)."""
+
+    def __init__(self, seqs, hkv, d, dtype, seed=0, spare=3):
+        need = sum(-(-k.shape[0] // BS) for _, k, _ in seqs) + spare
+        g = torch.Generator().manual_seed(seed)
+        self.cache = torch.randn(need, 2, BS, hkv, d, generator=g).to(dtype)  # junk elsewhere
+        perm = torch.randperm(need, generator=g).tolist()
+        self.tables = []
+        for _, k, v in seqs:
+            nb = -(-k.shape[0] // BS)
+            table, perm = perm[:nb], perm[nb:]
+            for pos in range(k.shape[0]):
+                self.cache[table[pos // BS], 0, pos % BS] = k[pos]
+                self.cache[table[pos // BS], 1, pos % BS] = v[pos]
+            self.tables.append(table)
+        self.seqs = seqs
+
+    def call(self, parts, window, scale=0.25):
+        """parts: (seq, a, e): queries a .. e-1 of seq, its context = e keys."""
+        qs, tseq, tpos, ctx = [], [], [], []
+        width = max(len(t) for t in self.tables)
+        tables = []
+        for r, (i, a, e) in enumerate(parts):
+            qs.append(self.seqs[i][0][a:e])
+            tseq += [r] * (e - a)
+            tpos += list(range(a, e))
+            ctx.append(e)
+            tables.append(self.tables[i] + [0] * (width - len(self.tables[i])))
+        i32 = torch.int32
+        out = fixed_kernel.attend_paged(
+            torch.cat(qs),
+            self.cache,
+            torch.tensor(tables, dtype=i32),
+            torch.tensor(tseq, dtype=i32),
+            torch.tensor(tpos, dtype=i32),
+            torch.tensor(ctx, dtype=i32),
+            window,
+            scale,
+        )
+        return list(out.split([e - a for _, a, e in parts]))
+
+
+def _sdpa(q, k, v, window, scale=0.25):
+    n = q.shape[0]
+    qpos, kpos = torch.arange(n)[:, None], torch.arange(n)[None]
+    vis = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+    return F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None],
+        k.float().transpose(0, 1)[None],
+        v.float().transpose(0, 1)[None],
+        attn_mask=vis,
+        scale=scale,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2, 64), (8, 2, 16), (2, 2, 80), (8, 1, 128)])
+def test_kernel_matches_sdpa(dtype, window, heads):
+    h, hkv, d = heads
+    seqs = [_seq(s, h, hkv, d, dtype, seed) for seed, s in enumerate((150, 37, 1, 70))]
+    paged = Paged(seqs, hkv, d, dtype)
+    # a mixed step: seq 0 whole, seq 1 a second chunk, seq 2 one token, seq 3 a decode
+    outs = paged.call([(0, 0, 150), (1, 20, 37), (2, 0, 1), (3, 69, 70)], window)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    for (i, a, e), o in zip([(0, 0, 150), (1, 20, 37), (2, 0, 1), (3, 69, 70)], outs, strict=True):
+        q, k, v = seqs[i]
+        ref = _sdpa(q[:e], k[:e], v[:e], window)[a:e]
+        assert o.dtype == dtype
+        torch.testing.assert_close(o.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_rows_are_invariant(dtype, window):
+    h, hkv, d = 4, 2, 64
+    seqs = [_seq(s, h, hkv, d, dtype, seed) for seed, s in enumerate((150, 300, 7, 129))]
+    n = 150
+    alone = Paged(seqs[:1], hkv, d, dtype, seed=5)
+    full = alone.call([(0, 0, n)], window)[0]
+    for cut in (1, 7, 63, 64, 65, 149):  # chunked prefill: the rest of the prompt after cut
+        assert torch.equal(alone.call([(0, cut, n)], window)[0], full[cut:]), f"chunk at {cut}"
+    positions = (0, 5, 15, 16, 63, 64, 100, n - 1)
+    for p in positions:  # decode rows alone
+        assert torch.equal(alone.call([(0, p, p + 1)], window)[0], full[p : p + 1])
+    # inside batches: other sequences (longer, shorter), other block placements, any order
+    crowd = Paged([seqs[1], seqs[2], seqs[0], seqs[3]], hkv, d, dtype, seed=9)
+    for parts, mine in (
+        ([(0, 299, 300), (2, 0, n), (1, 6, 7)], 1),
+        ([(2, 64, n), (3, 0, 129), (0, 0, 300)], 0),
+        ([(1, 0, 7)] + [(2, p, p + 1) for p in positions] + [(0, 250, 300)], None),
+    ):
+        outs = crowd.call(parts, window)
+        if mine is None:  # the decode rows of seq 0 among others
+            got = torch.cat(outs[1 : 1 + len(positions)])
+            assert torch.equal(got, full[list(positions)])
+        else:
+            _, a, e = parts[mine]
+            assert torch.equal(outs[mine], full[a:e]), f"batch {parts}"
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(alone.call([(0, 0, n)], window)[0], full), f"{t} threads"
+            out = crowd.call([(0, 0, 300), (2, 0, n)], window)[1]
+            assert torch.equal(out, full), f"{t} threads in a batch"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _meta(parts):
+    """AttentionMetadata of sequences (query_len, seq_len) with consecutive block tables."""
+    tables, nxt = [], 1
+    for _, s in parts:
+        nb = -(-s // BS)
+        tables.append(list(range(nxt, nxt + nb)))
+        nxt += nb
+    return AttentionMetadata.build([q for q, _ in parts], [s for _, s in parts], tables, BS), nxt
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_kernel_path_matches_the_torch_fixed_path(dtype):
+    """The backend with the kernel and with the torch fixed path (the fallback), one mixed
+    step after a first prefill: the same math, within float tolerance."""
+    h, hkv, d = 4, 2, 32
+    first = [(40, 40), (9, 9)]
+    second = [(1, 41), (30, 39), (5, 5)]  # a decode, a second chunk, a new prompt
+    g = torch.Generator().manual_seed(3)
+    outs = {}
+    for use in (True, False):
+        be = TorchAttentionBackend(h, hkv, d)
+        be.use_kernel = use
+        meta1, nb = _meta(first)
+        cache = torch.zeros(nb + 3, 2, BS, hkv, d, dtype=dtype)
+        t0, t1 = meta1.block_tables_cpu
+        tables2 = [t0, [*t1, nb, nb + 1], [nb + 2]]
+        meta2 = AttentionMetadata.build([q for q, _ in second], [s for _, s in second], tables2, BS)
+        g.manual_seed(3)
+        res = []
+        for meta in (meta1, meta2):
+            t = meta.num_tokens
+            q, k, v = (torch.randn(t, n, d, generator=g).to(dtype) for n in (h, hkv, hkv))
+            plan = be.prepare(meta)
+            assert isinstance(plan, fixed_kernel.KernelPlan) is use
+            res.append(be.forward(plan, q, k, v, cache, None))
+        outs[use] = torch.cat(res)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=tol, rtol=tol)
+
+
+def test_blocks_outside_the_window_are_never_read():
+    """A sliding layer's table may leave the blocks before the window unset (-1): the kernel
+    reads (and checks) only the blocks of keys max(0, p - window + 1) .. p."""
+    h, hkv, d, w = 4, 2, 32, 24
+    seqs = [_seq(150, h, hkv, d, torch.float32, 0)]
+    paged = Paged(seqs, hkv, d, torch.float32)
+    full = paged.call([(0, 140, 150)], w)[0]
+    table = list(paged.tables[0])
+    first = (140 - w + 1) // BS
+    paged.tables[0] = [-1] * first + table[first:]
+    assert torch.equal(paged.call([(0, 140, 150)], w)[0], full)
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged.call([(0, 140, 150)], None)  # without the window the unset blocks are needed
+
+
+def test_bad_tables_are_refused():
+    h, hkv, d = 2, 1, 16
+    seqs = [_seq(20, h, hkv, d, torch.float32, 0)]
+    paged = Paged(seqs, hkv, d, torch.float32)
+    i32 = torch.int32
+    q = seqs[0][0][:2]
+    with pytest.raises(RuntimeError, match="out of range"):
+        fixed_kernel.attend_paged(
+            q,
+            paged.cache,
+            torch.tensor([[0, 999]], dtype=i32),
+            torch.tensor([0, 0], dtype=i32),
+            torch.tensor([18, 19], dtype=i32),
+            torch.tensor([20], dtype=i32),
+            None,
+            0.25,
+        )
+    with pytest.raises(RuntimeError, match="not inside its context"):
+        fixed_kernel.attend_paged(
+            q,
+            paged.cache,
+            torch.tensor([paged.tables[0]], dtype=i32),
+            torch.tensor([0, 0], dtype=i32),
+            torch.tensor([19, 20], dtype=i32),
+            torch.tensor([20], dtype=i32),
+            None,
+            0.25,
+        )
+
+
+def test_kernel_off_switch_falls_back(monkeypatch):
+    """PDSERVE_ATTN_KERNEL=0 (or a failed build): load() gives None, the backend takes the
+    torch fixed path and keeps it."""
+    saved = dict(fixed_kernel._state)
+    monkeypatch.setenv("PDSERVE_ATTN_KERNEL", "0")
+    fixed_kernel._state.clear()
+    try:
+        assert fixed_kernel.load() is None and not fixed_kernel.available()
+        be = TorchAttentionBackend(4, 2, 16)
+        meta, _ = _meta([(3, 3)])
+        assert not isinstance(be.prepare(meta), fixed_kernel.KernelPlan)
+        assert be.use_kernel is False
+    finally:
+        fixed_kernel._state.clear()
+        fixed_kernel._state.update(saved)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_engine_paths_are_each_invariant(tmp_path, use_kernel):
+    """The engine runs the kernel by default; with the kernel (and with the torch fallback
+    forced) a request's tokens alone equal its tokens inside a chunked batch (bf16)."""
+    from pdserve.model.loader import load_model
+    from pdserve.model.tiny import TinySpec, make_tiny
+    from tests.unit.test_conformance import SUBSET, engine, params_of, prompts, run, solo
+
+    lm = load_model(make_tiny(tmp_path / "m", TinySpec(family="qwen2", vocab=512)), "bfloat16")
+    be = lm.model.attn_backend
+    if not use_kernel:
+        be.use_kernel = False
+    ps = prompts()
+    alone = {i: solo(engine(lm, "bfloat16"), [ps[i]], params_of(i))[0] for i in SUBSET}
+    assert be.use_kernel is use_kernel
+    assert run(engine(lm, "bfloat16", max_num_batched_tokens=64), SUBSET) == alone
