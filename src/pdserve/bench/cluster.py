@@ -47,6 +47,7 @@ class UpProcess:
         self.proc: subprocess.Popen[str] | None = None
         self._ready = threading.Event()
         self._ready_port: int | None = None
+        self.tls_dir: str | None = None  # from the ready line: admin calls over mutual TLS
         self._tail: list[str] = []
         self._reader: threading.Thread | None = None
 
@@ -60,6 +61,8 @@ class UpProcess:
             if info is not None and not self._ready.is_set():
                 port = info.get("port")
                 self._ready_port = port if isinstance(port, int) else self.port
+                tls = info.get("tls_dir")  # the cluster's certificates (None: --insecure)
+                self.tls_dir = tls if isinstance(tls, str) else None
                 self._ready.set()
         if log:
             log.close()

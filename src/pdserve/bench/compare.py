@@ -106,11 +106,11 @@ def _cluster(name: str, flags: list[str], extra: list[str], args, out: Path) -> 
     )
 
 
-def _with_counters(result: dict[str, Any], addr: str) -> dict[str, Any]:
+def _with_counters(result: dict[str, Any], addr: str, tls_dir: str | None) -> dict[str, Any]:
     try:
         from pdserve.bench.lengths import cluster_preemptions
 
-        result["preemptions"] = cluster_preemptions(addr)
+        result["preemptions"] = cluster_preemptions(addr, tls_dir)
     except Exception as exc:  # reporting only: never fail the arm for it
         print(f"(preemption counters unavailable: {exc})", flush=True)
     return result
@@ -119,8 +119,10 @@ def _with_counters(result: dict[str, Any], addr: str) -> dict[str, Any]:
 def _run_back_to_back(arms, extra, args, out: Path) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for name, flags in arms.items():
-        with _cluster(name, flags, extra, args, out) as addr:
-            results[name] = _with_counters(run_benchmark(addr, _arm_args(args, flags)), addr)
+        cluster = _cluster(name, flags, extra, args, out)
+        with cluster as addr:
+            res = run_benchmark(addr, _arm_args(args, flags))
+            results[name] = _with_counters(res, addr, cluster.tls_dir)
         print(format_summary(results[name]["summary"]), flush=True)
     return results
 
@@ -132,14 +134,15 @@ def _run_concurrently(arms, extra, args, out: Path) -> dict[str, dict[str, Any]]
     from concurrent.futures import ThreadPoolExecutor
 
     with contextlib.ExitStack() as stack:
-        addrs = {n: stack.enter_context(_cluster(n, f, extra, args, out)) for n, f in arms.items()}
+        clusters = {n: _cluster(n, f, extra, args, out) for n, f in arms.items()}
+        addrs = {n: stack.enter_context(c) for n, c in clusters.items()}
         with ThreadPoolExecutor(len(addrs)) as pool:
             futures = {
                 n: pool.submit(run_benchmark, a, _arm_args(args, arms[n])) for n, a in addrs.items()
             }
             results = {n: f.result() for n, f in futures.items()}
         for n, a in addrs.items():
-            _with_counters(results[n], a)
+            _with_counters(results[n], a, clusters[n].tls_dir)
             print(f"== arm {n}\n" + format_summary(results[n]["summary"]), flush=True)
     return results
 

@@ -87,8 +87,10 @@ async def worker_counters(
     return status, out
 
 
-async def _preemptions(addr: str, timeout: float = 5.0) -> dict[str, float]:
-    status, counters = await worker_counters(addr, timeout)
+async def _preemptions(
+    addr: str, timeout: float = 5.0, tls_dir: str | None = None
+) -> dict[str, float]:
+    status, counters = await worker_counters(addr, timeout, tls_dir)
     out: dict[str, float] = {
         "_predictor_kendall_tau": status.predictor_kendall_tau,
         "_predictor_observed": float(status.predictor_observed),
@@ -98,10 +100,11 @@ async def _preemptions(addr: str, timeout: float = 5.0) -> dict[str, float]:
     return out
 
 
-def cluster_preemptions(addr: str) -> dict[str, Any]:
+def cluster_preemptions(addr: str, tls_dir: str | None = None) -> dict[str, Any]:
     """Preemptions per worker and in total (from each worker's Info counters), and the
-    router's running Kendall tau of its length predictions (Status)."""
-    per = asyncio.run(_preemptions(addr))
+    router's running Kendall tau of its length predictions (Status). `tls_dir`: the
+    cluster's certificates (a default mutual-TLS cluster refuses plaintext calls)."""
+    per = asyncio.run(_preemptions(addr, tls_dir=tls_dir))
     router = {k.lstrip("_"): per.pop(k) for k in list(per) if k.startswith("_")}
     return {"total": sum(per.values()), "per_instance": per, "router": router}
 
