@@ -143,8 +143,8 @@ def loaded_llama(tiny_llama_dir):
 
 @pytest.fixture
 def make_engine(loaded_llama):
-    """Factory for engines sharing one loaded tiny llama; checks block accounting returns to
-    its initial state at teardown (every block free, integrity holds)."""
+    """Factory for engines sharing one loaded tiny llama (or `loaded=`); checks block accounting
+    returns to its initial state at teardown (every block of every pool free, integrity holds)."""
     from pdserve.engine.engine import EngineConfig, LLMEngine
 
     engines = []
@@ -164,3 +164,4 @@ def make_engine(loaded_llama):
         assert not engine.has_unfinished_requests()
         engine.check_integrity()
         assert engine.kv.num_free_blocks == engine.num_blocks
+        assert engine.kv.num_free_window_blocks == engine.kv.num_window_blocks  # 0 == 0: one pool

@@ -135,27 +135,18 @@ def g4(g4_dir):
 
 
 @pytest.fixture
-def engine(g4):
-    """Engines over the tiny Gemma 4 (block size 4); each is checked at teardown: nothing
-    running, integrity exact, both pools full."""
-    from pdserve.engine.engine import EngineConfig, LLMEngine
-
-    made = []
+def engine(g4, make_engine):
+    """Engines over the tiny Gemma 4 (fp32, block size 4); each is checked at teardown by
+    `make_engine`: nothing running, integrity exact, both pools full."""
 
     def factory(**kw):
         kw.setdefault("num_blocks", 200)
         kw.setdefault("block_size", BS)
         kw.setdefault("max_num_batched_tokens", 64)
-        e = LLMEngine(EngineConfig(model_dir=g4.model_dir, dtype="float32", **kw), loaded=g4)
-        made.append(e)
-        return e
+        kw.setdefault("max_num_seqs", 64)  # EngineConfig's default (sizes the window pool)
+        return make_engine(loaded=g4, dtype="float32", **kw)
 
-    yield factory
-    for e in made:
-        assert not e.has_unfinished_requests()
-        e.check_integrity()
-        assert e.kv.num_free_blocks == e.num_blocks
-        assert e.kv.num_free_window_blocks == e.kv.num_window_blocks
+    return factory
 
 
 def _prompts(n, lens, seed=0):
