@@ -20,7 +20,6 @@ tokens x 3600) x 1e6.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ from pdserve.sim.cluster import ClusterSpec, PoolSpec
 from pdserve.sim.costs import CostModel
 from pdserve.sim.hardware import load_model_config, roofline_costs
 from pdserve.sim.instance import InstanceConfig
+from pdserve.sim.plan_search import PlanSearch
 from pdserve.sim.run import base_for, default_num_blocks, simulate_once
 
 NOCHUNK = "colocated-nochunk"
@@ -256,35 +256,20 @@ def plan(
                        colocated_modes=getattr(args, "colocated_modes", "chunked"),
                        kv_dtype=kv_dtype)  # fmt: skip
     jobs = getattr(args, "jobs", 1) or os.cpu_count() or 1
-    log(f"{len(cands)} candidate units; simulating each rate sweep ({jobs} processes) ...")
+    log(f"{len(cands)} candidate units; simulating the rate searches ({jobs} processes) ...")
     base_for(args, 0)  # read the trace once, before the workers fork
     parallel.CONTEXT.update(args=args, slo=slo, max_model_len=max_model_len, target=target,
                             cands=cands)  # fmt: skip
     with parallel.Runner(jobs) as runner:
-        results = []
-        for i, res in enumerate(runner.map(_unit_task, range(len(cands)))):
-            cand = cands[i]
-            res["candidate"] = cand
-            results.append(res)
-            log(f"  [{i + 1}/{len(cands)}] {cand.label}: {res['goodput_req_s']:.2f} req/s, "
-                f"{res['per_device_goodput']:.2f} req/s/device")  # fmt: skip
-        tops = {}
-        for kind in KINDS:
-            pool = [r for r in results if r["candidate"].kind == kind]
-            if pool:
-                tops[kind] = max(pool, key=lambda r: r["per_device_goodput"])
-        walks = []
-        for top in tops.values():
-            unit = top["candidate"].devices()
-            walks.append((top["candidate"], min(budget.devices[hw] // n for hw, n in unit.items())))
-        starts = [tops[k]["goodput_req_s"] * w[1] for k, w in zip(tops, walks, strict=True)]
-        log("replicated to the budget: the full-scale walks ...")
-        full = parallel.full_scale_walks(runner, starts, functools.partial(_full_task, walks),
-                                         lambda r: (r["attainment"] or 0.0) >= target)  # fmt: skip
+        search = PlanSearch(runner, cands, budget, args.start_rate, target, KINDS, log)
+        search.run()
+    results, walks = [r for r in search.units if r is not None], search.walks
+    log(f"{runner.jobs} processes, {search.sched.submitted} simulations "
+        f"({search.sched.wasted} speculative ones not needed)")  # fmt: skip
     best: dict[str, Any] = {}
-    for (kind, top), (cand, replicas), unit_rate, (full_rate, check) in zip(
-        tops.items(), walks, starts, full, strict=True
-    ):
+    for kind, (top, replicas, unit_rate, walk) in walks.items():
+        cand = top["candidate"]
+        full_rate, check = parallel.walk_answer(unit_rate, walk)
         unit = cand.devices()
         devices = {hw: n * replicas for hw, n in unit.items()}
         best[kind] = {
@@ -337,17 +322,3 @@ def plan(
         "disagg_over_colocated_per_device_units": unit_ratio,
         "disagg_over_colocated_nochunk_per_device": nochunk_ratio,
     }
-
-
-def _unit_task(i: int) -> dict[str, Any]:
-    """One candidate's goodput search (in a worker: inputs from `parallel.CONTEXT`)."""
-    c = parallel.CONTEXT
-    cand = c["cands"][i]
-    rate = c["args"].start_rate * cand.num_devices
-    return unit_goodput(cand, c["args"], c["slo"], c["max_model_len"], c["target"], rate)
-
-
-def _full_task(walks: list[tuple[Candidate, int]], i: int, rate: float) -> dict[str, Any]:
-    c = parallel.CONTEXT
-    cand, replicas = walks[i]
-    return latency_at(cand, replicas, c["args"], c["slo"], c["max_model_len"], rate)
