@@ -44,16 +44,6 @@ class StepResult:
     produced: list[tuple[Seq, str | None]] = field(default_factory=list)  # (seq, finish reason)
 
 
-class _Sampled(dict):
-    """`Scheduler.update`'s sampled-token map: every simulated sample is SAMPLED_TOKEN."""
-
-    def __missing__(self, key: str) -> int:
-        return SAMPLED_TOKEN
-
-
-_SAMPLED = _Sampled()
-
-
 class SimInstance:
     def __init__(self, instance_id: str, role: int, costs: CostModel, config: InstanceConfig):
         self.instance_id = instance_id
@@ -73,11 +63,15 @@ class SimInstance:
         self.flip_to = 0  # role this instance drains towards (the flip controller's pick)
         self.steps = 0
         self._arrival = itertools.count()
+        # `Scheduler.update`'s sampled-token map: SAMPLED_TOKEN for every sequence here (a
+        # plain dict: its lookups are the hot path of every decode step)
+        self._sampled: dict[str, int] = {}
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, prefill_only: bool):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         seq = Seq(request_id, list(prompt), params, next(self._arrival), prefill_only=prefill_only)
+        self._sampled[request_id] = SAMPLED_TOKEN
         self.scheduler.add(seq)
         return seq
 
@@ -111,6 +105,7 @@ class SimInstance:
         seq.output_token_ids.append(first_token)
         seq.block_table = self.kv.claim_reservation(request_id)
         seq.num_computed_tokens = len(prompt)
+        self._sampled[request_id] = SAMPLED_TOKEN
         self.scheduler.add_running(seq)
         return seq
 
@@ -137,7 +132,7 @@ class SimInstance:
         out = StepResult()
         produced = out.produced
         max_len = self.config.max_model_len
-        for entry in self.scheduler.update(plan, _SAMPLED):
+        for entry in self.scheduler.update(plan, self._sampled):
             seq = entry.seq
             # the finish rule: prefill-only after token 0; else max_tokens or the context
             n_out = len(seq.output_token_ids)
@@ -149,6 +144,7 @@ class SimInstance:
                 reason = None
             if reason is not None:
                 self.scheduler.finish(seq, reason)
+                del self._sampled[seq.request_id]
             produced.append((seq, reason))
         return out
 

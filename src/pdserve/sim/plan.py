@@ -211,9 +211,14 @@ def unit_goodput(
 
 
 def latency_at(cand: Candidate, replicas: int, args: argparse.Namespace, slo: SLO,
-               max_model_len: int, rate: float) -> dict[str, Any]:  # fmt: skip
+               max_model_len: int, rate: float,
+               early_stop_target: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """A full-scale run at `rate`. With `early_stop_target` a run that cannot reach it stops
+    as soon as that is known (its attainment and latencies are then those of a partial run;
+    a run that reaches the target is never stopped)."""
     spec = cand.spec(replicas, max_model_len, args.block_size)
-    run = simulate_once(spec, args, rate, slo, keep_records=False)
+    run = simulate_once(spec, args, rate, slo, early_stop_target=early_stop_target,
+                        keep_records=False)  # fmt: skip
     s = run["summary"]
     return {
         "rate": rate,

@@ -175,4 +175,7 @@ def _full_task(i: int, replicas: int, rate: float) -> dict[str, Any]:
     from pdserve.sim.plan import latency_at
 
     c = parallel.CONTEXT
-    return latency_at(c["cands"][i], replicas, c["args"], c["slo"], c["max_model_len"], rate)
+    # a failing point's figures are never reported (only the highest passing one's): stop it
+    # as soon as it is known to fail
+    return latency_at(c["cands"][i], replicas, c["args"], c["slo"], c["max_model_len"], rate,
+                      early_stop_target=c["target"])  # fmt: skip
