@@ -187,7 +187,7 @@ def test_walk_starts_once_the_best_unit_is_decided(monkeypatch):
                                         events.append)  # fmt: skip
             ps.run()
         units = ps.units
-        for kind, (top, _, start, walk) in ps.walks.items():
+        for kind, (top, _, _start, walk) in ps.walks.items():
             pool = [u for u, c in zip(units, cands, strict=True) if c.kind == kind]
             assert top is max(pool, key=lambda u: u["per_device_goodput"])
             assert walk is not None and walk.path()
