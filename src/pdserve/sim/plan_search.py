@@ -90,11 +90,15 @@ class PlanSearch:
             cands, budget, target, kinds, log)  # fmt: skip
         self.sched = parallel.Scheduler(runner)
         self.sweeps: list[parallel.Search] = []
+        per_kind = {k: sum(c.kind == k for c in cands) for k in kinds}
         for i, cand in enumerate(cands):
             start = start_rate * cand.num_devices
-            # bigger units cost more per point: their points go first (less tail)
+            # Order of the points (the answer does not depend on it): the walks are the long
+            # tail, so the kinds whose best unit is known soonest (fewest candidates) search
+            # first; within a kind, bigger units first (their points cost more)
+            prio = -per_kind.get(cand.kind, 0) * 1000.0 + cand.num_devices - i / (len(cands) + 1)
             s = parallel.Search(cand.label, sweep_need(start, target), _point_task, (i,), target,
-                                priority=cand.num_devices - i / (len(cands) + 1))  # fmt: skip
+                                priority=prio)  # fmt: skip
             self.sweeps.append(s)
             self.sched.add(s)
         self.units: list[dict[str, Any] | None] = [None] * len(cands)
