@@ -44,6 +44,14 @@ class StepResult:
     produced: list[tuple[Seq, str | None]] = field(default_factory=list)  # (seq, finish reason)
 
 
+# Prompt -> its full blocks' chained hashes, per (block size, KV fingerprint): a prompt is
+# hashed once per process, not once per instance it visits in every simulated run (a plan
+# replays the same trace requests at many rates). Keyed by the prompt list's id; the entry
+# keeps the list alive, so the id cannot be reused while it is cached.
+_PROMPT_HASHES: dict[tuple[int, int, str], tuple[Sequence[int], list[bytes]]] = {}
+_PROMPT_HASHES_MAX = 30_000  # cleared when full (bounds its memory)
+
+
 class SimInstance:
     def __init__(self, instance_id: str, role: int, costs: CostModel, config: InstanceConfig):
         self.instance_id = instance_id
@@ -72,9 +80,22 @@ class SimInstance:
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, prefill_only: bool):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         seq = Seq(request_id, list(prompt), params, next(self._arrival), prefill_only=prefill_only)
+        seq.block_hashes = self._prompt_hashes(prompt)
         self._track(seq)
         self.scheduler.add(seq)
         return seq
+
+    def _prompt_hashes(self, prompt: Sequence[int]) -> list[bytes]:
+        """A fresh copy of the hashes `KVCacheManager.seq_hashes` memoises on a sequence of
+        this prompt (the same function, the same chain), from the process-wide cache."""
+        key = (id(prompt), self.kv.block_size, self.kv.kv_fingerprint)
+        hit = _PROMPT_HASHES.get(key)
+        if hit is None or hit[0] is not prompt:
+            if len(_PROMPT_HASHES) >= _PROMPT_HASHES_MAX:
+                _PROMPT_HASHES.clear()
+            hit = (prompt, self.kv.compute_block_hashes(prompt))
+            _PROMPT_HASHES[key] = hit
+        return list(hit[1])  # seq_hashes extends the sequence's list in place
 
     def hashes(self, prompt: Sequence[int]) -> list[bytes]:
         return self.kv.compute_block_hashes(prompt)
@@ -103,6 +124,7 @@ class SimInstance:
         """`LLMEngine.add_prefilled_request`: the reservation becomes the sequence's blocks."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         seq = Seq(request_id, list(prompt), params, next(self._arrival))
+        seq.block_hashes = self._prompt_hashes(prompt)
         seq.output_token_ids.append(first_token)
         seq.block_table = self.kv.claim_reservation(request_id)
         seq.num_computed_tokens = len(prompt)
