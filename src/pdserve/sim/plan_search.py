@@ -90,17 +90,13 @@ class PlanSearch:
             cands, budget, target, kinds, log)  # fmt: skip
         self.sched = parallel.Scheduler(runner)
         self.sweeps: list[parallel.Search] = []
-        per_kind = {k: sum(c.kind == k for c in cands) for k in kinds}
+        self._per_kind = {k: sum(c.kind == k for c in cands) for k in kinds}
         for i, cand in enumerate(cands):
             start = start_rate * cand.num_devices
-            # Order of the points (the answer does not depend on it): the walks are the long
-            # tail, so the kinds whose best unit is known soonest (fewest candidates) search
-            # first; within a kind, bigger units first (their points cost more)
-            prio = -per_kind.get(cand.kind, 0) * 1000.0 + cand.num_devices - i / (len(cands) + 1)
-            s = parallel.Search(cand.label, sweep_need(start, target), _point_task, (i,), target,
-                                priority=prio)  # fmt: skip
+            s = parallel.Search(cand.label, sweep_need(start, target), _point_task, (i,), target)
             self.sweeps.append(s)
             self.sched.add(s)
+        self._prioritise()
         self.units: list[dict[str, Any] | None] = [None] * len(cands)
         # kind -> (best unit's result, replicas, walk start rate, walk search)
         self.walks: dict[str, tuple[dict[str, Any], int, float, parallel.Search | None]] = {}
@@ -109,6 +105,18 @@ class PlanSearch:
         self.sched.run(self._on_result)
         # kinds in KINDS order, as the sequential search reported them
         self.walks = {k: self.walks[k] for k in self.kinds if k in self.walks}
+
+    def _prioritise(self) -> None:
+        """Order of the points (the answer does not depend on it). The full-scale walks are
+        the long tail, so what decides a kind's best unit goes first: kinds with fewer
+        candidates, then (best first) the units that could still have the highest per-device
+        goodput (no failing rate yet: unbounded; then bigger units, whose points cost more)."""
+        n = len(self.cands)
+        for i, (c, s) in enumerate(zip(self.cands, self.sweeps, strict=True)):
+            up = min(_bounds(s, self.target) / c.num_devices, 1e6)
+            s.priority = (
+                -self._per_kind.get(c.kind, 0) * 1e8 + up + c.num_devices * 1e-3 - i / n * 1e-4
+            )
 
     def _on_result(self, s: parallel.Search) -> None:
         for i, sw in enumerate(self.sweeps):
@@ -119,6 +127,7 @@ class PlanSearch:
                 self.log(f"  [{done}/{len(self.cands)}] {res['label']}: "
                          f"{res['goodput_req_s']:.2f} req/s, "
                          f"{res['per_device_goodput']:.2f} req/s/device")  # fmt: skip
+        self._prioritise()
         for kind in self.kinds:
             if kind not in self.walks:
                 top = self._decided(kind)
