@@ -13,6 +13,8 @@ Search (DistServe's approach: find the best *unit*, then replicate it):
 3. The best unit of each kind is replicated to fill the budget (k units, k x the rate) and
    the replicated cluster is simulated at k x its unit goodput to check (reported as
    `full_scale_attainment`).
+The searches run as one-point tasks on `--jobs` processes (`sim.plan_search`): the same
+rates as running them one after the other (`unit_goodput`, the sequential reference).
 Cost per million output tokens = price per device-hour x devices / (goodput x mean output
 tokens x 3600) x 1e6.
 """
