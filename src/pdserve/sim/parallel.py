@@ -17,8 +17,8 @@ those of the sequential search whatever the guesses; a wrong guess only wastes a
 from __future__ import annotations
 
 import multiprocessing
-import queue
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,42 +29,45 @@ MAX_STEPS = 3
 
 class Runner:
     """`jobs` forked processes (or this process when jobs == 1). Tasks are submitted one per
-    free process; `close` stops workers still running a point nobody needs any more."""
+    free process; `close` stops workers still running a point nobody needs any more. A
+    worker that dies breaks the pool (`BrokenProcessPool` from `wait`), it does not hang it."""
 
     def __init__(self, jobs: int) -> None:
         self.jobs = max(1, jobs)
-        self._pool: Any = None
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool: ProcessPoolExecutor | None = None
+        self._futures: dict[Future, int] = {}
         self._next = 0
         if self.jobs > 1:
             ctx = multiprocessing.get_context("fork")
-            self._pool = ctx.Pool(self.jobs)
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=ctx)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> int:
         """Start `fn(*args)`; returns a ticket that `wait` hands back with the result."""
         ticket, self._next = self._next, self._next + 1
         if self._pool is None:
-            self._done.put((ticket, True, fn(*args)))
+            fut: Future = Future()
+            fut.set_result(fn(*args))
         else:
-            self._pool.apply_async(
-                fn,
-                args,
-                callback=lambda r: self._done.put((ticket, True, r)),
-                error_callback=lambda e: self._done.put((ticket, False, e)),
-            )
+            fut = self._pool.submit(fn, *args)
+        self._futures[fut] = ticket
         return ticket
 
     def wait(self) -> tuple[int, Any]:
-        """(ticket, result) of the next task to finish; re-raises a task's exception."""
-        ticket, ok, value = self._done.get()
-        if not ok:
-            raise value
-        return ticket, value
+        """(ticket, result) of a finished task (the first submitted of those finished);
+        re-raises a task's exception."""
+        done, _ = wait(list(self._futures), return_when=FIRST_COMPLETED)
+        fut = min(done, key=lambda f: self._futures[f])
+        return self._futures.pop(fut), fut.result()
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.terminate()  # only unneeded speculative points can still be running
-            self._pool.join()
+            # the executor's worker processes (a private attribute; nothing else lists them)
+            procs = list((getattr(self._pool, "_processes", None) or {}).values())
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for p in procs:  # only unneeded speculative points can still be running
+                p.terminate()
+            for p in procs:
+                p.join()
             self._pool = None
 
     def __enter__(self) -> Runner:
