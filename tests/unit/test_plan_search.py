@@ -36,7 +36,7 @@ def _strip(res):
 
 
 @pytest.mark.parametrize("jobs", [2])
-def test_plan_is_the_same_with_more_processes(jobs):
+def test_plan_is_the_same_with_more_processes_and_as_the_sequential_search(jobs):
     budget = Budget.parse("h100:4")
     one = plan(_args(), budget, "llama3-8b", log=lambda m: None)
     many = plan(_args(jobs=jobs), budget, "llama3-8b", log=lambda m: None)
@@ -44,6 +44,7 @@ def test_plan_is_the_same_with_more_processes(jobs):
     assert set(one["best"]) == {"colocated", NOCHUNK, "disagg"}
     assert one["disagg_over_colocated_nochunk_per_device"] is not None
     assert all(b["goodput_req_s"] > 0 for b in one["best"].values())
+    _check_sequential(many, _args(), budget)
 
 
 def _sequential(start, passes):
@@ -140,12 +141,9 @@ def test_lazy_trace_window_is_workload_at(tmp_path):
     assert run.sim_workload(args, 5.0, 0) == workload_at(args, 5.0, 0)
 
 
-def test_plan_equals_the_sequential_search():
+def _check_sequential(got, args, budget):
     """Units searched one after the other with `unit_goodput` (the sequential search) and the
-    full-scale walk one point at a time give the answer the parallel scheduler gives."""
-    args = _args(jobs=2)
-    budget = Budget.parse("h100:4")
-    got = plan(args, budget, "llama3-8b", log=lambda m: None)
+    full-scale walk one point at a time give the answer the point scheduler gave."""
     slo = SLO.parse(args.goodput)
     mml = args.max_model_len
     cands = candidates(budget, "llama3-8b", "nvlink", "bfloat16", [2048], [128], 2,
