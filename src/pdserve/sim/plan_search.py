@@ -68,7 +68,7 @@ def unit_result(cand: Candidate, s: parallel.Search, target: float) -> dict[str,
 
 def _bounds(s: parallel.Search, target: float) -> float:
     """An upper bound on a running search's final goodput: its lowest failing rate visited
-    (the answer is a passing rate below every failing one), else where doubling ends."""
+    (the answer is a passing rate below every failing one); unbounded before any fails."""
     fails = [r for r in s.path() if s.known[r] < target]
     return min(fails) if fails else math.inf
 
