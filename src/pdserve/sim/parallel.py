@@ -123,7 +123,7 @@ def _score(res: dict[str, Any]) -> float:
 
 
 class Scheduler:
-    """Runs searches on a `Runner`; `on_result(search)` after each needed result may add
+    """Runs searches on a `Runner`; `on_result(search)` after each result may add
     searches (`add`), e.g. a full-scale walk once its unit is known."""
 
     def __init__(self, runner: Runner) -> None:
