@@ -93,6 +93,7 @@ class Search:
     results: dict[float, dict[str, Any]] = field(default_factory=dict)
     known: dict[float, float] = field(default_factory=dict)
     done: bool = False
+    eager: bool = False  # speculate ahead even while other searches need processes
 
     def path(self) -> list[float]:
         """The rates the sequential search has visited so far, in its order (speculative
@@ -149,15 +150,35 @@ class Scheduler:
 
     def _picks(self, free: int, flying: list[tuple[Search, float]]) -> list[tuple[Search, float]]:
         busy = {(id(s), r) for s, r in flying}
-        picks = [(s, r) for s, r in self._refresh() if (id(s), r) not in busy][:free]
-        # speculation: per search (by priority, round robin), the rate it would need next if
-        # its points in flight (or just picked) came out as guessed
+        needed = [(s, r) for s, r in self._refresh() if (id(s), r) not in busy]
+        # eager searches (a long sequential chain: the critical path) take their needed point
+        # and then speculative ones before other searches' needed points
+        picks = [(s, r) for s, r in needed if s.eager][:free]
+        eager = [s for s in sorted(self.searches, key=lambda s: -s.priority)
+                 if s.eager and not s.done]  # fmt: skip
+        self._speculate(free, flying, picks, busy, eager)
+        picks += [(s, r) for s, r in needed if not s.eager][: max(0, free - len(picks))]
+        live = [s for s in sorted(self.searches, key=lambda s: -s.priority) if not s.done]
+        self._speculate(free, flying, picks, busy, live)
+        return picks
+
+    def _speculate(
+        self,
+        free: int,
+        flying: list[tuple[Search, float]],
+        picks: list[tuple[Search, float]],
+        busy: set[tuple[int, float]],
+        live: list[Search],
+    ) -> None:
+        """Add to `picks`, up to `free`, per search of `live` (round robin) the rate it would
+        need next if its points in flight (or just picked) came out as guessed."""
+        for s, r in picks:
+            busy.add((id(s), r))
         hyps = {
             id(s): dict(s.known) | {r: float(s.guess(r)) for t, r in flying + picks if t is s}
-            for s in self.searches
-            if not s.done
+            for s in live
         }
-        live = [s for s in sorted(self.searches, key=lambda s: -s.priority) if not s.done]
+        live = list(live)
         while len(picks) < free and live:
             for s in list(live):
                 if len(picks) >= free:
@@ -170,7 +191,6 @@ class Scheduler:
                 picks.append((s, rate))
                 busy.add((id(s), rate))
                 hyp[rate] = float(s.guess(rate))
-        return picks
 
     def run(self, on_result: Callable[[Search], None] | None = None) -> None:
         flying: dict[int, tuple[Search, float]] = {}
