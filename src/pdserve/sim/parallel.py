@@ -94,6 +94,7 @@ class Search:
     known: dict[float, float] = field(default_factory=dict)
     done: bool = False
     eager: bool = False  # speculate ahead even while other searches need processes
+    optimistic: bool = False  # guess that every point in flight passes (a 10 % walk)
 
     def path(self) -> list[float]:
         """The rates the sequential search has visited so far, in its order (speculative
@@ -106,7 +107,10 @@ class Search:
     def guess(self, rate: float) -> bool:
         """The guessed outcome of a rate in flight (for speculation only): the linear
         crossing of the target between the highest known pass and the lowest known fail;
-        with only passes known, a pass; with only fails, a fail."""
+        with only passes known, a pass; with only fails, a fail. `optimistic`: a pass (a
+        walk then speculates only upwards, and a walk coming down stops at a pass)."""
+        if self.optimistic:
+            return True
         passes = [r for r, a in self.known.items() if a >= self.target]
         fails = [r for r, a in self.known.items() if a < self.target]
         if not fails:

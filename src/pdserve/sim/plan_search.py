@@ -164,7 +164,7 @@ class PlanSearch:
                      f"{start:.1f} req/s ({replicas} replicas)")  # fmt: skip
             walk = parallel.Search(f"{kind} x{replicas}", parallel.walk_need(start, self.target),
                                    _full_task, (i, replicas), self.target,
-                                   priority=WALK_PRIORITY, eager=True)  # fmt: skip
+                                   priority=WALK_PRIORITY, eager=True, optimistic=True)  # fmt: skip
             self.sched.add(walk)
         self.walks[kind] = (top, replicas, start, walk)
 
