@@ -256,3 +256,30 @@ def test_simulated_run_writes_bench_serve_json_that_rescore_reads(tmp_path):
     assert att[0] == 1.0 and att[-1] < att[0]  # 32 req/s overloads two 10 ms + 1 ms/token engines
     scored = rescore(saved, SLO(ttft_ms=200, tpot_ms=50), 0.9)
     assert scored["run"]["attainment"] == {2.0: att[0], 8.0: att[1], 32.0: att[2]}
+
+
+def test_allowed_misses_is_the_attainment_boundary():
+    """The early stop allows exactly the misses that keep (n - misses) / n >= target, the
+    way `bench.goodput.attainment` computes it (int(0.1 * 540) = 53 was one short)."""
+    from pdserve.sim.run import allowed_misses
+
+    assert allowed_misses(540, 0.9) == 54
+    for target in (0.5, 0.9, 0.95, 0.99, 1.0):
+        for n in range(1, 1500):
+            m = allowed_misses(n, target)
+            assert (n - m) / n >= target
+            assert m == n or (n - m - 1) / n < target
+
+
+def test_prompt_hashes_are_the_managers_and_private_to_each_sequence():
+    from pdserve.sim.instance import SimInstance
+
+    prompt = list(range(100, 150))  # 3 full blocks of 16
+    a = SimInstance("a", 1, CostModel(), InstanceConfig(num_blocks=64))
+    b = SimInstance("b", 1, CostModel(), InstanceConfig(num_blocks=64))
+    sa = a.add("r1", prompt, 4, prefill_only=False)
+    sb = b.add("r1", prompt, 4, prefill_only=False)
+    assert sa.block_hashes == a.kv.compute_block_hashes(prompt) and len(sa.block_hashes) == 3
+    assert sa.block_hashes is not sb.block_hashes  # seq_hashes extends each in place
+    sa.block_hashes.append(b"x" * 16)
+    assert len(sb.block_hashes) == 3

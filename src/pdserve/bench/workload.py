@@ -9,7 +9,7 @@ kvstore can reuse. Every request runs with ignore_eos and max_tokens = its outpu
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,9 +150,23 @@ def trace_requests(
 ) -> list[BenchRequest]:
     """One request per trace record; lengths scaled then clipped; arrival = trace timestamp.
     Records with hash ids (Mooncake) get prefix-sharing prompts."""
+    return list(
+        iter_trace_requests(records, vocab_size, seed, length_scale, max_model_len, kv_block_size)
+    )
+
+
+def iter_trace_requests(
+    records: Sequence[TraceRecord],
+    vocab_size: int,
+    seed: int = 0,
+    length_scale: float = 1.0,
+    max_model_len: int | None = None,
+    kv_block_size: int = 16,
+) -> Iterator[BenchRequest]:
+    """`trace_requests` one at a time: the prompts come from one generator drawn in trace
+    order, so the first n requests are the same however many are drawn."""
     rng = np.random.default_rng([seed, 4])
     block_tokens = mooncake_block_tokens(length_scale, kv_block_size)
-    reqs = []
     for i, rec in enumerate(records):
         n_in, n_out = clip_lengths(
             scale_len(rec.input_len, length_scale),
@@ -163,5 +177,4 @@ def trace_requests(
             prompt = mooncake_prompt(rec.hash_ids, n_in, block_tokens, vocab_size, seed, rng)
         else:
             prompt = random_tokens(rng, n_in, vocab_size)
-        reqs.append(BenchRequest(i, prompt, n_out, rec.timestamp_s, hash_ids=rec.hash_ids))
-    return reqs
+        yield BenchRequest(i, prompt, n_out, rec.timestamp_s, hash_ids=rec.hash_ids)

@@ -23,10 +23,13 @@ def root_hash(namespace: str) -> bytes:
 
 
 def _encode_tokens(tokens: Sequence[int]) -> bytes:
-    for t in tokens:
-        if not _INT32_MIN <= t <= _INT32_MAX:
-            raise ValueError(f"token id {t} does not fit in int32")
-    return struct.pack(f"<{len(tokens)}i", *tokens)
+    try:  # struct checks the int32 range itself (in C): the Python check only on failure
+        return struct.pack(f"<{len(tokens)}i", *tokens)
+    except struct.error:
+        for t in tokens:
+            if not _INT32_MIN <= t <= _INT32_MAX:
+                raise ValueError(f"token id {t} does not fit in int32") from None
+        raise
 
 
 def hash_block(parent: bytes, tokens: Sequence[int], namespace: str) -> bytes:

@@ -170,17 +170,27 @@ class SimCluster:
         self._pending = 0
         self.misses = 0  # finished requests that missed `stop_slo` (early stop)
         self.stop_slo: tuple[float, float] | None = None  # (ttft_s, tpot_s)
+        self._stop_ms = (0.0, 0.0)
         self.stop_after_misses: int | None = None
         self.records: list[RequestRecord] = []
         self.placements: dict[str, int] = {iid: 0 for iid in self.instances}  # picks per instance
         self.registry.on_change(self._capacity_changed)  # as RouterApp wires Capacity
 
     # ------------------------------------------------------------------ driver
-    def stop_early(self, ttft_s: float, tpot_s: float, max_misses: int) -> None:
+    def stop_early(
+        self,
+        ttft_s: float,
+        tpot_s: float,
+        max_misses: int,
+        limits_ms: tuple[float, float] | None = None,
+    ) -> None:
         """Stop as soon as more than `max_misses` finished requests missed the SLOs: the
         run's attainment is then known to be below the target (the unfinished requests
-        count as failures, so the reported attainment is a lower bound)."""
+        count as failures, so the reported attainment is a lower bound). A miss is judged
+        as `bench.goodput.meets` judges it (value in ms > limit in ms; `limits_ms`: the
+        SLOs exactly as given), so a run that stops early is one that fails."""
         self.stop_slo = (ttft_s, tpot_s)
+        self._stop_ms = limits_ms or (ttft_s * 1000.0, tpot_s * 1000.0)
         self.stop_after_misses = max_misses
 
     def _stopped(self) -> bool:
@@ -462,8 +472,21 @@ class SimCluster:
     def _step_done(self, inst: SimInstance, plan, dur: float) -> None:
         inst.busy = False
         res = inst.finish_step(plan, dur)
+        # the hot path (a decode token of a running request: `_produced`'s first case, its
+        # `_emit` inlined); the role and the clock cannot change within this loop
+        reqs, length = self._reqs, self.length
+        t = self.loop.now + inst.costs.token_overhead_s
+        colocated = inst.role == ROLE_COLOCATED
         for seq, reason in res.produced:
-            self._produced(inst, seq, reason)
+            if reason is None and (not colocated or len(seq.output_token_ids) > 1):
+                st = reqs[seq.request_id]
+                rec = st.rec
+                rec.token_times.append(t)
+                rec.n_out += 1
+                if st.pred is not None and length is not None:
+                    length.progress(st.pred, 1)
+            else:
+                self._produced(inst, seq, reason)
         self._kick(inst)
 
     def _produced(self, inst: SimInstance, seq: Seq, reason: str | None) -> None:
@@ -539,8 +562,8 @@ class SimCluster:
         self._ended(st, True)
         if self.stop_slo is not None:
             ttft, tpot = st.rec.ttft_s, st.rec.tpot_s
-            late = ttft is None or ttft > self.stop_slo[0]
-            if late or (tpot is not None and tpot > self.stop_slo[1]):
+            late = ttft is None or ttft * 1000.0 > self._stop_ms[0]
+            if late or (tpot is not None and tpot * 1000.0 > self._stop_ms[1]):
                 self.misses += 1
         self._draining_check()
 

@@ -53,7 +53,11 @@ class StepCost:
     def step_s(self, batch: Sequence[tuple[int, int]]) -> float:
         if not batch:
             return 0.0
-        return float(np.dot(self.coefs(), plan_features(batch)))
+        return self.features_s(plan_features(batch))
+
+    def features_s(self, features: tuple[float, float, float, float, float]) -> float:
+        """A non-empty step from its `plan_features`."""
+        return float(np.dot(self.coefs(), features))
 
     def scaled(self, factor: float) -> StepCost:
         c = self.coefs() * factor
@@ -135,7 +139,7 @@ class LinkCost:
 class CostModel:
     """Everything the simulator charges; one per instance kind (pools may differ)."""
 
-    step: StepCost = field(default_factory=StepCost)
+    step: StepCost = field(default_factory=StepCost)  # or any object with step_s, features_s
     transfer: LinkCost = field(default_factory=LinkCost)  # prefill -> decode KV push
     kvstore_fetch: LinkCost = field(default_factory=LinkCost)
     kvstore_publish: LinkCost = field(default_factory=LinkCost)
@@ -157,6 +161,13 @@ class CostModel:
         if not batch:
             return 0.0
         return self.step.step_s(batch) + self.stream_token_s * num_streamed
+
+    def step_time_features_s(
+        self, features: tuple[float, float, float, float, float], num_streamed: int
+    ) -> float:
+        """`step_time_s` from a non-empty batch's `plan_features` (the simulator's hot path
+        computes them while it walks the plan); the same float operations."""
+        return self.step.features_s(features) + self.stream_token_s * num_streamed
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

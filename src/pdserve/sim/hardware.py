@@ -270,7 +270,11 @@ class RooflineStep:
     def step_s(self, batch: Sequence[tuple[int, int]]) -> float:
         if not batch:
             return 0.0
-        _, new, _, ctx, pairs = plan_features(batch)
+        return self.features_s(plan_features(batch))
+
+    def features_s(self, features: tuple[float, float, float, float, float]) -> float:
+        """A non-empty step from its `plan_features`."""
+        _, new, _, ctx, pairs = features
         m = self.model
         flops = 2.0 * m.matmul_params * new + 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs
         nbytes = m.matmul_params * self.itemsize + ctx * self.kv_bytes_per_token
@@ -310,7 +314,7 @@ def roofline_costs(
         raise ValueError(f"unknown network {network!r}; known: {sorted(NETWORKS)}")
     net = NETWORKS[network]
     costs = CostModel(
-        step=step,  # type: ignore[arg-type]  # duck-typed: step_s(batch)
+        step=step,  # type: ignore[arg-type]  # duck-typed: step_s, features_s
         transfer=LinkCost(net.latency_s, net.bandwidth_GBps * 1e9 * tp),
         kvstore_fetch=LinkCost(20e-6, 25e9),  # host memory over PCIe Gen5 x16 (~25 GB/s used)
         kvstore_publish=LinkCost(20e-6, 25e9),

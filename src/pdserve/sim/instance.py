@@ -44,14 +44,12 @@ class StepResult:
     produced: list[tuple[Seq, str | None]] = field(default_factory=list)  # (seq, finish reason)
 
 
-class _Sampled(dict):
-    """`Scheduler.update`'s sampled-token map: every simulated sample is SAMPLED_TOKEN."""
-
-    def __missing__(self, key: str) -> int:
-        return SAMPLED_TOKEN
-
-
-_SAMPLED = _Sampled()
+# Prompt -> its full blocks' chained hashes, per (block size, KV fingerprint): a prompt is
+# hashed once per process, not once per instance it visits in every simulated run (a plan
+# replays the same trace requests at many rates). Keyed by the prompt list's id; the entry
+# keeps the list alive, so the id cannot be reused while it is cached.
+_PROMPT_HASHES: dict[tuple[int, int, str], tuple[Sequence[int], list[bytes]]] = {}
+_PROMPT_HASHES_MAX = 30_000  # cleared when full (bounds its memory)
 
 
 class SimInstance:
@@ -73,13 +71,31 @@ class SimInstance:
         self.flip_to = 0  # role this instance drains towards (the flip controller's pick)
         self.steps = 0
         self._arrival = itertools.count()
+        # `Scheduler.update`'s sampled-token map: SAMPLED_TOKEN for every sequence here (a
+        # plain dict: its lookups are the hot path of every decode step)
+        self._sampled: dict[str, int] = {}
+        self._last: dict[str, int] = {}  # request id -> output count at which it finishes
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, prefill_only: bool):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         seq = Seq(request_id, list(prompt), params, next(self._arrival), prefill_only=prefill_only)
+        seq.block_hashes = self._prompt_hashes(prompt)
+        self._track(seq)
         self.scheduler.add(seq)
         return seq
+
+    def _prompt_hashes(self, prompt: Sequence[int]) -> list[bytes]:
+        """A fresh copy of the hashes `KVCacheManager.seq_hashes` memoises on a sequence of
+        this prompt (the same function, the same chain), from the process-wide cache."""
+        key = (id(prompt), self.kv.block_size, self.kv.kv_fingerprint)
+        hit = _PROMPT_HASHES.get(key)
+        if hit is None or hit[0] is not prompt:
+            if len(_PROMPT_HASHES) >= _PROMPT_HASHES_MAX:
+                _PROMPT_HASHES.clear()
+            hit = (prompt, self.kv.compute_block_hashes(prompt))
+            _PROMPT_HASHES[key] = hit
+        return list(hit[1])  # seq_hashes extends the sequence's list in place
 
     def hashes(self, prompt: Sequence[int]) -> list[bytes]:
         return self.kv.compute_block_hashes(prompt)
@@ -108,9 +124,11 @@ class SimInstance:
         """`LLMEngine.add_prefilled_request`: the reservation becomes the sequence's blocks."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         seq = Seq(request_id, list(prompt), params, next(self._arrival))
+        seq.block_hashes = self._prompt_hashes(prompt)
         seq.output_token_ids.append(first_token)
         seq.block_table = self.kv.claim_reservation(request_id)
         seq.num_computed_tokens = len(prompt)
+        self._track(seq)
         self.scheduler.add_running(seq)
         return seq
 
@@ -127,30 +145,47 @@ class SimInstance:
         plan = self.scheduler.schedule()
         if not plan:
             return None
-        batch = [(e.start, e.num_new_tokens) for e in plan.scheduled]
-        streamed = sum(1 for e in plan.scheduled if e.sample)
-        return plan, self.costs.step_time_s(batch, streamed)
+        # `plan_features` of the plan's (start, new) entries, in one pass (same float sums
+        # in the same order), and the sequences it samples
+        new = seqs = ctx = pairs = 0.0
+        streamed = 0
+        for e in plan.scheduled:
+            start, num_new = e.start, e.num_new_tokens
+            new += num_new
+            seqs += 1
+            ctx += start + num_new
+            pairs += num_new * (start + (num_new + 1) / 2.0)
+            streamed += e.sample
+        return plan, self.costs.step_time_features_s((1.0, new, seqs, ctx, pairs), streamed)
 
     def finish_step(self, plan: SchedulerPlan, duration_s: float) -> StepResult:
         self.busy_s += duration_s
         self.steps += 1
         out = StepResult()
         produced = out.produced
-        max_len = self.config.max_model_len
-        for entry in self.scheduler.update(plan, _SAMPLED):
+        last = self._last
+        for entry in self.scheduler.update(plan, self._sampled):
             seq = entry.seq
-            # the finish rule: prefill-only after token 0; else max_tokens or the context
-            n_out = len(seq.output_token_ids)
-            if seq.prefill_only:
-                reason: str | None = "prefill_done"
-            elif n_out >= seq.params.max_tokens or len(seq.prompt_token_ids) + n_out >= max_len:
-                reason = "length"
-            else:
-                reason = None
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
+            if len(seq.output_token_ids) < last[seq.request_id]:
+                produced.append((seq, None))
+                continue
+            reason = "prefill_done" if seq.prefill_only else "length"
+            self.scheduler.finish(seq, reason)
+            del self._sampled[seq.request_id], last[seq.request_id]
             produced.append((seq, reason))
         return out
+
+    def _track(self, seq: Seq) -> None:
+        """The finish rule, as the output count at which `seq` finishes: a prefill-only
+        request after token 0; others at max_tokens or when prompt + output reach the
+        context limit (n_out >= max_tokens or prompt + n_out >= max_len)."""
+        rid = seq.request_id
+        self._sampled[rid] = SAMPLED_TOKEN
+        if seq.prefill_only:
+            self._last[rid] = 0
+        else:
+            room = self.config.max_model_len - len(seq.prompt_token_ids)
+            self._last[rid] = min(seq.params.max_tokens, room)
 
     def load(self) -> LoadReport:
         return LoadReport(

@@ -13,6 +13,8 @@ Search (DistServe's approach: find the best *unit*, then replicate it):
 3. The best unit of each kind is replicated to fill the budget (k units, k x the rate) and
    the replicated cluster is simulated at k x its unit goodput to check (reported as
    `full_scale_attainment`).
+The searches run as one-point tasks on `--jobs` processes (`sim.plan_search`): the same
+rates as running them one after the other (`unit_goodput`, the sequential reference).
 Cost per million output tokens = price per device-hour x devices / (goodput x mean output
 tokens x 3600) x 1e6.
 """
@@ -20,7 +22,6 @@ tokens x 3600) x 1e6.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from pdserve.sim.cluster import ClusterSpec, PoolSpec
 from pdserve.sim.costs import CostModel
 from pdserve.sim.hardware import load_model_config, roofline_costs
 from pdserve.sim.instance import InstanceConfig
+from pdserve.sim.plan_search import PlanSearch
 from pdserve.sim.run import base_for, default_num_blocks, simulate_once
 
 NOCHUNK = "colocated-nochunk"
@@ -211,9 +213,14 @@ def unit_goodput(
 
 
 def latency_at(cand: Candidate, replicas: int, args: argparse.Namespace, slo: SLO,
-               max_model_len: int, rate: float) -> dict[str, Any]:  # fmt: skip
+               max_model_len: int, rate: float,
+               early_stop_target: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """A full-scale run at `rate`. With `early_stop_target` a run that cannot reach it stops
+    as soon as that is known (its attainment and latencies are then those of a partial run;
+    a run that reaches the target is never stopped)."""
     spec = cand.spec(replicas, max_model_len, args.block_size)
-    run = simulate_once(spec, args, rate, slo, keep_records=False)
+    run = simulate_once(spec, args, rate, slo, early_stop_target=early_stop_target,
+                        keep_records=False)  # fmt: skip
     s = run["summary"]
     return {
         "rate": rate,
@@ -256,35 +263,20 @@ def plan(
                        colocated_modes=getattr(args, "colocated_modes", "chunked"),
                        kv_dtype=kv_dtype)  # fmt: skip
     jobs = getattr(args, "jobs", 1) or os.cpu_count() or 1
-    log(f"{len(cands)} candidate units; simulating each rate sweep ({jobs} processes) ...")
+    log(f"{len(cands)} candidate units; simulating the rate searches ({jobs} processes) ...")
     base_for(args, 0)  # read the trace once, before the workers fork
     parallel.CONTEXT.update(args=args, slo=slo, max_model_len=max_model_len, target=target,
                             cands=cands)  # fmt: skip
     with parallel.Runner(jobs) as runner:
-        results = []
-        for i, res in enumerate(runner.map(_unit_task, range(len(cands)))):
-            cand = cands[i]
-            res["candidate"] = cand
-            results.append(res)
-            log(f"  [{i + 1}/{len(cands)}] {cand.label}: {res['goodput_req_s']:.2f} req/s, "
-                f"{res['per_device_goodput']:.2f} req/s/device")  # fmt: skip
-        tops = {}
-        for kind in KINDS:
-            pool = [r for r in results if r["candidate"].kind == kind]
-            if pool:
-                tops[kind] = max(pool, key=lambda r: r["per_device_goodput"])
-        walks = []
-        for top in tops.values():
-            unit = top["candidate"].devices()
-            walks.append((top["candidate"], min(budget.devices[hw] // n for hw, n in unit.items())))
-        starts = [tops[k]["goodput_req_s"] * w[1] for k, w in zip(tops, walks, strict=True)]
-        log("replicated to the budget: the full-scale walks ...")
-        full = parallel.full_scale_walks(runner, starts, functools.partial(_full_task, walks),
-                                         lambda r: (r["attainment"] or 0.0) >= target)  # fmt: skip
+        search = PlanSearch(runner, cands, budget, args.start_rate, target, KINDS, log)
+        search.run()
+    results, walks = [r for r in search.units if r is not None], search.walks
+    log(f"{runner.jobs} processes, {search.sched.submitted} simulations "
+        f"({search.sched.wasted} speculative ones not needed)")  # fmt: skip
     best: dict[str, Any] = {}
-    for (kind, top), (cand, replicas), unit_rate, (full_rate, check) in zip(
-        tops.items(), walks, starts, full, strict=True
-    ):
+    for kind, (top, replicas, unit_rate, walk) in walks.items():
+        cand = top["candidate"]
+        full_rate, check = parallel.walk_answer(unit_rate, walk)
         unit = cand.devices()
         devices = {hw: n * replicas for hw, n in unit.items()}
         best[kind] = {
@@ -337,17 +329,3 @@ def plan(
         "disagg_over_colocated_per_device_units": unit_ratio,
         "disagg_over_colocated_nochunk_per_device": nochunk_ratio,
     }
-
-
-def _unit_task(i: int) -> dict[str, Any]:
-    """One candidate's goodput search (in a worker: inputs from `parallel.CONTEXT`)."""
-    c = parallel.CONTEXT
-    cand = c["cands"][i]
-    rate = c["args"].start_rate * cand.num_devices
-    return unit_goodput(cand, c["args"], c["slo"], c["max_model_len"], c["target"], rate)
-
-
-def _full_task(walks: list[tuple[Candidate, int]], i: int, rate: float) -> dict[str, Any]:
-    c = parallel.CONTEXT
-    cand, replicas = walks[i]
-    return latency_at(cand, replicas, c["args"], c["slo"], c["max_model_len"], rate)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -150,21 +151,60 @@ def spec_from_up_flags(
     )
 
 
-_BASE_CACHE: dict[tuple[int, int], list[Any]] = {}
+class LazyTrace:
+    """A trace's requests before arrivals, prompts drawn on demand in trace order. Request
+    i's prompt is the one `base_requests` draws (one generator, drawn in order), so the first
+    n requests are the same however many are drawn; replaying a 30 s window of an hour-long
+    trace draws only the window's prompts."""
+
+    def __init__(self, args: argparse.Namespace, salt: int) -> None:
+        from pdserve.bench.serve import model_limits, prompt_seed
+        from pdserve.bench.traces import read_trace
+        from pdserve.bench.workload import iter_trace_requests
+
+        vocab, max_len = model_limits(args)
+        records = read_trace(args.trace, args.trace_format, limit=args.num_requests)
+        self.stamps = [r.timestamp_s for r in records]
+        self._gen = iter_trace_requests(
+            records, vocab, prompt_seed(args, salt), args.length_scale, max_len, args.block_size
+        )
+        self._reqs: list[Any] = []
+
+    def first(self, n: int) -> list[Any]:
+        while len(self._reqs) < n:
+            self._reqs.append(next(self._gen))
+        return self._reqs[:n]
+
+    def all(self) -> list[Any]:
+        return self.first(len(self.stamps))
 
 
-def base_for(args: argparse.Namespace, salt: int) -> list[Any] | None:
+_BASE_CACHE: dict[tuple[int, int], LazyTrace] = {}
+
+
+def base_for(args: argparse.Namespace, salt: int) -> LazyTrace | None:
     """A trace's requests before arrivals, read once per (args, salt): a sweep or a plan
-    replays one trace at many rates."""
-    if not args.trace:
+    replays one trace at many rates. None: not a trace workload."""
+    if not args.trace or getattr(args, "lengths", None):
         return None
     key = (id(args), salt)
     if key not in _BASE_CACHE:
-        from pdserve.bench.serve import base_requests
-
         _BASE_CACHE.clear()
-        _BASE_CACHE[key] = base_requests(args, salt=salt)
+        _BASE_CACHE[key] = LazyTrace(args, salt)
     return _BASE_CACHE[key]
+
+
+def sim_workload(args: argparse.Namespace, rate: float | None, salt: int = 0) -> list[Any]:
+    """`bench.serve.workload_at` for the simulator: a duration-bounded trace window draws
+    only its own prompts (`arrivals.replay_window`, as `workload_at` replays it)."""
+    base = base_for(args, salt)
+    if base is None:
+        return workload_at(args, rate, salt)
+    if rate is None or not args.duration:
+        return workload_at(args, rate, salt, base=base.all())
+    n, times = arrivals.replay_window(base.stamps, rate, args.duration)
+    out = [replace(r, arrival_s=t) for r, t in zip(base.first(n), times, strict=True)]
+    return [r for r in out if r.arrival_s < args.duration]
 
 
 CHARS_PER_TOKEN = 4.0  # a text prompt's length in tokens, as cl100k-style BPEs average on English
@@ -189,6 +229,20 @@ def text_prompt_ids(reqs: list[Any], vocab: int) -> list[Any]:
     return reqs
 
 
+def allowed_misses(n: int, target: float) -> int:
+    """The most of `n` requests that may miss while the attainment, computed as
+    `bench.goodput.attainment` computes it ((n - misses) / n), still reaches `target`: one
+    more miss decides that the run fails. (`int((1 - target) * n)` is one short when
+    1 - target rounds down, e.g. 0.1 * 540 -> 53: a run with 54 misses, attainment exactly
+    0.9, was stopped as a failure.)"""
+    m = max(0, int((1.0 - target) * n))
+    while m < n and (n - (m + 1)) / n >= target:
+        m += 1
+    while m > 0 and (n - m) / n < target:
+        m -= 1
+    return m
+
+
 def simulate_once(
     spec: ClusterSpec,
     args: argparse.Namespace,
@@ -200,13 +254,14 @@ def simulate_once(
 ) -> dict[str, Any]:
     """`bench.serve.run_once` in simulated time. `early_stop_target`: stop once the run
     cannot reach that TTFT+TPOT attainment (its attainment is then a lower bound)."""
-    reqs = workload_at(args, rate, salt, base=base_for(args, salt))
+    reqs = sim_workload(args, rate, salt)
     text_prompt_ids(reqs, args.vocab_size or 32000)
     cluster = SimCluster(spec)
     ts = slo.only("ttft", "tpot")
     if early_stop_target is not None and ts.ttft_ms is not None and ts.tpot_ms is not None:
         cluster.stop_early(ts.ttft_ms / 1e3, ts.tpot_ms / 1e3,
-                           int((1.0 - early_stop_target) * len(reqs)))  # fmt: skip
+                           allowed_misses(len(reqs), early_stop_target),
+                           limits_ms=(ts.ttft_ms, ts.tpot_ms))  # fmt: skip
     records = cluster.run(reqs)
     ends = [r.finish_s for r in records if r.finish_s is not None]
     wall = max(ends) if ends else 0.0
