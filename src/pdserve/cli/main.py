@@ -8,6 +8,8 @@ import argparse
 import importlib
 import sys
 
+from pdserve.logging import configure_logging
+
 # sub-command -> module under pdserve.cli
 COMMANDS = {
     "up": "up",
@@ -44,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # library log lines of an in-process command (the attention kernel's build, an engine's
+    # warnings) go to stderr, warnings and up only: stdout is the command's output (--json)
+    configure_logging("console", level="warning", service="cli")
     result = args.func(args)
     return int(result or 0)
 
