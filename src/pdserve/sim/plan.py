@@ -28,14 +28,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.bench.goodput import SLO, distserve_goodput, search_goodput_rate
+from pdserve.bench.goodput import SLO, search_goodput_rate
 from pdserve.router.flip.policy import FlipThresholds  # noqa: F401  (documented option)
 from pdserve.sim import parallel
 from pdserve.sim.cluster import ClusterSpec, PoolSpec
 from pdserve.sim.costs import CostModel
 from pdserve.sim.hardware import load_model_config, roofline_costs
 from pdserve.sim.instance import InstanceConfig
-from pdserve.sim.plan_search import PlanSearch
+from pdserve.sim.plan_search import PlanSearch, unit_summary
 from pdserve.sim.run import base_for, default_num_blocks, simulate_once
 
 NOCHUNK = "colocated-nochunk"
@@ -200,16 +200,7 @@ def unit_goodput(
         return run["attainment_ttft_tpot"] or 0.0
 
     points = search_goodput_rate(measure, start_rate, target, max_steps=10, bisect_steps=3)
-    ds = distserve_goodput(points, target)
-    rate = ds["max_rate"] or 0.0
-    return {
-        "label": cand.label,
-        "goodput_req_s": rate,
-        "per_device_goodput": rate / cand.num_devices,
-        "devices": cand.devices(),
-        "points": [(p.rate, p.attainment) for p in points],
-        "mean_output_tokens": (sum(outputs) / len(outputs)) if outputs else 0.0,
-    }
+    return unit_summary(cand, points, outputs, target)
 
 
 def latency_at(cand: Candidate, replicas: int, args: argparse.Namespace, slo: SLO,

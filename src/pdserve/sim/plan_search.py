@@ -54,8 +54,16 @@ def unit_result(cand: Candidate, s: parallel.Search, target: float) -> dict[str,
     """A finished unit search as `plan` reports it (points and outputs in visit order)."""
     path = s.path()
     points = [SweepPoint(r, s.known[r]) for r in path]
-    rate = distserve_goodput(points, target)["max_rate"] or 0.0
     outputs = [s.results[r]["out_tokens"] for r in path if s.results[r]["out_tokens"] is not None]
+    return unit_summary(cand, points, outputs, target)
+
+
+def unit_summary(
+    cand: Candidate, points: Sequence[SweepPoint], outputs: Sequence[float], target: float
+) -> dict[str, Any]:
+    """One unit's search result as `plan` reports it, from its visited points (in order) and
+    the mean output tokens of its completed runs."""
+    rate = distserve_goodput(list(points), target)["max_rate"] or 0.0
     return {
         "label": cand.label,
         "goodput_req_s": rate,
