@@ -44,12 +44,7 @@ class ModelRunner:
             from pdserve.model.cpu_linear import pack_linears
 
             pack_linears(model, batch_invariant=batch_invariant)
-        set_invariant = getattr(model, "set_batch_invariant", None)  # models with many backends
-        backend = getattr(model, "attn_backend", None)
-        if set_invariant is not None:
-            set_invariant(batch_invariant)
-        elif backend is not None and hasattr(backend, "batch_invariant"):
-            backend.batch_invariant = batch_invariant
+        model.set_batch_invariant(batch_invariant)  # every attention the model runs
         self.batch_invariant = batch_invariant
         self.window_group = window_group
         self.model = model

@@ -35,6 +35,7 @@ class KEqVPlan:
     dec_tok: torch.Tensor | None  # [Bd] token index of each decode sequence
     dec_rows: torch.Tensor | None  # [Bd, S_max] rows of each decode context (pad -> row 0)
     dec_mask: torch.Tensor | None  # [Bd, 1, 1, S_max] True = visible
+    dec_lens: list[int] = field(default_factory=list)  # context length of each decode sequence
     prefills: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor]] = field(
         default_factory=list
     )  # (start, end, seq_len, context rows or None when the chunk is the context, mask [Tq, S])
@@ -54,9 +55,10 @@ def plan_keqv(meta: AttentionMetadata) -> KEqVPlan:
             mask = torch.arange(s, device=dev)[None, :] <= qpos
             prefills.append((start, start + q, s, rows, mask))
         start += q
-    plan = KEqVPlan(meta.slot_mapping.to(torch.int64), None, None, None, prefills)
+    plan = KEqVPlan(meta.slot_mapping.to(torch.int64), None, None, None, prefills=prefills)
     if dec:
-        lens = torch.tensor([meta.seq_lens_cpu[i] for i in dec], dtype=torch.int64)
+        plan.dec_lens = [meta.seq_lens_cpu[i] for i in dec]
+        lens = torch.tensor(plan.dec_lens, dtype=torch.int64)
         s_max = int(lens.max())
         plan.dec_rows = torch.stack(
             [_rows(meta.block_tables_cpu[i], s_max, bs, pad=True) for i in dec]
@@ -132,9 +134,8 @@ def _invariant(
     """Every sequence alone, K rebuilt from V in the cache dtype whether read or just written."""
     out = torch.empty_like(q)
     if plan.dec_tok is not None:
-        assert plan.dec_rows is not None and plan.dec_mask is not None
-        lens = plan.dec_mask.sum(-1).reshape(-1).tolist()
-        for j, (tok, n) in enumerate(zip(plan.dec_tok.tolist(), lens, strict=True)):
+        assert plan.dec_rows is not None
+        for j, (tok, n) in enumerate(zip(plan.dec_tok.tolist(), plan.dec_lens, strict=True)):
             cv = flat.index_select(0, plan.dec_rows[j, :n])  # [n, Hkv, D]
             ck = _k_on_read(cv[None], k_weight, cos[:n], sin[:n])[0]
             out[tok : tok + 1] = attend_sequence(q[tok : tok + 1], ck, cv, None, 1.0)

@@ -156,6 +156,11 @@ class LlamaModel(nn.Module):
             device, config.num_heads, config.num_kv_heads, config.head_dim
         )
 
+    def set_batch_invariant(self, flag: bool) -> None:
+        """The engine's batch-invariance setting, for the attention this model runs."""
+        if hasattr(self.attn_backend, "batch_invariant"):
+            self.attn_backend.batch_invariant = flag
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
