@@ -15,37 +15,7 @@ from pdserve.router.cluster.registry import ROLE_DECODE, Registry
 from pdserve.router.job import Deadlines, Job
 from pdserve.router.lifecycle import orchestrator as orch_mod
 from pdserve.router.lifecycle.orchestrator import Orchestrator
-
-
-class Msg:
-    token_ids = [5]
-    finish_reason = 0
-
-
-class QuietCall:
-    """Sends `n` messages, then stays open and silent; cancel() ends a pending read with
-    CancelledError, as grpc.aio does."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.cancelled = False
-        self._pending: asyncio.Future | None = None
-
-    async def read(self):
-        if self.cancelled:
-            raise asyncio.CancelledError
-        if self.n > 0:
-            self.n -= 1
-            await asyncio.sleep(0)
-            return Msg()
-        self._pending = asyncio.get_running_loop().create_future()
-        return await self._pending
-
-    def cancel(self) -> bool:
-        self.cancelled = True
-        if self._pending is not None and not self._pending.done():
-            self._pending.cancel()
-        return True
+from tests.unit.test_router_migration import SilentCall
 
 
 def _job() -> Job:
@@ -60,7 +30,7 @@ def test_a_silent_stream_hits_its_deadline(monkeypatch, wait_for: bool, sent: in
     reg = Registry(heartbeat_timeout_s=3600.0)
     inst = reg.register("d1", "127.0.0.1:2", ROLE_DECODE, "fp", 16)
     orch = Orchestrator(reg, None, None, Deadlines(first_token_s=0.05, decode_idle_s=0.1))
-    call = QuietCall(sent)
+    call = SilentCall(sent)
 
     async def scenario() -> list:
         got = []
