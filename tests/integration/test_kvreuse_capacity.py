@@ -63,9 +63,11 @@ def test_interleaved_sessions_under_capacity_pressure(model_dir):
             for _ in range(TURNS):  # round r of every session, 4 at a time
                 list(pool.map(lambda c: c.send(client, session_id=f"s{c.seed}"), convs))
 
-        def settled() -> bool:  # background publishes/write-backs done: no open puts
+        def settled() -> bool:  # background publishes/write-backs done: no open puts, and
+            # every staging buffer returned (a fetch's is freed after its reply, on the store's
+            # own time: CI once read 57,344 staging bytes right after the last turn)
             s = probe.stats()
-            return s.open_puts == 0 and s.used_bytes == s.num_blocks * bpb
+            return s.open_puts == 0 and s.used_bytes == s.num_blocks * bpb and s.staging_bytes == 0
 
         wait_until(settled, 30.0, "store idle")
         stats = probe.stats()
