@@ -125,10 +125,14 @@ class AsyncEngine:
         fetched: Sequence[bytes],
         data: Any,
         hold_on_finish: bool = False,
+        window_from: int = 0,
     ) -> None:
         """Import `data` (blocks of the chain `fetched`) and hold the cached prefix of `hashes`
-        for `request_id` until it is scheduled (or released / aborted)."""
-        cmd = ImportAndHold(request_id, list(hashes), list(fetched), data, hold_on_finish)
+        for `request_id` until it is scheduled (or released / aborted). `window_from`: the
+        sliding layers of blocks before it were not fetched (a layered kvstore hit)."""
+        cmd = ImportAndHold(
+            request_id, list(hashes), list(fetched), data, hold_on_finish, window_from
+        )
         await self._submit(cmd)
 
     async def read_for_publish(self, hashes: Sequence[bytes], skip: int) -> Any:
@@ -284,9 +288,9 @@ class AsyncEngine:
                 return None
             case CachedPrefixLength(hashes):
                 return len(llm.cached_prefix(hashes))
-            case ImportAndHold(request_id, hashes, fetched, data, hold_on_finish):
+            case ImportAndHold(request_id, hashes, fetched, data, hold_on_finish, window_from):
                 if fetched:
-                    llm.import_cached_blocks(fetched, data)
+                    llm.import_cached_blocks(fetched, data, window_from)
                 llm.hold_prefix(request_id, hashes)
                 if hold_on_finish:
                     llm.hold_on_finish(request_id)

@@ -89,6 +89,7 @@ class ImportAndHold:
     fetched: Sequence[bytes]
     data: Any  # [len(fetched), L, 2, bs, kvh, hd]
     hold_on_finish: bool = False
+    window_from: int = 0  # blocks of `fetched` before it carry no sliding-layer KV
 
 
 @dataclass(frozen=True)

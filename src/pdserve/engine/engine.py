@@ -375,10 +375,12 @@ class LLMEngine:
         local, window = self.kv.cached_run(hashes, skip)
         return self.read_blocks(local, window) if local else None
 
-    def import_cached_blocks(self, hashes: Sequence[bytes], data: Any) -> int:
+    def import_cached_blocks(self, hashes: Sequence[bytes], data: Any, window_from: int = 0) -> int:
         """Insert blocks fetched from the kvstore into the prefix cache. data:
         [n, L, 2, bs, kvh, hd] for `hashes` (a chain under this kv_fingerprint). Blocks already
-        cached are skipped. Returns the number inserted; they stay free (ref 0) and cached."""
+        cached are skipped. Returns the number inserted; they stay free (ref 0) and cached.
+        `window_from` > 0: the sliding layers of blocks before it hold no KV (a layered
+        kvstore hit, kv/store_parts.py): only the window group's pool can take such blocks."""
         if tuple(data.shape) != self.spec.blocks_shape(len(hashes)):
             want = list(self.spec.blocks_shape(len(hashes)))
             raise InvalidRequestError("data", f"expected {want} got {list(data.shape)}")
@@ -393,8 +395,10 @@ class LLMEngine:
             return write
 
         if self.window is None:
+            if window_from:
+                raise InvalidRequestError("window_from", "this engine has no window pool")
             return self.kv.import_blocks(hashes, writer(False))
-        return self.kv.import_blocks(hashes, writer(False), writer(True))
+        return self.kv.import_blocks(hashes, writer(False), writer(True), window_from)
 
     def hold_prefix(self, request_id: str, hashes: Sequence[bytes]) -> int:
         """Hold the longest locally cached prefix of `hashes` until `request_id` is scheduled

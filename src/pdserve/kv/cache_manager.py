@@ -371,12 +371,14 @@ class KVCacheManager:
         hashes: Sequence[bytes],
         write: Callable[[list[int], list[int]], None],
         write_window: Callable[[list[int], list[int]], None] | None = None,
+        window_from: int = 0,
     ) -> int:
         """Insert blocks fetched from elsewhere into the prefix cache. `write(block_ids,
         indices)` copies data[indices] into block_ids of the main pool, `write_window` into
         the window group's pool: the chain's tail only, the window of a hit at its end (each
-        pool skips the hashes it already caches). The new blocks stay free and cached.
-        Returns the number inserted into the main pool."""
+        pool skips the hashes it already caches; none before `window_from`, whose window
+        layers were not fetched). The new blocks stay free and cached. Returns the number
+        inserted into the main pool."""
         if not self.enable_prefix_caching:
             return 0
         if self._w is not None:
@@ -384,6 +386,7 @@ class KVCacheManager:
             # a hit at k (the chain's end, or one block less: the last token is recomputed)
             # needs window blocks [k - ceil(W / bs), k)
             tail = max(0, len(hashes) - (-(-self._w.window // self.block_size) + 2))
+            tail = max(tail, window_from)
             import_into(self._w.pool, hashes, write_window, tail)
         return import_into(self._pool, hashes, write)
 

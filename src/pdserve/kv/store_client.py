@@ -8,6 +8,10 @@ request path (unless `raise_errors=True`). After a failure the client skips call
 Buffers hold whole blocks back to back in the caller's KV layout (KVSpec.bytes_per_block
 each): `fetch` fills `out_buf` with blocks [0, n); `put` sends from `blocks_buf`, which holds
 blocks [first_block, len(hashes)).
+
+Layered models (sliding-window layers; kvstore/window.py, kv/store_parts.py) move a block as
+two parts: `lookup_parts` / `fetch_window` ask for a hit whose window parts are stored, and
+`put(..., window=True)` publishes window parts. Uniform models never set a window field.
 """
 
 from __future__ import annotations
@@ -103,6 +107,78 @@ class KVStoreClient:
 
         return await self._guard("lookup", 0, call) if hashes else 0
 
+    async def lookup_parts(
+        self, namespace: str, hashes: Sequence[bytes], window_blocks: int
+    ) -> tuple[int, int]:
+        """A layered chain: (hit k, the stored main prefix); the hit's window parts
+        [k - window_blocks, k) are stored. (0, 0) on failure."""
+
+        async def call() -> tuple[int, int]:
+            req = kvstore_pb2.LookupRequest(
+                namespace=namespace, block_hashes=list(hashes), window_blocks=window_blocks
+            )
+            resp = await self._stub.Lookup(req, timeout=self.rpc_timeout_s)
+            return int(resp.num_hit_blocks), int(resp.num_main_blocks)
+
+        return await self._guard("lookup", (0, 0), call) if hashes else (0, 0)
+
+    async def fetch_window(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        window_blocks: int,
+        main_bytes: int,
+        window_bytes: int,
+    ) -> tuple[int, np.ndarray, np.ndarray]:
+        """A layered hit on `hashes`: (k, main parts [k, main_bytes], window parts
+        [t, window_bytes] of blocks [k - t, k)), all verified; (0, ...) on any failure, and a
+        bad window part fails the whole fetch (the hit needs every part it names)."""
+        none = np.empty((0, main_bytes), np.uint8), np.empty((0, window_bytes), np.uint8)
+        if not hashes:
+            return 0, *none
+        n, nw = len(hashes), min(len(hashes), window_blocks)
+        buf = np.empty(n * main_bytes + nw * window_bytes, np.uint8)
+
+        async def call() -> tuple[int, np.ndarray, np.ndarray]:
+            tag = self.transport.new_tag_base()
+            handle = self.transport.post_recv(buf, tag)  # posted before the store sends
+            try:
+                req = kvstore_pb2.FetchRequest(
+                    namespace=namespace,
+                    block_hashes=list(hashes),
+                    ucx_worker_address=self.transport.address,
+                    tag=tag,
+                    window_blocks=window_blocks,
+                )
+                timeout = self.rpc_timeout_s + self.transfer_timeout_s
+                resp = await self._stub.Fetch(req, timeout=timeout)
+                k, t = int(resp.num_blocks), int(resp.num_window_blocks)
+                if k == 0:
+                    return 0, *none
+                if (
+                    resp.bytes_per_block != main_bytes
+                    or (t and resp.window_bytes_per_block != window_bytes)
+                    or t != min(k, window_blocks)
+                    or len(resp.checksums) != k + t
+                ):
+                    raise ValueError(
+                        f"parts {resp.bytes_per_block}/{resp.window_bytes_per_block} B x "
+                        f"{k}/{t}, expected {main_bytes}/{window_bytes} B"
+                    )
+                await handle.wait(self.transfer_timeout_s)
+            finally:
+                await handle.cancel()  # no-op when done; retires it otherwise
+            main = buf[: k * main_bytes]
+            window = buf[k * main_bytes : k * main_bytes + t * window_bytes]
+            got = await asyncio.to_thread(block_checksums, main, main_bytes, k)
+            got += await asyncio.to_thread(block_checksums, window, window_bytes, t)
+            if got != list(resp.checksums):
+                log.warning("kvstore fetch: checksum mismatch", blocks=k, window_blocks=t)
+                return 0, *none
+            return k, main.reshape(k, main_bytes), window.reshape(t, window_bytes)
+
+        return await self._guard("fetch", (0, *none), call)
+
     async def fetch(self, namespace: str, hashes: Sequence[bytes], out_buf: Any) -> int:
         """Fill `out_buf` (len(hashes) blocks) with the stored prefix; returns the number of
         leading blocks received and verified (0 on any failure; later bytes are garbage)."""
@@ -143,9 +219,15 @@ class KVStoreClient:
 
     # ----------------------------------------------------------------- put
     async def put(
-        self, namespace: str, hashes: Sequence[bytes], first_block: int, blocks_buf: Any
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        first_block: int,
+        blocks_buf: Any,
+        window: bool = False,
     ) -> int:
-        """Offer blocks [first_block, len(hashes)) of the chain; returns blocks stored."""
+        """Offer blocks [first_block, len(hashes)) of the chain; returns blocks stored.
+        `window`: the blocks' window parts (a layered model; no parent rule)."""
         n_offered = len(hashes) - first_block
         if n_offered <= 0:
             return 0
@@ -160,6 +242,7 @@ class KVStoreClient:
                 block_hashes=list(hashes),
                 first_block=first_block,
                 bytes_per_block=bpb,
+                window_part=window,
             )
             resp = await self._stub.BeginPut(begin, timeout=self.rpc_timeout_s)
             n = int(resp.num_accepted)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.kvstore.stats import StoreStats
+from pdserve.kvstore.window import is_window_namespace, window_namespace
 
 if TYPE_CHECKING:
     from pdserve.kvstore.store import BlockStore
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
 
 class AdminMixin:
     def pin(self: BlockStore, namespace: str, hashes: Sequence[bytes], delta: int = 1) -> int:
-        """Pin (delta=1) or unpin (-1) the stored prefix; returns the blocks affected."""
+        """Pin (delta=1) or unpin (-1) the stored prefix; returns the blocks affected. Main
+        parts only: a layered model's window parts stay LRU (window.py)."""
         blocks = self._prefix(namespace, hashes)
         if delta < 0:
             blocks = [b for b in blocks if b.pins > 0]
@@ -26,8 +28,10 @@ class AdminMixin:
         return len(blocks)
 
     def clear(self: BlockStore, namespace: str = "") -> int:
-        """Drop every block of `namespace` (all when empty) not in use, pins included."""
-        victims = [b for b in self._blocks.values() if not namespace or b.key[0] == namespace]
+        """Drop every block of `namespace` (all when empty) not in use, pins included, and
+        the window parts of its blocks (window.py)."""
+        names = (namespace, window_namespace(namespace))
+        victims = [b for b in self._blocks.values() if not namespace or b.key[0] in names]
         removed = 0
         for blk in sorted(victims, key=lambda b: -b.depth):  # leaves first
             if blk.children == 0 and blk.refs == 0 and self._blocks.get(blk.key) is blk:
@@ -74,6 +78,8 @@ class AdminMixin:
         for blk in self._blocks.values():
             assert blk.children == children.get(id(blk), 0), "child count drift"
             assert not blk.ghost or blk.children or blk.refs, "ghost left behind"
+            if is_window_namespace(blk.key[0]):  # window parts: unchained leaves
+                assert blk.parent is None and blk.depth == 0, "chained window part"
         reserved = sum(r.nbytes for r in self.puts.values())
         stored = sum(b.nbytes for b in self._blocks.values() if b.slot is not None)
         assert self.arena.used_bytes == reserved + stored, "slot accounting drift"

@@ -57,6 +57,7 @@ class PutReservation:
     parent: Block | None  # referenced until commit/abort so it cannot be evicted
     slots: list[Slot] = field(default_factory=list)
     writer: str = ""
+    chained: bool = True  # False: window parts (kvstore/window.py), each stored alone
 
     @property
     def nbytes(self) -> int:

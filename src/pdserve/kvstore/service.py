@@ -39,7 +39,9 @@ log = get_logger("pdserve.kvstore")
 class FetchResult:
     num_blocks: int
     bytes_per_block: int
-    checksums: list[bytes]
+    checksums: list[bytes]  # main parts (whole blocks), then window parts
+    num_window_blocks: int = 0  # layered: window parts of the last blocks (kvstore/window.py)
+    window_bytes_per_block: int = 0
 
 
 @dataclass
@@ -97,30 +99,51 @@ class KVStoreService:
         self.metrics.miss_blocks.inc(len(hashes) - n)
         return n
 
+    def lookup_window(
+        self, namespace: str, hashes: Sequence[bytes], window_blocks: int
+    ) -> tuple[int, int]:
+        """A layered model's hit: (k, stored main prefix), see BlockStore.lookup_window."""
+        k, main = self.store.lookup_window(namespace, hashes, window_blocks)
+        self.metrics.lookups.inc()
+        self.metrics.hit_blocks.inc(k)
+        self.metrics.miss_blocks.inc(len(hashes) - k)
+        return k, main
+
     def bytes_per_block(self, namespace: str, hashes: Sequence[bytes]) -> int:
         return self.store.block_bytes_of(namespace, hashes) or self.settings.block_bytes
 
     async def fetch(
-        self, namespace: str, hashes: Sequence[bytes], peer: bytes, tag: int
+        self, namespace: str, hashes: Sequence[bytes], peer: bytes, tag: int, window_blocks: int = 0
     ) -> FetchResult:
-        """Send the stored prefix of `hashes` as one message with `tag` to `peer`."""
+        """Send the stored prefix of `hashes` as one message with `tag` to `peer`. Layered
+        (`window_blocks` > 0): the hit's main parts, then the window parts of its last
+        min(k, window_blocks) blocks (kvstore/window.py); all or nothing on a bad file."""
         started = time.perf_counter()
-        blocks = self.store.acquire(namespace, hashes)
-        if blocks:  # one message of one block size
-            size = blocks[0].nbytes
-            keep = next((i for i, b in enumerate(blocks) if b.nbytes != size), len(blocks))
-            self.store.release(blocks[keep:])
-            blocks = blocks[:keep]
-        if not blocks:
-            return FetchResult(0, self.settings.block_bytes, [])
-        size = blocks[0].nbytes
-        nbytes = len(blocks) * size
+        empty = FetchResult(0, self.settings.block_bytes, [])
+        if window_blocks:
+            main, parts = self.store.acquire_window(namespace, hashes, window_blocks)
+            if len({b.nbytes for b in main}) > 1 or len({b.nbytes for b in parts}) > 1:
+                self.store.release(main + parts)  # one size per part: mixed layouts
+                return empty
+        else:
+            main, parts = self.store.acquire(namespace, hashes), []
+            if main:  # one message of one block size
+                size = main[0].nbytes
+                keep = next((i for i, b in enumerate(main) if b.nbytes != size), len(main))
+                self.store.release(main[keep:])
+                main = main[:keep]
+        if not main:
+            self.store.release(parts)
+            return empty
+        blocks = main + parts
+        nbytes = sum(b.nbytes for b in blocks)
         try:
             self._take_staging(nbytes)
         except OverloadedError:
             self.store.release(blocks)
             raise
         tier = "ram" if all(b.slot is not None for b in blocks) else "disk"
+        sent = 0
         try:
             staging = np.empty(nbytes, np.uint8)
             files = self.disk.files if self.disk is not None else None
@@ -128,16 +151,19 @@ class KVStoreService:
             if good < len(blocks):  # a corrupt or short file: a miss from that block on
                 log.warning("kvstore disk: corrupt block file", file=blocks[good].disk_name)
                 self.store.mark_bad(blocks[good])
-                self.store.release(blocks[good:])
-                blocks = blocks[:good]
+                keep = 0 if parts else good  # a layered hit needs every part it names
+                self.store.release(blocks[keep:])
+                blocks, parts = blocks[:keep], []
                 self._wake_disk()  # unlink the bad file
             if tier == "disk":
                 await self._promote(blocks, staging)
             checksums = [b.checksum for b in blocks]
+            sent = sum(b.nbytes for b in blocks)
+            n_parts = len(parts)
             self.store.release(blocks)
             blocks = []
             if checksums:
-                msg = staging[: len(checksums) * size]
+                msg = staging[:sent]
                 await self.transport.send(peer, tag, msg, timeout_s=self.settings.send_timeout_s)
         except TransferFailedError as exc:
             raise UnavailableError(f"fetch: cannot send to the caller: {exc}") from exc
@@ -145,26 +171,35 @@ class KVStoreService:
             self.store.release(blocks)
             self._staging_in_use -= nbytes
         if not checksums:
-            return FetchResult(0, self.settings.block_bytes, [])
-        self.store.stats.bytes_out += len(checksums) * size
-        self.metrics.fetched_bytes.inc(len(checksums) * size)
+            return empty
+        self.store.stats.bytes_out += sent
+        self.metrics.fetched_bytes.inc(sent)
         elapsed = time.perf_counter() - started
         self.metrics.fetch_seconds.observe(elapsed)
         self.metrics.fetch_tier_seconds.labels(tier).observe(elapsed)
-        return FetchResult(len(checksums), nbytes // len(checksums), checksums)
+        n_main = len(checksums) - n_parts
+        return FetchResult(
+            n_main,
+            main[0].nbytes,
+            checksums,
+            n_parts,
+            parts[0].nbytes if n_parts else 0,
+        )
 
     async def _promote(self, blocks: list[Block], staging: np.ndarray) -> None:
         """Copy the disk-only blocks a fetch read (now in `staging`) back into RAM slots."""
         pairs = self.store.reserve_promotions(blocks)
         if not pairs:
             return
-        index = {id(b): i for i, b in enumerate(blocks)}
-        n = blocks[0].nbytes
+        offset, pos = {}, 0  # blocks lie back to back in `staging` (sizes may differ)
+        for b in blocks:
+            offset[id(b)] = pos
+            pos += b.nbytes
 
         def copy() -> None:
             for blk, slot in pairs:
-                i = index[id(blk)]
-                self.store.arena.view(slot)[:] = staging[i * n : (i + 1) * n]
+                i = offset[id(blk)]
+                self.store.arena.view(slot)[:] = staging[i : i + blk.nbytes]
 
         try:
             await asyncio.to_thread(copy)
@@ -179,12 +214,14 @@ class KVStoreService:
         first_block: int,
         block_bytes: int,
         writer: str = "",
+        window: bool = False,
     ) -> PutTicket:
         """Reserve room for a put. Bounded: a put declares a block of at least
         `min_block_bytes`, at most `max_open_puts` are open at once, each is dropped after
         `put_timeout_s` if not committed, and their staging is capped by `staging_bytes`.
         `writer`: the identity of the caller; the stored blocks remember it, and only the
-        same identity may commit the put."""
+        same identity may commit the put. `window`: the blocks' window parts (a layered
+        model, kvstore/window.py)."""
         if 0 < block_bytes < self.settings.min_block_bytes:
             raise InvalidRequestError(
                 "bytes_per_block", f"must be at least {self.settings.min_block_bytes}"
@@ -193,7 +230,7 @@ class KVStoreService:
             self.store.stats.put_rejected += 1
             self.metrics.puts.labels("rejected").inc()
             return PutTicket(0, 0, 0, first_block)
-        res = self.store.begin_put(namespace, hashes, first_block, block_bytes, writer)
+        res = self.store.begin_put(namespace, hashes, first_block, block_bytes, writer, window)
         if res is None:
             return PutTicket(0, 0, 0, len(hashes))
         if not res.slots:

@@ -26,11 +26,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Lookup(self, request, context: aio.ServicerContext):
         hashes = list(request.block_hashes)
         checks.check_chain(request.namespace, hashes)
-        n = self.service.lookup(request.namespace, hashes)
+        main = 0  # unset for uniform models: their reply is unchanged
+        if request.window_blocks:
+            n, main = self.service.lookup_window(request.namespace, hashes, request.window_blocks)
+        else:
+            n = self.service.lookup(request.namespace, hashes)
         return kvstore_pb2.LookupResponse(
             num_hit_blocks=n,
             ucx_worker_address=self.service.address,
             bytes_per_block=self.service.bytes_per_block(request.namespace, hashes),
+            num_main_blocks=main,
         )
 
     async def Fetch(self, request, context: aio.ServicerContext):
@@ -38,10 +43,18 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         checks.check_ucx_address(request.ucx_worker_address)
         checks.check_tag(request.tag)
         r = await self.service.fetch(
-            request.namespace, list(request.block_hashes), request.ucx_worker_address, request.tag
+            request.namespace,
+            list(request.block_hashes),
+            request.ucx_worker_address,
+            request.tag,
+            request.window_blocks,
         )
         return kvstore_pb2.FetchResponse(
-            num_blocks=r.num_blocks, bytes_per_block=r.bytes_per_block, checksums=r.checksums
+            num_blocks=r.num_blocks,
+            bytes_per_block=r.bytes_per_block,
+            checksums=r.checksums,
+            num_window_blocks=r.num_window_blocks,
+            window_bytes_per_block=r.window_bytes_per_block,
         )
 
     async def BeginPut(self, request, context: aio.ServicerContext):
@@ -49,7 +62,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         checks.check_chain(request.namespace, hashes, allow_empty=False)
         checks.check_put(request.first_block, len(hashes), request.bytes_per_block)
         t = self.service.begin_put(
-            request.namespace, hashes, request.first_block, request.bytes_per_block, _writer()
+            request.namespace,
+            hashes,
+            request.first_block,
+            request.bytes_per_block,
+            _writer(),
+            request.window_part,
         )
         return kvstore_pb2.BeginPutResponse(
             put_id=t.put_id,

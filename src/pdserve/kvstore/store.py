@@ -14,6 +14,12 @@ Invariants (checked by `check_integrity`):
   and a block never goes while a longer chain through it stays; pins protect ancestors for free.
 - Bytes in use (reserved + stored slots) never exceed the arena, which never exceeds capacity.
 
+Layered models (Gemma 4's sliding layers, window.py): a block's *main* part (full-attention
+layers) lives in the client's namespace under the rules above; its *window* part (sliding
+layers) in a second namespace, `window_namespace(ns)`, same hashes, unchained (parent None,
+depth 0: a leaf, LRU alone), published for the last blocks of a chain only. `lookup_window`
+/ `acquire_window` serve the largest hit whose window parts are all stored.
+
 Disk tier (`disk_bytes` > 0; the files are the service's, see disk.py): write-through. Every
 committed block is queued for a copy on disk (`take_writes` / `finish_writes`, the service
 writes in a thread), so the disk holds (nearly) a superset of RAM and one recency order
@@ -44,11 +50,12 @@ from pdserve.kvstore.blocks import HASH_BYTES, Block, Key, PutReservation, check
 from pdserve.kvstore.disk import DiskFiles
 from pdserve.kvstore.stats import StoreStats
 from pdserve.kvstore.tiers import TierMixin
+from pdserve.kvstore.window import WindowMixin
 
 __all__ = ["HASH_BYTES", "Block", "BlockStore", "PutReservation", "checksum"]
 
 
-class BlockStore(TierMixin, AdminMixin):
+class BlockStore(TierMixin, AdminMixin, WindowMixin):
     def __init__(
         self,
         capacity_bytes: int,
@@ -150,11 +157,14 @@ class BlockStore(TierMixin, AdminMixin):
         first_block: int,
         block_bytes: int,
         writer: str = "",
+        window: bool = False,
     ) -> PutReservation | None:
         """Reserve slots for the blocks of the chain not stored yet, from the first missing one.
         None = nothing wanted (all stored). A reservation with no slots = rejected (parent
-        missing, wrong size, or no room)."""
+        missing, wrong size, or no room). `window`: the blocks' window parts (window.py)."""
         self._validate(hashes, first_block, block_bytes)
+        if window:
+            return self._begin_window_put(namespace, hashes, first_block, block_bytes, writer)
         start = len(self._prefix(namespace, hashes))
         if start == len(hashes):
             return None
@@ -167,8 +177,12 @@ class BlockStore(TierMixin, AdminMixin):
         if start > 0:
             res.parent = self._blocks[(namespace, bytes(hashes[start - 1]))]
             res.parent.refs += 1
-        for h in hashes[start:]:
-            slot = self._alloc(block_bytes)
+        return self._reserve(res, hashes[start:])
+
+    def _reserve(self, res: PutReservation, hashes: Sequence[bytes]) -> PutReservation:
+        """Slots for `hashes` in order, as room allows; none = rejected (released)."""
+        for h in hashes:
+            slot = self._alloc(res.block_bytes)
             if slot is None:
                 break
             res.slots.append(slot)
@@ -203,13 +217,14 @@ class BlockStore(TierMixin, AdminMixin):
             blk = self._blocks.get(key)
             if blk is not None and not blk.ghost:
                 self.arena.free(slot)
-                parent = blk
+                parent = blk if res.chained else None
                 continue
             if blk is not None:  # a ghost: same key, so same parent and position
                 blk.slot, blk.checksum = slot, bytes(checksums[i])
             else:
+                depth = res.first_block + i if res.chained else 0
                 blk = Block(
-                    key, parent, slot, bytes(checksums[i]), res.first_block + i,
+                    key, parent, slot, bytes(checksums[i]), depth,
                     nbytes=res.block_bytes, writer=res.writer,
                 )  # fmt: skip
                 self._blocks[key] = blk
@@ -218,7 +233,7 @@ class BlockStore(TierMixin, AdminMixin):
             if self.disk_capacity:
                 self._unwritten.append(blk)
             self._touch([blk])
-            parent, stored = blk, stored + 1
+            parent, stored = (blk if res.chained else None), stored + 1
         res.slots = []
         self._release_put(res)
         self.stats.bytes_in += stored * res.block_bytes

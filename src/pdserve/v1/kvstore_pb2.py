@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/kvstore.proto\x12\npdserve.v1\"8\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"]\n\x0eLookupResponse\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\r\x12\x1a\n\x12ucx_worker_address\x18\x02 \x01(\x0c\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x04\"`\n\x0c\x46\x65tchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x1a\n\x12ucx_worker_address\x18\x03 \x01(\x0c\x12\x0b\n\x03tag\x18\x04 \x01(\x04\"O\n\rFetchResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x02 \x01(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x0c\"h\n\x0f\x42\x65ginPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x04 \x01(\x04\"v\n\x10\x42\x65ginPutResponse\x12\x0e\n\x06put_id\x18\x01 \x01(\x04\x12\x0b\n\x03tag\x18\x02 \x01(\x04\x12\x1a\n\x12ucx_worker_address\x18\x03 \x01(\x0c\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\"5\n\x10\x43ommitPutRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\x04\x12\x11\n\tchecksums\x18\x02 \x03(\x0c\"\'\n\x11\x43ommitPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\"5\n\nPinRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"!\n\x0bPinResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"!\n\x0c\x43learRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"#\n\rClearResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xc2\x03\n\rStatsResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x07 \x01(\x04\x12\x11\n\tbytes_out\x18\x08 \x01(\x04\x12\x15\n\rpinned_blocks\x18\t \x01(\x04\x12\x14\n\x0cput_rejected\x18\n \x01(\x04\x12\x14\n\x0c\x63orrupt_puts\x18\x0b \x01(\x04\x12\x11\n\topen_puts\x18\x0c \x01(\x04\x12\x15\n\rstaging_bytes\x18\r \x01(\x04\x12\x1b\n\x13\x64isk_capacity_bytes\x18\x0e \x01(\x04\x12\x17\n\x0f\x64isk_used_bytes\x18\x0f \x01(\x04\x12\x13\n\x0b\x64isk_blocks\x18\x10 \x01(\x04\x12\x11\n\tdisk_hits\x18\x11 \x01(\x04\x12\x13\n\x0b\x64isk_writes\x18\x12 \x01(\x04\x12\x11\n\tdemotions\x18\x13 \x01(\x04\x12\x12\n\npromotions\x18\x14 \x01(\x04\x12\x14\n\x0c\x64isk_corrupt\x18\x15 \x01(\x04\"$\n\x12PurgeWriterRequest\x12\x0e\n\x06writer\x18\x01 \x01(\t\"=\n\x13PurgeWriterResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_in_use\x18\x02 \x01(\r2\xd7\x04\n\x07KVStore\x12?\n\x06Lookup\x12\x19.pdserve.v1.LookupRequest\x1a\x1a.pdserve.v1.LookupResponse\x12<\n\x05\x46\x65tch\x12\x18.pdserve.v1.FetchRequest\x1a\x19.pdserve.v1.FetchResponse\x12\x45\n\x08\x42\x65ginPut\x12\x1b.pdserve.v1.BeginPutRequest\x1a\x1c.pdserve.v1.BeginPutResponse\x12H\n\tCommitPut\x12\x1c.pdserve.v1.CommitPutRequest\x1a\x1d.pdserve.v1.CommitPutResponse\x12\x36\n\x03Pin\x12\x16.pdserve.v1.PinRequest\x1a\x17.pdserve.v1.PinResponse\x12\x38\n\x05Unpin\x12\x16.pdserve.v1.PinRequest\x1a\x17.pdserve.v1.PinResponse\x12<\n\x05\x43lear\x12\x18.pdserve.v1.ClearRequest\x1a\x19.pdserve.v1.ClearResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse\x12N\n\x0bPurgeWriter\x12\x1e.pdserve.v1.PurgeWriterRequest\x1a\x1f.pdserve.v1.PurgeWriterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/kvstore.proto\x12\npdserve.v1\"O\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x15\n\rwindow_blocks\x18\x03 \x01(\r\"v\n\x0eLookupResponse\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\r\x12\x1a\n\x12ucx_worker_address\x18\x02 \x01(\x0c\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x04\x12\x17\n\x0fnum_main_blocks\x18\x04 \x01(\r\"w\n\x0c\x46\x65tchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x1a\n\x12ucx_worker_address\x18\x03 \x01(\x0c\x12\x0b\n\x03tag\x18\x04 \x01(\x04\x12\x15\n\rwindow_blocks\x18\x05 \x01(\r\"\x8a\x01\n\rFetchResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x02 \x01(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x0c\x12\x19\n\x11num_window_blocks\x18\x04 \x01(\r\x12\x1e\n\x16window_bytes_per_block\x18\x05 \x01(\x04\"}\n\x0f\x42\x65ginPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x04 \x01(\x04\x12\x13\n\x0bwindow_part\x18\x05 \x01(\x08\"v\n\x10\x42\x65ginPutResponse\x12\x0e\n\x06put_id\x18\x01 \x01(\x04\x12\x0b\n\x03tag\x18\x02 \x01(\x04\x12\x1a\n\x12ucx_worker_address\x18\x03 \x01(\x0c\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\"5\n\x10\x43ommitPutRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\x04\x12\x11\n\tchecksums\x18\x02 \x03(\x0c\"\'\n\x11\x43ommitPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\"5\n\nPinRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"!\n\x0bPinResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"!\n\x0c\x43learRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"#\n\rClearResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xc2\x03\n\rStatsResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x07 \x01(\x04\x12\x11\n\tbytes_out\x18\x08 \x01(\x04\x12\x15\n\rpinned_blocks\x18\t \x01(\x04\x12\x14\n\x0cput_rejected\x18\n \x01(\x04\x12\x14\n\x0c\x63orrupt_puts\x18\x0b \x01(\x04\x12\x11\n\topen_puts\x18\x0c \x01(\x04\x12\x15\n\rstaging_bytes\x18\r \x01(\x04\x12\x1b\n\x13\x64isk_capacity_bytes\x18\x0e \x01(\x04\x12\x17\n\x0f\x64isk_used_bytes\x18\x0f \x01(\x04\x12\x13\n\x0b\x64isk_blocks\x18\x10 \x01(\x04\x12\x11\n\tdisk_hits\x18\x11 \x01(\x04\x12\x13\n\x0b\x64isk_writes\x18\x12 \x01(\x04\x12\x11\n\tdemotions\x18\x13 \x01(\x04\x12\x12\n\npromotions\x18\x14 \x01(\x04\x12\x14\n\x0c\x64isk_corrupt\x18\x15 \x01(\x04\"$\n\x12PurgeWriterRequest\x12\x0e\n\x06writer\x18\x01 \x01(\t\"=\n\x13PurgeWriterResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_in_use\x18\x02 \x01(\r2\xd7\x04\n\x07KVStore\x12?\n\x06Lookup\x12\x19.pdserve.v1.LookupRequest\x1a\x1a.pdserve.v1.LookupResponse\x12<\n\x05\x46\x65tch\x12\x18.pdserve.v1.FetchRequest\x1a\x19.pdserve.v1.FetchResponse\x12\x45\n\x08\x42\x65ginPut\x12\x1b.pdserve.v1.BeginPutRequest\x1a\x1c.pdserve.v1.BeginPutResponse\x12H\n\tCommitPut\x12\x1c.pdserve.v1.CommitPutRequest\x1a\x1d.pdserve.v1.CommitPutResponse\x12\x36\n\x03Pin\x12\x16.pdserve.v1.PinRequest\x1a\x17.pdserve.v1.PinResponse\x12\x38\n\x05Unpin\x12\x16.pdserve.v1.PinRequest\x1a\x17.pdserve.v1.PinResponse\x12<\n\x05\x43lear\x12\x18.pdserve.v1.ClearRequest\x1a\x19.pdserve.v1.ClearResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse\x12N\n\x0bPurgeWriter\x12\x1e.pdserve.v1.PurgeWriterRequest\x1a\x1f.pdserve.v1.PurgeWriterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,37 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kvstore_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOOKUPREQUEST']._serialized_start=40
-  _globals['_LOOKUPREQUEST']._serialized_end=96
-  _globals['_LOOKUPRESPONSE']._serialized_start=98
-  _globals['_LOOKUPRESPONSE']._serialized_end=191
-  _globals['_FETCHREQUEST']._serialized_start=193
-  _globals['_FETCHREQUEST']._serialized_end=289
-  _globals['_FETCHRESPONSE']._serialized_start=291
-  _globals['_FETCHRESPONSE']._serialized_end=370
-  _globals['_BEGINPUTREQUEST']._serialized_start=372
-  _globals['_BEGINPUTREQUEST']._serialized_end=476
-  _globals['_BEGINPUTRESPONSE']._serialized_start=478
-  _globals['_BEGINPUTRESPONSE']._serialized_end=596
-  _globals['_COMMITPUTREQUEST']._serialized_start=598
-  _globals['_COMMITPUTREQUEST']._serialized_end=651
-  _globals['_COMMITPUTRESPONSE']._serialized_start=653
-  _globals['_COMMITPUTRESPONSE']._serialized_end=692
-  _globals['_PINREQUEST']._serialized_start=694
-  _globals['_PINREQUEST']._serialized_end=747
-  _globals['_PINRESPONSE']._serialized_start=749
-  _globals['_PINRESPONSE']._serialized_end=782
-  _globals['_CLEARREQUEST']._serialized_start=784
-  _globals['_CLEARREQUEST']._serialized_end=817
-  _globals['_CLEARRESPONSE']._serialized_start=819
-  _globals['_CLEARRESPONSE']._serialized_end=854
-  _globals['_STATSREQUEST']._serialized_start=856
-  _globals['_STATSREQUEST']._serialized_end=870
-  _globals['_STATSRESPONSE']._serialized_start=873
-  _globals['_STATSRESPONSE']._serialized_end=1323
-  _globals['_PURGEWRITERREQUEST']._serialized_start=1325
-  _globals['_PURGEWRITERREQUEST']._serialized_end=1361
-  _globals['_PURGEWRITERRESPONSE']._serialized_start=1363
-  _globals['_PURGEWRITERRESPONSE']._serialized_end=1424
-  _globals['_KVSTORE']._serialized_start=1427
-  _globals['_KVSTORE']._serialized_end=2026
+  _globals['_LOOKUPREQUEST']._serialized_end=119
+  _globals['_LOOKUPRESPONSE']._serialized_start=121
+  _globals['_LOOKUPRESPONSE']._serialized_end=239
+  _globals['_FETCHREQUEST']._serialized_start=241
+  _globals['_FETCHREQUEST']._serialized_end=360
+  _globals['_FETCHRESPONSE']._serialized_start=363
+  _globals['_FETCHRESPONSE']._serialized_end=501
+  _globals['_BEGINPUTREQUEST']._serialized_start=503
+  _globals['_BEGINPUTREQUEST']._serialized_end=628
+  _globals['_BEGINPUTRESPONSE']._serialized_start=630
+  _globals['_BEGINPUTRESPONSE']._serialized_end=748
+  _globals['_COMMITPUTREQUEST']._serialized_start=750
+  _globals['_COMMITPUTREQUEST']._serialized_end=803
+  _globals['_COMMITPUTRESPONSE']._serialized_start=805
+  _globals['_COMMITPUTRESPONSE']._serialized_end=844
+  _globals['_PINREQUEST']._serialized_start=846
+  _globals['_PINREQUEST']._serialized_end=899
+  _globals['_PINRESPONSE']._serialized_start=901
+  _globals['_PINRESPONSE']._serialized_end=934
+  _globals['_CLEARREQUEST']._serialized_start=936
+  _globals['_CLEARREQUEST']._serialized_end=969
+  _globals['_CLEARRESPONSE']._serialized_start=971
+  _globals['_CLEARRESPONSE']._serialized_end=1006
+  _globals['_STATSREQUEST']._serialized_start=1008
+  _globals['_STATSREQUEST']._serialized_end=1022
+  _globals['_STATSRESPONSE']._serialized_start=1025
+  _globals['_STATSRESPONSE']._serialized_end=1475
+  _globals['_PURGEWRITERREQUEST']._serialized_start=1477
+  _globals['_PURGEWRITERREQUEST']._serialized_end=1513
+  _globals['_PURGEWRITERRESPONSE']._serialized_start=1515
+  _globals['_PURGEWRITERRESPONSE']._serialized_end=1576
+  _globals['_KVSTORE']._serialized_start=1579
+  _globals['_KVSTORE']._serialized_end=2178
 # @@protoc_insertion_point(module_scope)

@@ -7,56 +7,68 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes")
+    __slots__ = ("namespace", "block_hashes", "window_blocks")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    window_blocks: int
+    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., window_blocks: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_hit_blocks", "ucx_worker_address", "bytes_per_block")
+    __slots__ = ("num_hit_blocks", "ucx_worker_address", "bytes_per_block", "num_main_blocks")
     NUM_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_MAIN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_hit_blocks: int
     ucx_worker_address: bytes
     bytes_per_block: int
-    def __init__(self, num_hit_blocks: _Optional[int] = ..., ucx_worker_address: _Optional[bytes] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+    num_main_blocks: int
+    def __init__(self, num_hit_blocks: _Optional[int] = ..., ucx_worker_address: _Optional[bytes] = ..., bytes_per_block: _Optional[int] = ..., num_main_blocks: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "ucx_worker_address", "tag")
+    __slots__ = ("namespace", "block_hashes", "ucx_worker_address", "tag", "window_blocks")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     ucx_worker_address: bytes
     tag: int
-    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., ucx_worker_address: _Optional[bytes] = ..., tag: _Optional[int] = ...) -> None: ...
+    window_blocks: int
+    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., ucx_worker_address: _Optional[bytes] = ..., tag: _Optional[int] = ..., window_blocks: _Optional[int] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("num_blocks", "bytes_per_block", "checksums")
+    __slots__ = ("num_blocks", "bytes_per_block", "checksums", "num_window_blocks", "window_bytes_per_block")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     bytes_per_block: int
     checksums: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., checksums: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    num_window_blocks: int
+    window_bytes_per_block: int
+    def __init__(self, num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., checksums: _Optional[_Iterable[bytes]] = ..., num_window_blocks: _Optional[int] = ..., window_bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class BeginPutRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "first_block", "bytes_per_block")
+    __slots__ = ("namespace", "block_hashes", "first_block", "bytes_per_block", "window_part")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_PART_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     first_block: int
     bytes_per_block: int
-    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+    window_part: bool
+    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., window_part: _Optional[bool] = ...) -> None: ...
 
 class BeginPutResponse(_message.Message):
     __slots__ = ("put_id", "tag", "ucx_worker_address", "num_accepted", "first_block")

@@ -29,6 +29,13 @@ class KVStoreStub:
     """Host-memory KV block store. Control here; bulk bytes over UCX.
     A block's bytes = all layers of one logical block, K and V, in the
     client's KV layout; the namespace is the kv fingerprint.
+    Layered models (sliding-window layers, `window_blocks` > 0): a block has two
+    parts. The "main" part (the full-attention layers) is chained in `namespace`
+    as above; the "window" part (the sliding layers) is kept apart, same block
+    hashes, unchained (any block may be stored alone, LRU-evicted alone), and
+    only for the last blocks of what is published. A hit at k blocks needs main
+    blocks [0, k) and window parts [k - window_blocks, k). Uniform models leave
+    every window field unset (0): their requests and replies are unchanged.
     """
 
     def __init__(self, channel):
@@ -88,6 +95,13 @@ class KVStoreServicer:
     """Host-memory KV block store. Control here; bulk bytes over UCX.
     A block's bytes = all layers of one logical block, K and V, in the
     client's KV layout; the namespace is the kv fingerprint.
+    Layered models (sliding-window layers, `window_blocks` > 0): a block has two
+    parts. The "main" part (the full-attention layers) is chained in `namespace`
+    as above; the "window" part (the sliding layers) is kept apart, same block
+    hashes, unchained (any block may be stored alone, LRU-evicted alone), and
+    only for the last blocks of what is published. A hit at k blocks needs main
+    blocks [0, k) and window parts [k - window_blocks, k). Uniform models leave
+    every window field unset (0): their requests and replies are unchanged.
     """
 
     def Lookup(self, request, context):
@@ -211,6 +225,13 @@ class KVStore:
     """Host-memory KV block store. Control here; bulk bytes over UCX.
     A block's bytes = all layers of one logical block, K and V, in the
     client's KV layout; the namespace is the kv fingerprint.
+    Layered models (sliding-window layers, `window_blocks` > 0): a block has two
+    parts. The "main" part (the full-attention layers) is chained in `namespace`
+    as above; the "window" part (the sliding layers) is kept apart, same block
+    hashes, unchained (any block may be stored alone, LRU-evicted alone), and
+    only for the last blocks of what is published. A hit at k blocks needs main
+    blocks [0, k) and window parts [k - window_blocks, k). Uniform models leave
+    every window field unset (0): their requests and replies are unchanged.
     """
 
     @staticmethod
