@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.kv import store_parts
 from pdserve.kv.footprint import KVLayer, kv_bytes, kv_bytes_per_token, layers_of, report
 from pdserve.kv.spec import KVSpec, LayerKV
 from pdserve.model.config import ModelConfig
@@ -32,10 +33,13 @@ def test_engine_spec_agrees_with_footprint(n):
     one_pool = kv_bytes(layers, n, 4, BS, "one_pool")
     assert spec.bytes_per_block * spec.num_blocks_for(n) == one_pool
     assert spec.transfer_bytes(n) == kv_bytes(layers, n, 4, BS, "transfer")
-    assert kv_bytes(layers, n, 4, BS, "store") == one_pool
     # the window pool: main-group blocks for every token, window-group blocks for the window
     full_b, win_b = spec.group_block_bytes()
     nb = spec.num_blocks_for(n)
+    # the kvstore: main parts of every block, window parts of the last window_blocks blocks
+    assert store_parts.part_bytes(spec) == (full_b, win_b)
+    stored = full_b * nb + win_b * min(nb, store_parts.window_blocks(spec))
+    assert kv_bytes(layers, n, 4, BS, "store") == stored
     held = full_b * nb + win_b * (nb - max(0, n - spec.window_group) // BS)
     assert held == kv_bytes(layers, n, 4, BS, "cache")
 
@@ -51,6 +55,9 @@ def test_tiny_gemma4_by_hand():
     assert kv_bytes(layers, n, 4, BS, "one_pool") == 3 * 4 * blk + 4 * half
     assert kv_bytes(layers, n, 4, BS, "transfer") == 3 * 3 * blk + 4 * half
     assert kv_bytes(layers, n, 4, BS, "cache") == kv_bytes(layers, n, 4, BS, "transfer")
+    # the store: sliding layers keep ceil(24 / 16) + 1 = 3 blocks, the K = V layer all 4
+    assert kv_bytes(layers, n, 4, BS, "store") == 3 * 3 * blk + 4 * half
+    assert kv_bytes(layers, 16, 4, BS, "store") == 3 * 1 * blk + 1 * half  # fewer blocks
     r = report(layers, 4, n)
     assert r["transfer"]["vs_naive"] == pytest.approx(11 / 24)
 
@@ -70,6 +77,7 @@ def test_uniform_models_keep_layout_and_fingerprint():
     assert mistral.layers is None and mistral.window_group is None
     assert mistral.transfer_bytes(200) == mistral.bytes_per_block * 13
     m_layers = layers_of(_config("mistral"))
+    assert store_parts.window_blocks(mistral) == 0  # the kvstore keeps whole blocks too
     for stage in ("cache", "transfer"):  # one pool, whole transfers: nothing trimmed
         assert kv_bytes(m_layers, 200, 4, BS, stage) == kv_bytes(m_layers, 200, 4, BS, "store")
 

@@ -10,11 +10,15 @@ bench cost models. Stages (what each holds for a request of n tokens, block gran
              layered layout (kv/window_group.py) hold their window only, blocks
              [(n - W) // bs, ceil(n / bs)), the earlier ones freed as the window moves;
 - transfer:  prefill -> decode: as cache (a sliding layer sends its last window only);
-- store:     a kvstore block: as one_pool, every block (a hit at any prefix length needs its
-             sliding tail, so blocks stay whole).
+- store:     what the kvstore holds for the request's chain (kvstore/window.py): as one_pool
+             for the full-attention layers, every block; the sliding layers of a layered
+             layout (one sliding window W) only the last ceil(W / bs) + 1 blocks (the
+             window a hit at the chain's end reads, plus one block so that the hit one
+             block shorter is served too: kv/store_parts.py). The store keeps full blocks
+             only: for n not a multiple of bs the store holds the n // bs-block figure.
 Trimming to the window applies to layered layouts only (stored layers of different shapes,
-as `KVSpec.for_layers` decides, with one sliding window for the cache): a uniform model
-(Mistral's all-layer window) keeps and sends every block.
+as `KVSpec.for_layers` decides, with one sliding window for the cache and the store): a
+uniform model (Mistral's all-layer window) keeps, sends and stores every block.
 """
 
 from __future__ import annotations
@@ -53,9 +57,11 @@ def layers_of_hf(raw: dict[str, Any]) -> list[KVLayer]:
     return layers_of(ModelConfig.from_dict(raw))
 
 
-def _blocks(layer: KVLayer, n: int, bs: int, trim: bool) -> int:
+def _blocks(layer: KVLayer, n: int, bs: int, trim: bool, stage: str) -> int:
     nb = -(-n // bs)
     if trim and layer.window is not None:
+        if stage == "store":  # the last window + 1 block (kv/store_parts.window_blocks)
+            return min(nb, -(-layer.window // bs) + 1)
         return nb - max(0, n - layer.window) // bs
     return nb
 
@@ -73,14 +79,14 @@ def kv_bytes(
         for x in stored
     )
     one_window = len({x.window for x in stored if x.window is not None}) == 1
-    trim = layered and (stage == "transfer" or (stage == "cache" and one_window))
+    trim = layered and (stage == "transfer" or (stage in ("cache", "store") and one_window))
     total = 0
     for x in layers:
         if x.shared and stage != "naive":
             continue
         tensors = 1 if (stage != "naive" and x.k_eq_v) else 2
         per_block = tensors * block_size * x.num_kv_heads * x.head_dim * itemsize
-        total += _blocks(x, num_tokens, block_size, trim) * per_block
+        total += _blocks(x, num_tokens, block_size, trim, stage) * per_block
     return total
 
 

@@ -32,12 +32,11 @@ class AdminMixin:
         the window parts of its blocks (window.py)."""
         names = (namespace, window_namespace(namespace))
         victims = [b for b in self._blocks.values() if not namespace or b.key[0] in names]
-        removed = 0
+        before = len(self._blocks)
         for blk in sorted(victims, key=lambda b: -b.depth):  # leaves first
             if blk.children == 0 and blk.refs == 0 and self._blocks.get(blk.key) is blk:
-                self._remove(blk)
-                removed += 1
-        return removed
+                self._remove(blk)  # (its window part may go with it)
+        return before - len(self._blocks)
 
     def purge_writer(self: BlockStore, writer: str) -> tuple[int, int]:
         """Drop every block `writer` put and every block chained after one of them (its KV
@@ -47,12 +46,12 @@ class AdminMixin:
             if blk.writer == writer or (blk.parent is not None and id(blk.parent) in tainted):
                 tainted.add(id(blk))
         victims = [b for b in self._blocks.values() if id(b) in tainted]
-        removed = 0
+        before = len(self._blocks)
         for blk in sorted(victims, key=lambda b: -b.depth):  # leaves first
             if blk.children == 0 and blk.refs == 0 and self._blocks.get(blk.key) is blk:
-                self._remove(blk)
-                removed += 1
-        return removed, len(victims) - removed
+                self._remove(blk)  # (its window part may go with it)
+        in_use = sum(1 for b in victims if self._blocks.get(b.key) is b)
+        return before - len(self._blocks), in_use
 
     def blocks_by_writer(self: BlockStore) -> dict[str, int]:
         out: dict[str, int] = {}

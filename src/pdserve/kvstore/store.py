@@ -339,6 +339,7 @@ class BlockStore(TierMixin, AdminMixin, WindowMixin):
         if blk.parent is not None:
             blk.parent.children -= 1
             self._maybe_evictable(blk.parent)
+        self._drop_window_part(blk)
 
     def _alloc(self, size: int) -> Slot | None:
         while True:

@@ -16,6 +16,10 @@ wrong KV. Multi-turn: turn 2's prompt extends turn 1's chain, so its hit is the 
 publish, where turn 1's window parts are; turn 2's publish adds window parts at its own end
 and leaves turn 1's to the LRU (a hit point for another continuation while they last).
 
+A window part without its main block serves no hit (a hit at k needs main [0, k)), so removing
+a main block (eviction, clear, purge) also removes the window part of the same hash, unless it
+is referenced or pinned (then the LRU takes it later).
+
 Invariants (checked by `check_integrity`): a window part has no parent, no children and
 depth 0, and lives only in a window namespace. Client namespaces cannot collide with one: the
 suffix holds a NUL, which a client namespace (printable only, kvstore/checks.py) cannot.
@@ -94,6 +98,14 @@ class WindowMixin:
         for blk in (*main, *parts):
             blk.refs += 1
         return main, parts
+
+    def _drop_window_part(self: BlockStore, blk: Block) -> None:
+        """`blk` (a main block) left the store: its window part can serve no hit now."""
+        if is_window_namespace(blk.key[0]):
+            return
+        part = self._blocks.get((window_namespace(blk.key[0]), blk.key[1]))
+        if part is not None and not (part.refs or part.pins or part.writing):
+            self._remove(part)
 
     def _begin_window_put(
         self: BlockStore,
