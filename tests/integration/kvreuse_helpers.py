@@ -92,10 +92,13 @@ class StoreProbe:
 
         return self._call("Stats", kvstore_pb2.StatsRequest())
 
-    def lookup(self, namespace: str, hashes: Sequence[bytes]) -> int:
+    def lookup(self, namespace: str, hashes: Sequence[bytes], window_blocks: int = 0) -> int:
+        """The store's hit; `window_blocks` > 0: a layered model's (window parts included)."""
         from pdserve.v1 import kvstore_pb2
 
-        req = kvstore_pb2.LookupRequest(namespace=namespace, block_hashes=list(hashes))
+        req = kvstore_pb2.LookupRequest(
+            namespace=namespace, block_hashes=list(hashes), window_blocks=window_blocks
+        )
         return int(self._call("Lookup", req).num_hit_blocks)
 
 
@@ -106,13 +109,17 @@ def block_hashes_of(namespace: str, token_ids: Sequence[int]) -> list[bytes]:
 
 
 def wait_written_back(
-    probe: StoreProbe, namespace: str, token_ids: Sequence[int], timeout: float = 30.0
+    probe: StoreProbe,
+    namespace: str,
+    token_ids: Sequence[int],
+    timeout: float = 30.0,
+    window_blocks: int = 0,
 ) -> None:
     """Poll until the store holds the whole-block KV of a finished conversation (the decode
     worker writes it back in the background after the answer was sent)."""
     hashes = block_hashes_of(namespace, token_ids)[: written_back_blocks(len(token_ids))]
     wait_until(
-        lambda: probe.lookup(namespace, hashes) >= len(hashes),
+        lambda: probe.lookup(namespace, hashes, window_blocks) >= len(hashes),
         timeout,
         f"write-back of {len(hashes)} blocks",
     )

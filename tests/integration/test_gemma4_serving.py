@@ -20,7 +20,15 @@ from pdserve.worker.nonce import TOKEN_MESSAGE_INT32
 
 from .conftest import counter, mixed_requests, reference_tokens, start_cluster, wait_until
 from .conftest import worker_info as info_of
-from .kvreuse_helpers import Conversation, StoreProbe, reference, reuse_floor, wait_written_back
+from .kvreuse_helpers import (
+    Conversation,
+    StoreProbe,
+    block_hashes_of,
+    reference,
+    reuse_floor,
+    wait_written_back,
+    written_back_blocks,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore")]
 pytest.importorskip("ucxx")
@@ -116,26 +124,74 @@ def test_serving_matches_engine_and_moves_stored_layers_only(mode, model_dir, en
             assert res.usage.stages["transfer_bytes"] == 3 * (nb - first) * sliding + nb * full
 
 
+def _published_parts(conv: Conversation, t: int) -> set[int]:
+    """Blocks whose window part the store holds after a chat: every publish of N blocks (the
+    prefill: its prompt's full blocks; the decode: prompt + answer but the last token) puts
+    window parts for its last t blocks [N - t, N) (kv/store_parts.py)."""
+    out: set[int] = set()
+    for turn in conv.turns:
+        context = len(turn.prompt) + len(turn.answer)
+        for n in (len(turn.prompt) // BLOCK_SIZE, written_back_blocks(context)):
+            out |= set(range(max(0, n - t), n))
+    return out
+
+
 def test_kvstore_hit_matches_engine(model_dir, engine):
+    """A 3-turn chat over 2 prefill workers (round_robin: turns 2 and 3 fetch the store). The
+    store keeps main parts (the full-attention layer) of every block and window parts (the 3
+    sliding layers) of the last ceil(24 / 16) + 1 = 3 blocks of each publish only: its
+    `used_bytes` is the footprint's "store" figure of the chat's chain plus the window parts
+    that earlier publishes left behind, byte for byte. Then prompts that diverge from the
+    chat before its last window fall back to the largest hit whose window is stored (or a
+    miss), and still decode exactly."""
+    from pdserve.kv import store_parts
+    from pdserve.kv.footprint import kv_bytes, layers_of
+
+    spec = engine.spec
+    t = store_parts.window_blocks(spec)
+    main_b, win_b = store_parts.part_bytes(spec)
+    # main part: the full layer (1 KV head x 32, K = V: V only); window part: 3 sliding
+    # layers (2 KV heads x 16, K and V), fp32; the 2 KV-shared layers add no byte
+    assert (t, main_b, win_b) == (3, BLOCK_SIZE * 32 * 4, 3 * (2 * BLOCK_SIZE * 32 * 4))
     cluster = start_cluster(model_dir, prefill=2, decode=1, kvstore=True, policy="round_robin")
+    fp = engine.kv_fingerprint
     try:
         from pdserve.client import Client
 
-        conv, probe = Conversation(seed=4), StoreProbe(cluster)
+        # turns long enough that a publish's window is a part of its chain
+        conv = Conversation(seed=4, first_tokens=100, user_tokens=70)
+        probe = StoreProbe(cluster)
         with Client(cluster.addr, max_retries=0) as client:
             for _ in range(3):
                 conv.send(client)
-                wait_written_back(probe, engine.kv_fingerprint, conv.last)
-        stats = probe.stats()
+                wait_written_back(probe, fp, conv.last, window_blocks=t)
+            n_main = written_back_blocks(len(conv.last))
+            parts = _published_parts(conv, t)
+            tail = set(range(n_main - t, n_main))
+            layers = layers_of(engine.loaded.config)
+            want = kv_bytes(layers, n_main * BLOCK_SIZE, 4, BLOCK_SIZE, "store")
+            want += win_b * len(parts - tail)  # earlier turns' window parts (LRU keeps them)
+            wait_until(lambda: probe.stats().used_bytes == want, what=f"{want} B stored")
+            stats = probe.stats()
+            # diverge inside block d: the store's hit is the largest k <= d with window
+            # parts [k - t, k), whatever the main chain holds beyond
+            diverging = []
+            for d in (13, 8, 2):
+                k = next((k for k in range(d, 0, -1) if set(range(max(0, k - t), k)) <= parts), 0)
+                prompt = [*conv.last[: d * BLOCK_SIZE + 5], 7, 9, 11]
+                assert probe.lookup(fp, block_hashes_of(fp, prompt), t) == k
+                res = client.generate(
+                    token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True
+                )
+                diverging.append((prompt, k, list(res.token_ids), res.cached_tokens))
     finally:
         cluster.stop()
-    # a store block is the 4 stored layers (3 sliding 2x16 K and V + 1 full 1x32 V only,
-    # fp32): the 2 KV-shared layers add no byte to what is published or fetched
-    assert engine.spec.bytes_per_block == 3 * (2 * BLOCK_SIZE * 32 * 4) + BLOCK_SIZE * 32 * 4
-    assert stats.num_blocks > 0
-    assert stats.used_bytes == stats.num_blocks * engine.spec.bytes_per_block
-    assert stats.bytes_in == stats.num_blocks * engine.spec.bytes_per_block  # no eviction
-    assert stats.bytes_out % engine.spec.bytes_per_block == 0 and stats.bytes_out > 0
+    assert n_main == 17 and len(parts) == 11  # 6 window parts fewer than whole blocks
+    assert stats.num_blocks == n_main + len(parts)
+    assert stats.used_bytes == n_main * main_b + len(parts) * win_b
+    assert stats.bytes_in == stats.used_bytes  # no eviction
+    assert stats.bytes_out > 0
+    assert stats.used_bytes < n_main * spec.bytes_per_block  # less than whole blocks
     for i, turn in enumerate(conv.turns):
         assert turn.answer == reference(engine, turn.prompt, conv.answer_tokens), f"turn {i + 1}"
     assert conv.turns[0].kvstore_tokens == 0
@@ -144,3 +200,7 @@ def test_kvstore_hit_matches_engine(model_dir, engine):
     # publish the answer blocks: the next turn reuses prompt + answer, not the prompt only
     for prev, turn in zip(conv.turns, conv.turns[1:], strict=False):
         assert turn.cached_tokens >= reuse_floor(len(prev.prompt), len(prev.answer))
+    assert [k for _, k, _, _ in diverging] == [12, 7, 0]  # shorter hits, then a miss
+    for prompt, _, tokens, cached in diverging:
+        assert tokens == reference(engine, prompt, 8)
+        assert cached <= len(prompt) - 3 - 5  # never past the divergence's block
