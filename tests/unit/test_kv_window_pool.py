@@ -316,3 +316,40 @@ def test_kvstore_read_and_import_fill_both_pools(engine):
     one = engine(window_pool=False)
     assert one.spec.blocks_shape(16) == src.spec.blocks_shape(16)
     assert (one.import_cached_blocks(hashes, data), len(one.cached_prefix(hashes))) == (16, 16)
+
+
+def test_kvstore_parts_import_fills_the_window_from_window_from(engine):
+    """A layered kvstore hit (kv/store_parts.py): main parts of every block and window parts
+    of the last window_blocks blocks, joined and imported with `window_from`: the window pool
+    gets those blocks only, the hit at the chain's end decodes exactly, a prompt diverging
+    before the fetched window gets no hit from them, and a one-pool engine refuses them."""
+    from pdserve.errors import InvalidRequestError
+    from pdserve.kv import store_parts
+
+    src, dst = engine(window_blocks=60), engine(window_blocks=60)
+    base = _prompts(1, [64], seed=19)[0]
+    src.generate([base], _greedy(1))
+    hashes = src.compute_block_hashes(base)
+    data = src.read_cached(hashes, 0)
+    t = store_parts.window_blocks(src.spec)
+    assert t == 24 // BS + 1
+    main, window = store_parts.split(src.spec, data, 16)
+    joined = dst.empty_kv(dst.spec.blocks_shape(16))
+    store_parts.join(dst.spec, main, window[16 - t :], joined)
+    assert dst.import_cached_blocks(hashes, joined, 16 - t) == 16
+    assert dst.kv._w.pool.num_cached_blocks == t
+    assert len(dst.cached_prefix(hashes)) == 16
+    # diverging inside block 8: main hit 8, but no window block before 16 - t is cached
+    assert len(dst.cached_prefix(dst.compute_block_hashes([*base[:33], 5, 6, 7]))) == 0
+    dst.add_request("d", [*base, 3, 4], _greedy(6))
+    outs = []
+    while dst.has_unfinished_requests():
+        outs += dst.step()
+        dst.check_integrity()
+    assert outs[0].num_cached_tokens == 64
+    toks = [t for o in outs for t in o.new_token_ids]
+    assert toks == engine(window_pool=False).generate([[*base, 3, 4]], _greedy(6))[0]
+    one = engine(window_pool=False)
+    with pytest.raises(InvalidRequestError, match="window"):
+        one.import_cached_blocks(hashes, joined, 16 - t)
+    assert one.kv.num_cached_blocks == 0
