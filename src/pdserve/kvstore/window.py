@@ -20,6 +20,10 @@ A window part without its main block serves no hit (a hit at k needs main [0, k)
 a main block (eviction, clear, purge) also removes the window part of the same hash, unless it
 is referenced or pinned (then the LRU takes it later).
 
+Main and window parts differ in size, so they live in different arena extents: the LRU is
+exact within each size (BlockStore._alloc evicts the slot's own size first; extents change
+size only when one empties, `Arena.reclaim`).
+
 Invariants (checked by `check_integrity`): a window part has no parent, no children and
 depth 0, and lives only in a window namespace. Client namespaces cannot collide with one: the
 suffix holds a NUL, which a client namespace (printable only, kvstore/checks.py) cannot.
