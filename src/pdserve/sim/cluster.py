@@ -415,7 +415,7 @@ class SimCluster:
         # the decode worker's Reserve: prompt + token 0 + the router's headroom when free,
         # else without the headroom (best effort)
         extra = max(0, st.route.reserve_tokens)
-        if dec.reserve(rid, n + 1 + extra) or (extra > 0 and dec.reserve(rid, n + 1)):
+        if dec.reserve(rid, n + 1 + extra, n) or (extra > 0 and dec.reserve(rid, n + 1, n)):
             self.registry.charge(dec.instance_id, requests=1)
             st.decode = dec
             if self.length is not None and st.pred is not None:
@@ -519,9 +519,9 @@ class SimCluster:
         self._publish(inst, st.req.prompt_ids)
         dec = st.decode
         assert dec is not None
-        # the worker pushes every block of the prompt (`num_blocks_for(prompt)`)
-        bs = inst.config.block_size
-        nbytes = -(-n // bs) * bs * inst.costs.kv_bytes_per_token
+        # the worker pushes every block of the prompt (`num_blocks_for(prompt)`; a layered
+        # model's sliding layers their last window only)
+        nbytes = inst.costs.transfer_bytes(n, inst.config.block_size)
         t_xfer = inst.costs.transfer.time_s(nbytes)
         st.rec.stages["transfer_ms"] = t_xfer * 1e3
         st.rec.stages["transfer_bytes"] = float(nbytes)
