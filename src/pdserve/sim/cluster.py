@@ -261,6 +261,10 @@ class SimCluster:
         if refused:
             self._fail(rid, f"INVALID_ARGUMENT: prompt: {refused}")
             return
+        too_big = self._over_capacity(req)
+        if too_big:  # the worker's refusal (`LLMEngine.validate`); it would wait forever here
+            self._fail(rid, f"INVALID_ARGUMENT: max_tokens: {too_big}")
+            return
         overhead = max(c.costs.router_overhead_s for c in self.instances.values())
         self.loop.after(overhead, lambda: self._route(rid))
 
@@ -271,6 +275,20 @@ class SimCluster:
             return f"{len(req.prompt_text)} characters; at most {lim.max_prompt_chars}"
         if len(req.prompt_ids) > lim.max_prompt_tokens:
             return lim.too_many_tokens(len(req.prompt_ids))
+        return ""
+
+    def _over_capacity(self, req: BenchRequest) -> str:
+        """`LLMEngine.validate`'s capacity rule on the smallest instance: a request whose
+        prompt + max_tokens needs more blocks than the pool has can never run."""
+        total = len(req.prompt_ids) + req.max_tokens
+        for inst in self.instances.values():
+            bs = inst.config.block_size
+            if -(-total // bs) > inst.config.num_blocks:
+                cap = inst.config.num_blocks * bs
+                return (
+                    f"prompt + max_tokens = {total} tokens exceeds this engine's KV capacity "
+                    f"of {cap} tokens"
+                )
         return ""
 
     def _route(self, rid: str) -> None:
