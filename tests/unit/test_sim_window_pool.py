@@ -165,6 +165,6 @@ def test_disaggregated_push_is_the_window_and_lands_in_the_window_pool(shape):
 def test_a_request_larger_than_the_pool_is_refused_not_waited_for(shape):
     pool = _pool(shape, "colocated", 40_000, True)  # 10 main blocks of 4 tokens
     cl = SimCluster(ClusterSpec([pool], policy="least_loaded"))
-    recs = cl.run(_reqs(2, 20, 30) + [BenchRequest(9, list(range(7, 37)), 4, arrival_s=0.0)])
+    recs = cl.run([*_reqs(2, 20, 30), BenchRequest(9, list(range(7, 37)), 4, arrival_s=0.0)])
     assert [r.ok for r in recs] == [False, False, True]
     assert "exceeds this engine's KV capacity of 40 tokens" in (recs[0].error or "")
