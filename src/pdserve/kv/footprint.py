@@ -73,11 +73,7 @@ def kv_bytes(
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     stored = [x for x in layers if not x.shared]
-    layered = any(
-        (x.num_kv_heads, x.head_dim, x.k_eq_v)
-        != (stored[0].num_kv_heads, stored[0].head_dim, False)
-        for x in stored
-    )
+    layered = _layered(stored)
     one_window = len({x.window for x in stored if x.window is not None}) == 1
     trim = layered and (stage == "transfer" or (stage in ("cache", "store") and one_window))
     total = 0
@@ -88,6 +84,31 @@ def kv_bytes(
         per_block = tensors * block_size * x.num_kv_heads * x.head_dim * itemsize
         total += _blocks(x, num_tokens, block_size, trim, stage) * per_block
     return total
+
+
+def window_group_split(layers: Sequence[KVLayer], itemsize: int) -> tuple[int, int] | None:
+    """(W, bytes per token of the sliding group) when the engine keeps the sliding layers in
+    their own window pool (`KVSpec.window_group`: a layered layout with one sliding window),
+    else None. The rest of the one-pool bytes per token is the main pool's."""
+    stored = [x for x in layers if not x.shared]
+    windows = {x.window for x in stored if x.window is not None}
+    if not _layered(stored) or len(windows) != 1:
+        return None
+    per_token = sum(
+        (1 if x.k_eq_v else 2) * x.num_kv_heads * x.head_dim * itemsize
+        for x in stored
+        if x.window is not None
+    )
+    return windows.pop(), per_token
+
+
+def _layered(stored: Sequence[KVLayer]) -> bool:
+    """Stored layers of different shapes (as `KVSpec.for_layers` decides)."""
+    return any(
+        (x.num_kv_heads, x.head_dim, x.k_eq_v)
+        != (stored[0].num_kv_heads, stored[0].head_dim, False)
+        for x in stored
+    )
 
 
 def kv_bytes_per_token(

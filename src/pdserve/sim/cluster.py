@@ -261,6 +261,10 @@ class SimCluster:
         if refused:
             self._fail(rid, f"INVALID_ARGUMENT: prompt: {refused}")
             return
+        too_big = self._over_capacity(req)
+        if too_big:  # the worker's refusal (`LLMEngine.validate`); it would wait forever here
+            self._fail(rid, f"INVALID_ARGUMENT: max_tokens: {too_big}")
+            return
         overhead = max(c.costs.router_overhead_s for c in self.instances.values())
         self.loop.after(overhead, lambda: self._route(rid))
 
@@ -271,6 +275,20 @@ class SimCluster:
             return f"{len(req.prompt_text)} characters; at most {lim.max_prompt_chars}"
         if len(req.prompt_ids) > lim.max_prompt_tokens:
             return lim.too_many_tokens(len(req.prompt_ids))
+        return ""
+
+    def _over_capacity(self, req: BenchRequest) -> str:
+        """`LLMEngine.validate`'s capacity rule on the smallest instance: a request whose
+        prompt + max_tokens needs more blocks than the pool has can never run."""
+        total = len(req.prompt_ids) + req.max_tokens
+        for inst in self.instances.values():
+            bs = inst.config.block_size
+            if -(-total // bs) > inst.config.num_blocks:
+                cap = inst.config.num_blocks * bs
+                return (
+                    f"prompt + max_tokens = {total} tokens exceeds this engine's KV capacity "
+                    f"of {cap} tokens"
+                )
         return ""
 
     def _route(self, rid: str) -> None:
@@ -415,7 +433,7 @@ class SimCluster:
         # the decode worker's Reserve: prompt + token 0 + the router's headroom when free,
         # else without the headroom (best effort)
         extra = max(0, st.route.reserve_tokens)
-        if dec.reserve(rid, n + 1 + extra) or (extra > 0 and dec.reserve(rid, n + 1)):
+        if dec.reserve(rid, n + 1 + extra, n) or (extra > 0 and dec.reserve(rid, n + 1, n)):
             self.registry.charge(dec.instance_id, requests=1)
             st.decode = dec
             if self.length is not None and st.pred is not None:
@@ -519,9 +537,9 @@ class SimCluster:
         self._publish(inst, st.req.prompt_ids)
         dec = st.decode
         assert dec is not None
-        # the worker pushes every block of the prompt (`num_blocks_for(prompt)`)
-        bs = inst.config.block_size
-        nbytes = -(-n // bs) * bs * inst.costs.kv_bytes_per_token
+        # the worker pushes every block of the prompt (`num_blocks_for(prompt)`; a layered
+        # model's sliding layers their last window only)
+        nbytes = inst.costs.transfer_bytes(n, inst.config.block_size)
         t_xfer = inst.costs.transfer.time_s(nbytes)
         st.rec.stages["transfer_ms"] = t_xfer * 1e3
         st.rec.stages["transfer_bytes"] = float(nbytes)

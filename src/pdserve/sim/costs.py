@@ -151,7 +151,11 @@ class CostModel:
     # profile`: served TPOT minus the engine-only step, per stream; 0 for a GPU engine
     # whose host work overlaps its kernels)
     stream_token_s: float = 0.0
-    kv_bytes_per_token: int = 0
+    kv_bytes_per_token: int = 0  # every stored layer, every block (a one-pool cache)
+    # The sliding layers' share of it when the engine keeps them in a window pool (Gemma 4:
+    # kv.footprint.window_group_split), and their window in tokens; 0 = one pool
+    kv_window: int = 0
+    kv_window_bytes_per_token: int = 0
     name: str = ""
     kv_capacity_bytes: int | None = None  # KV cache per instance (None: the worker default)
     devices: int = 1  # accelerators one instance occupies (tensor parallel degree)
@@ -168,6 +172,16 @@ class CostModel:
         """`step_time_s` from a non-empty batch's `plan_features` (the simulator's hot path
         computes them while it walks the plan); the same float operations."""
         return self.step.features_s(features) + self.stream_token_s * num_streamed
+
+    def transfer_bytes(self, num_tokens: int, block_size: int) -> int:
+        """KV bytes a prefill pushes for a `num_tokens` prompt (kv.footprint stage
+        "transfer"): every block of the main pool's layers, the sliding layers' last window."""
+        nb = -(-num_tokens // block_size)
+        full = nb * block_size * (self.kv_bytes_per_token - self.kv_window_bytes_per_token)
+        if not self.kv_window:
+            return full
+        win_blocks = nb - max(0, num_tokens - self.kv_window) // block_size
+        return full + win_blocks * block_size * self.kv_window_bytes_per_token
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -193,6 +207,8 @@ class CostModel:
             token_overhead_s=float(d.get("token_overhead_s", 0.0)),
             stream_token_s=float(d.get("stream_token_s", 0.0)),
             kv_bytes_per_token=int(d.get("kv_bytes_per_token", 0)),
+            kv_window=int(d.get("kv_window", 0)),
+            kv_window_bytes_per_token=int(d.get("kv_window_bytes_per_token", 0)),
             name=str(d.get("name", "")),
             kv_capacity_bytes=d.get("kv_capacity_bytes"),
             devices=int(d.get("devices", 1)),

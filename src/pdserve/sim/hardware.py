@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.kv.footprint import KVLayer, kv_bytes_per_token, layers_of_hf
+from pdserve.kv.footprint import KVLayer, kv_bytes_per_token, layers_of_hf, window_group_split
 from pdserve.sim.costs import CostModel, LinkCost, plan_features
 
 MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -152,11 +152,16 @@ class ModelShape:
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """Engine cache bytes per token (kv.footprint, stage "one_pool"): KV-shared layers
-        hold none. Sliding layers are counted in full, as a one-pool cache holds them (the
-        engine's window pool, which keeps their window only, is not modelled: an overestimate)."""
+        hold none. Sliding layers are counted in full here; `window_group` gives their share,
+        which the simulator puts in a window pool as the engine does."""
         if self.kv_layers is None:
             return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
         return round(kv_bytes_per_token(self.kv_layers, itemsize, "one_pool", self.kv_context))
+
+    def window_group(self, itemsize: int) -> tuple[int, int] | None:
+        """(W, the sliding layers' bytes per token) when the engine keeps them in a window
+        pool (kv.footprint.window_group_split), else None."""
+        return None if self.kv_layers is None else window_group_split(self.kv_layers, itemsize)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], name: str = "") -> ModelShape:
@@ -313,6 +318,7 @@ def roofline_costs(
     if network not in NETWORKS:
         raise ValueError(f"unknown network {network!r}; known: {sorted(NETWORKS)}")
     net = NETWORKS[network]
+    window, window_bytes = shape.window_group(itemsize_of(kv_dtype or dtype)) or (0, 0)
     costs = CostModel(
         step=step,  # type: ignore[arg-type]  # duck-typed: step_s, features_s
         transfer=LinkCost(net.latency_s, net.bandwidth_GBps * 1e9 * tp),
@@ -320,6 +326,8 @@ def roofline_costs(
         kvstore_publish=LinkCost(20e-6, 25e9),
         router_overhead_s=0.0005,
         kv_bytes_per_token=kv_bytes,
+        kv_window=window,
+        kv_window_bytes_per_token=window_bytes,
         name=f"{shape.name}@{hardware}/{dtype}" + (f"/kv={kv_dtype}" if kv_dtype else ""),
         kv_capacity_bytes=step.kv_capacity_bytes(),
         devices=tp,

@@ -37,6 +37,8 @@ class InstanceConfig:
     enable_prefix_caching: bool = True
     max_model_len: int = 1 << 30
     namespace: str = "sim"
+    window: int | None = None  # sliding layers in a window pool of `window_blocks` (Gemma 4)
+    window_blocks: int | None = None
 
 
 @dataclass
@@ -52,6 +54,10 @@ _PROMPT_HASHES: dict[tuple[int, int, str], tuple[Sequence[int], list[bytes]]] = 
 _PROMPT_HASHES_MAX = 30_000  # cleared when full (bounds its memory)
 
 
+def _no_bytes(_blocks: list[int], _indices: list[int]) -> None:
+    """A block write with no bytes to copy (the simulator moves none)."""
+
+
 class SimInstance:
     def __init__(self, instance_id: str, role: int, costs: CostModel, config: InstanceConfig):
         self.instance_id = instance_id
@@ -59,7 +65,12 @@ class SimInstance:
         self.costs = costs
         self.config = config
         self.kv = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, config.namespace
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.namespace,
+            config.window,
+            config.window_blocks,
         )
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill
@@ -103,11 +114,12 @@ class SimInstance:
     def cached_prefix_blocks(self, hashes: Sequence[bytes]) -> int:
         return len(self.kv.cached_prefix(hashes))
 
-    def reserve(self, request_id: str, num_tokens: int) -> bool:
-        """`KVCacheManager.reserve` as the decode worker calls it: False (the worker's
-        RESOURCE_EXHAUSTED) when the blocks are not free."""
+    def reserve(self, request_id: str, num_tokens: int, num_kv_tokens: int = 0) -> bool:
+        """`KVCacheManager.reserve` as the decode worker calls it (the KV of the first
+        `num_kv_tokens` tokens arrives, trimmed to a window group's window): False (the
+        worker's RESOURCE_EXHAUSTED) when the blocks are not free."""
         try:
-            self.kv.reserve(request_id, num_tokens)
+            self.kv.reserve(request_id, num_tokens, num_kv_tokens)
         except OverloadedError:
             return False
         return True
@@ -126,8 +138,16 @@ class SimInstance:
         seq = Seq(request_id, list(prompt), params, next(self._arrival))
         seq.block_hashes = self._prompt_hashes(prompt)
         seq.output_token_ids.append(first_token)
-        seq.block_table = self.kv.claim_reservation(request_id)
         seq.num_computed_tokens = len(prompt)
+        if self.kv.window is not None:  # the window entries whose KV did not travel: NULL
+            self.kv.admit_reservation(seq, len(prompt))
+        else:
+            seq.block_table = self.kv.claim_reservation(request_id)
+            if self.costs.kv_window:  # a layered model in one pool: the blocks whose sliding
+                # layers did not travel are never offered as cached prefix (as the engine)
+                seq.num_registered_blocks = (
+                    max(0, len(prompt) - self.costs.kv_window) // self.config.block_size
+                )
         self._track(seq)
         self.scheduler.add_running(seq)
         return seq
@@ -135,7 +155,7 @@ class SimInstance:
     def import_cached(self, hashes: Sequence[bytes]) -> int:
         """A kvstore fetch as the worker lands it: `import_blocks` (no bytes to write here)
         into the prefix cache; the caller then holds the prefix until the request runs."""
-        return self.kv.import_blocks(hashes, lambda _blocks, _idx: None)
+        return self.kv.import_blocks(hashes, _no_bytes, _no_bytes)
 
     # ---- steps ------------------------------------------------------------------------
     def has_work(self) -> bool:

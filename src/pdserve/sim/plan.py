@@ -36,7 +36,7 @@ from pdserve.sim.costs import CostModel
 from pdserve.sim.hardware import load_model_config, roofline_costs
 from pdserve.sim.instance import InstanceConfig
 from pdserve.sim.plan_search import PlanSearch, unit_summary
-from pdserve.sim.run import base_for, default_num_blocks, simulate_once
+from pdserve.sim.run import base_for, instance_kv_config, simulate_once
 
 NOCHUNK = "colocated-nochunk"
 KINDS = ("colocated", NOCHUNK, "disagg")
@@ -117,10 +117,11 @@ class Candidate:
 
     def spec(self, replicas: int, max_model_len: int, block_size: int = 16) -> ClusterSpec:
         def cfg(role: str, seqs: int) -> InstanceConfig:
-            c = self.costs[role]
-            n = default_num_blocks(c.kv_bytes_per_token, block_size, max_model_len, seqs,
-                                   c.kv_capacity_bytes)  # fmt: skip
-            return InstanceConfig(num_blocks=n, block_size=block_size,
+            pools = instance_kv_config(self.costs[role], block_size, max_model_len, seqs,
+                                       self.costs[role].kv_capacity_bytes,
+                                       max_num_batched_tokens=self.chunk,
+                                       chunked_prefill=self.kind != NOCHUNK)  # fmt: skip
+            return InstanceConfig(**pools, block_size=block_size,
                                   max_num_batched_tokens=self.chunk, max_num_seqs=seqs,
                                   max_model_len=max_model_len,
                                   chunked_prefill=self.kind != NOCHUNK)  # fmt: skip

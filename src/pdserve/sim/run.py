@@ -30,6 +30,7 @@ from pdserve.bench.goodput import (
 from pdserve.bench.metrics import summarize
 from pdserve.bench.serve import offered_rate, sweep_result, workload_at
 from pdserve.config import SettingsError
+from pdserve.kv.window_group import window_pool_sizes
 from pdserve.sim.cluster import ClusterSpec, PoolSpec, SimCluster
 from pdserve.sim.costs import CostModel
 from pdserve.sim.instance import InstanceConfig
@@ -66,6 +67,8 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=WORKER_MAX_SEQS)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--window-pool", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--window-blocks", type=int)
     return p
 
 
@@ -83,6 +86,45 @@ def default_num_blocks(
         return max(1, kv_bytes // per_block)
     budget = WORKER_KV_BYTES // per_block
     return max(per_seq + 1, min(budget, per_seq * max_num_seqs))
+
+
+def instance_kv_config(
+    costs: CostModel,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    kv_bytes: int | None,
+    *,
+    max_num_batched_tokens: int,
+    chunked_prefill: bool,
+    num_blocks: int | None = None,
+    window_pool: bool = True,
+    window_blocks: int | None = None,
+) -> dict[str, Any]:
+    """The KV pools of an instance as the engine sizes them (`LLMEngine._num_blocks`):
+    `num_blocks`, and for a layered model with a sliding group (`costs.kv_window`) its
+    `window` and `window_blocks` (kv.window_group.window_pool_sizes). InstanceConfig
+    keyword arguments."""
+    one_pool = num_blocks or default_num_blocks(
+        costs.kv_bytes_per_token, block_size, max_model_len, max_num_seqs, kv_bytes
+    )
+    if not (window_pool and costs.kv_window):
+        return {"num_blocks": one_pool}
+    win_b = costs.kv_window_bytes_per_token * block_size
+    full_b = costs.kv_bytes_per_token * block_size - win_b
+    step = max_num_batched_tokens if chunked_prefill else max(max_num_batched_tokens, max_model_len)
+    n, n_w = window_pool_sizes(
+        (full_b, win_b),
+        block_size,
+        costs.kv_window,
+        step_tokens=step,
+        max_num_seqs=max_num_seqs,
+        kv_cache_bytes=kv_bytes,
+        num_blocks=num_blocks,
+        window_blocks=window_blocks,
+        default_blocks=one_pool,
+    )
+    return {"num_blocks": n, "window": costs.kv_window, "window_blocks": n_w}
 
 
 def load_profile(path: str | Path) -> dict[str, Any]:
@@ -116,11 +158,20 @@ def spec_from_up_flags(
         c = cost_for(role)
         bs = wk.block_size or block_size
         kv_bytes = wk.kv_cache_bytes or c.kv_capacity_bytes
-        n = wk.num_blocks or default_num_blocks(
-            c.kv_bytes_per_token, bs, max_model_len, wk.max_num_seqs, kv_bytes
+        pools = instance_kv_config(
+            c,
+            bs,
+            max_model_len,
+            wk.max_num_seqs,
+            kv_bytes,
+            max_num_batched_tokens=wk.max_num_batched_tokens,
+            chunked_prefill=wk.chunked_prefill,
+            num_blocks=wk.num_blocks,
+            window_pool=wk.window_pool,
+            window_blocks=wk.window_blocks,
         )
         return InstanceConfig(
-            num_blocks=n,
+            **pools,
             block_size=bs,
             max_num_batched_tokens=wk.max_num_batched_tokens,
             max_num_seqs=wk.max_num_seqs,
