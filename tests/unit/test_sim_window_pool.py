@@ -168,3 +168,34 @@ def test_a_request_larger_than_the_pool_is_refused_not_waited_for(shape):
     recs = cl.run([*_reqs(2, 20, 30), BenchRequest(9, list(range(7, 37)), 4, arrival_s=0.0)])
     assert [r.ok for r in recs] == [False, False, True]
     assert "exceeds this engine's KV capacity of 40 tokens" in (recs[0].error or "")
+
+
+def test_kvstore_keeps_window_parts_of_the_chain_end_only(shape):
+    """Round robin sends a repeat of a 100-token prompt (25 blocks of 4) to the other
+    instance: the store holds 25 main parts and the window parts of the last
+    ceil(24 / 4) + 1 = 7 blocks (as kv.footprint's store stage), and serves the hit from them."""
+    from dataclasses import replace
+
+    from pdserve.sim.costs import LinkCost
+
+    pool = _pool(shape, "colocated", 400_000, True)
+    costs = replace(pool.costs, kvstore_fetch=LinkCost(0.002, 1e9))
+    spec = ClusterSpec(
+        [PoolSpec("colocated", 2, costs, pool.config)], policy="round_robin",
+        session_affinity=False, kvstore_capacity_bytes=1 << 22,
+    )  # fmt: skip
+    cl = SimCluster(spec)
+    p = [7 + k for k in range(100)]
+    recs = cl.run([BenchRequest(0, p, 2, 0.0), BenchRequest(1, p, 2, 0.5)])
+    assert all(r.ok for r in recs)
+    main_b = (costs.kv_bytes_per_token - costs.kv_window_bytes_per_token) * BS
+    win_b = costs.kv_window_bytes_per_token * BS
+    assert cl.store is not None
+    assert cl.store.arena.used_bytes == 25 * main_b + 7 * win_b
+    cl.store.check_integrity()
+    assert recs[1].stages["kvstore_tokens"] == 100
+    assert recs[1].cached_tokens == 96  # the last block is recomputed
+    fetched = 25 * main_b + 7 * win_b
+    assert recs[1].ttft_s > 0.002 + fetched / 1e9
+    for inst in cl.instances.values():
+        inst.kv.check_integrity([])

@@ -160,12 +160,22 @@ class SimCluster:
                 )
         self.store: BlockStore | None = None
         self._store_block_bytes = 0
+        # a layered model with a window pool stores blocks as parts (kvstore/window.py):
+        # (main part bytes, window part bytes, window blocks: kv.store_parts.window_blocks)
+        self._parts: tuple[int, int, int] | None = None
         if spec.kvstore_capacity_bytes is not None:
             first = spec.pools[0]
             bs = first.config.block_size
-            self._store_block_bytes = max(1, first.costs.kv_bytes_per_token * bs)
-            blocks = max(1, spec.kvstore_capacity_bytes // self._store_block_bytes)
-            self.store = BlockStore(blocks, block_bytes=1)
+            c = first.costs
+            self._store_block_bytes = max(1, c.kv_bytes_per_token * bs)
+            if c.kv_window and first.config.window is not None:
+                win_b = c.kv_window_bytes_per_token * bs
+                self._parts = (self._store_block_bytes - win_b, win_b, -(-c.kv_window // bs) + 1)
+                self._store_block_bytes = self._parts[0]
+                self.store = BlockStore(spec.kvstore_capacity_bytes)  # two part sizes, in bytes
+            else:
+                blocks = max(1, spec.kvstore_capacity_bytes // self._store_block_bytes)
+                self.store = BlockStore(blocks, block_bytes=1)
         self._reqs: dict[str, _Req] = {}
         self._pending = 0
         self.misses = 0  # finished requests that missed `stop_slo` (early stop)
@@ -459,14 +469,22 @@ class SimCluster:
         if self.store is not None:  # the worker's fetch_prefix: what the store has beyond us
             hashes = inst.hashes(prompt)
             n_local = inst.cached_prefix_blocks(hashes)
-            n_store = self.store.lookup(inst.config.namespace, [_key(h) for h in hashes])
+            keys = [_key(h) for h in hashes]
+            ns = inst.config.namespace
+            if self._parts is None:
+                n_store = self.store.lookup(ns, keys)
+            else:  # the hit's window parts must be stored too
+                n_store, _ = self.store.lookup_window(ns, keys, self._parts[2])
             if n_store > n_local:
                 wanted = hashes[n_local:n_store]
-                delay = inst.costs.kvstore_fetch.time_s(len(wanted) * self._store_block_bytes)
+                delay = inst.costs.kvstore_fetch.time_s(self._fetch_bytes(len(wanted)))
 
         def admit() -> None:
             if wanted:  # ImportAndHold when the fetch landed
-                st.kvstore_tokens = inst.import_cached(wanted) * inst.config.block_size
+                # a layered fetch brings the window layers of its last window_blocks only
+                window_from = 0 if self._parts is None else max(0, len(wanted) - self._parts[2])
+                imported = inst.import_cached(wanted, window_from)
+                st.kvstore_tokens = imported * inst.config.block_size
                 inst.kv.hold_prefix(rid, hashes)
             inst.add(rid, prompt, st.req.max_tokens, prefill_only)
             self._kick(inst)
@@ -610,7 +628,34 @@ class SimCluster:
         if not hashes:
             return
         ns = inst.config.namespace
+        if self._parts is not None:
+            self._publish_parts(ns, hashes)
+            return
         res = self.store.begin_put(ns, hashes, self.store.contains(ns, hashes), 1)
+        if res is not None and res.slots:
+            self.store.commit_put(res.put_id, [b""] * len(res.slots))
+
+    def _fetch_bytes(self, num_blocks: int) -> int:
+        """Bytes a kvstore fetch of `num_blocks` blocks moves (a layered hit: main parts, and
+        the window parts of its last window_blocks)."""
+        if self._parts is None:
+            return num_blocks * self._store_block_bytes
+        main_b, win_b, wb = self._parts
+        return num_blocks * main_b + min(num_blocks, wb) * win_b
+
+    def _publish_parts(self, ns: str, hashes: list[bytes]) -> None:
+        """`KVReuse._publish_parts` of a prefill (it holds every block's KV): main parts the
+        store lacks, then window parts of the last window_blocks blocks stored."""
+        assert self.store is not None and self._parts is not None
+        main_b, win_b, wb = self._parts
+        hit, n_main = self.store.lookup_window(ns, hashes, wb)
+        if hit >= len(hashes):
+            return
+        res = self.store.begin_put(ns, hashes, n_main, main_b)
+        if res is not None and res.slots:
+            self.store.commit_put(res.put_id, [b""] * len(res.slots))
+        end = self.store.contains(ns, hashes)
+        res = self.store.begin_put(ns, hashes[:end], max(0, end - wb), win_b, window=True)
         if res is not None and res.slots:
             self.store.commit_put(res.put_id, [b""] * len(res.slots))
 

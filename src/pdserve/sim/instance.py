@@ -152,10 +152,11 @@ class SimInstance:
         self.scheduler.add_running(seq)
         return seq
 
-    def import_cached(self, hashes: Sequence[bytes]) -> int:
+    def import_cached(self, hashes: Sequence[bytes], window_from: int = 0) -> int:
         """A kvstore fetch as the worker lands it: `import_blocks` (no bytes to write here)
-        into the prefix cache; the caller then holds the prefix until the request runs."""
-        return self.kv.import_blocks(hashes, _no_bytes, _no_bytes)
+        into the prefix cache (a layered fetch: window layers from `window_from` on); the
+        caller then holds the prefix until the request runs."""
+        return self.kv.import_blocks(hashes, _no_bytes, _no_bytes, window_from)
 
     # ---- steps ------------------------------------------------------------------------
     def has_work(self) -> bool:
