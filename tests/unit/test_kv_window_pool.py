@@ -115,6 +115,24 @@ def test_pool_sizes():
     # a small budget: equal pools (the window pool never larger than the main one)
     n, n_w = window_pool_sizes((10, 30), 4, 24, kv_cache_bytes=2_000, num_blocks=None, **sizes)
     assert n == n_w == (2_000 - 30) // 40
+    # with max_model_len (64 tokens: 16 main + 8 window blocks per sequence), a roomy budget
+    # keeps as many windows as full chains: 7,999 window blocks (~1,000 sequences) instead
+    # of 8 windows + a step (81)
+    n, n_w = window_pool_sizes(
+        (10, 30), 4, 24, kv_cache_bytes=400_000, num_blocks=None, max_model_len=64, **sizes
+    )
+    assert (n, n_w) == ((399_970 - 7_999 * 30) // 10, 7_999) and n // 16 == n_w // 8 + 1
+    # a long max_model_len balances at fewer window blocks than 8 windows: the windows win
+    n, n_w = window_pool_sizes(
+        (10, 30), 4, 24, kv_cache_bytes=400_000, num_blocks=None, max_model_len=1 << 20, **sizes
+    )
+    assert n_w == 81
+    # a tight budget (8 windows do not fit) stays an equal split whatever max_model_len
+    for max_len in (24, 64, 1 << 20):
+        n, n_w = window_pool_sizes(
+            (10, 30), 4, 24, kv_cache_bytes=2_000, num_blocks=None, max_model_len=max_len, **sizes
+        )
+        assert n == n_w == (2_000 - 30) // 40
 
 
 # ---- engine (tiny Gemma 4) ----------------------------------------------------------------

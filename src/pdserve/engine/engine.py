@@ -120,6 +120,7 @@ class LLMEngine:
             num_blocks=config.num_blocks,
             window_blocks=config.window_blocks,
             default_blocks=self._one_pool_blocks(config, self.spec.bytes_per_block),
+            max_model_len=self.max_model_len,
         )
         lone = lone_request_blocks(config.block_size, self.window, step)
         if n_w < min(n, lone):  # a lone long prompt could never run

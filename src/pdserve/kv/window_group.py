@@ -116,6 +116,7 @@ def window_pool_sizes(
     num_blocks: int | None,
     window_blocks: int | None,
     default_blocks: int,
+    max_model_len: int | None = None,
 ) -> tuple[int, int]:
     """(main pool blocks, window pool blocks) of an engine with a window group.
 
@@ -127,7 +128,14 @@ def window_pool_sizes(
     - `num_blocks` given: the main pool has that many; the window pool `window_blocks`,
       else as many (it then never binds before the main pool);
     - `kv_cache_bytes` given: the window pool's share (its null block included) first, the
-      rest to the main pool;
+      rest to the main pool. The share is the larger of those `max_num_seqs` windows and
+      the *balanced* share (`balanced_window_blocks`: both pools run out together when
+      every sequence is `max_model_len` long), so a roomy budget keeps as many chains'
+      windows cached as their full-attention blocks (prefix hits need both). Never more
+      than an equal split: when the windows do not fit (a tight budget), the pools are
+      equal, one pool's capacity. (Balancing a tight budget at `max_model_len` instead
+      would shrink the window pool to a few sequences when max_model_len is far above the
+      contexts served: Gemma 4's 256K);
     - else `default_blocks` main blocks (as the one-pool engine would have) and a window
       pool sized as above."""
     full_b, win_b = block_bytes
@@ -139,9 +147,29 @@ def window_pool_sizes(
     if kv_cache_bytes is None:
         n = default_blocks
         return n, window_blocks if window_blocks is not None else min(n, want)
-    n_w = window_blocks if window_blocks is not None else want
     budget = kv_cache_bytes - win_b  # the null block
     equal = budget // (full_b + win_b)
-    if window_blocks is None and n_w >= equal:
-        return max(1, equal), max(1, equal)
+    if window_blocks is not None:
+        n_w = window_blocks
+    else:
+        bal = (
+            balanced_window_blocks(block_bytes, block_size, window, budget, max_model_len)
+            if max_model_len
+            else 0
+        )
+        n_w = max(want, bal)
+        if n_w >= equal:
+            return max(1, equal), max(1, equal)
     return max(1, (budget - n_w * win_b) // full_b), n_w
+
+
+def balanced_window_blocks(
+    block_bytes: tuple[int, int], block_size: int, window: int, budget: int, max_model_len: int
+) -> int:
+    """Window-pool blocks of a byte `budget` split so that both pools hold the same number
+    of `max_model_len`-token sequences (ceil(L / bs) main blocks and ceil(W / bs) + 2 window
+    blocks each)."""
+    full_b, win_b = block_bytes
+    per_seq = -(-window // block_size) + 2
+    seqs = budget / (-(-max_model_len // block_size) * full_b + per_seq * win_b)
+    return int(seqs * per_seq)

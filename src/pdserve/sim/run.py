@@ -123,6 +123,7 @@ def instance_kv_config(
         num_blocks=num_blocks,
         window_blocks=window_blocks,
         default_blocks=one_pool,
+        max_model_len=max_model_len,
     )
     return {"num_blocks": n, "window": costs.kv_window, "window_blocks": n_w}
 
