@@ -4,6 +4,7 @@ describing the cluster `plan` simulated."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -49,7 +50,7 @@ def test_steps_grow_geometrically_until_bracketed():
     attain, calls = step_curve(100.0)
     search_rate(attain, 10.0, 0.9, 0.1, max_runs=30)
     ups = calls[: next(i for i, r in enumerate(calls) if r > 100.0) + 1]
-    ratios = [b / a for a, b in zip(ups, ups[1:], strict=False)]
+    ratios = [b / a for a, b in itertools.pairwise(ups)]
     # x 1.1, x 1.21, x 1.4641, ...: each step's exponent doubles
     assert ratios == pytest.approx([1.1 ** (2**i) for i in range(len(ratios))])
 
