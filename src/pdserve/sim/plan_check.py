@@ -134,7 +134,7 @@ def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any) -> d
     v = verdict({r["config"]: r[key] for r in rows}, pick.name, mine.tolerance, mine.min_spread)
     result["verdict_on"] = "simulated" if mine.no_emulate else "emulated"
     result["verdict"] = v.to_json()
-    result["table"] = format_table(rows, v)
+    result["table"] = format_table(rows, v, result["verdict_on"])
     result["load_avg_end"] = os.getloadavg()
     result["wall_s"] = time.perf_counter() - t0
     save()

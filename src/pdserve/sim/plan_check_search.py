@@ -129,8 +129,9 @@ def ranks(values: Mapping[str, float]) -> dict[str, int]:
     return {k: ordered.index(v) + 1 for k, v in values.items()}
 
 
-def format_table(rows: Sequence[Mapping[str, Any]], v: Verdict) -> str:
-    """configuration | devices | simulated goodput | emulated goodput | ranks | step lag."""
+def format_table(rows: Sequence[Mapping[str, Any]], v: Verdict, on: str = "emulated") -> str:
+    """configuration | devices | simulated goodput | emulated goodput | ranks | step lag;
+    `on`: the goodputs the verdict compares (emulated; simulated on a dry run)."""
 
     def f(v: float | None, spec: str) -> str:
         return "-" if v is None else format(v, spec)
@@ -155,10 +156,10 @@ def format_table(rows: Sequence[Mapping[str, Any]], v: Verdict) -> str:
         f"{v.spread:.2f}x")  # fmt: skip
     lines += [
         "",
-        f"plan's pick: {v.pick}; emulated best: {v.best}",
-        f"plan's pick is within {v.shortfall:.1%} of the emulated best "
+        f"plan's pick: {v.pick}; {on} best: {v.best}",
+        f"plan's pick is within {v.shortfall:.1%} of the {on} best "
         f"({'PASS' if v.within else 'FAIL'}: <= {v.tolerance:.0%})",
-        f"spread of emulated per-device goodput (max / min): {spread} "
+        f"spread of {on} per-device goodput (max / min): {spread} "
         f"({'ok' if v.spread_ok else 'TOO SMALL'}: >= {v.min_spread:g}x)",
     ]
     return "\n".join(lines)
