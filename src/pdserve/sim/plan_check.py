@@ -29,14 +29,18 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench.goodput import SLO
+from pdserve.sim.cluster import SimCluster
+from pdserve.sim.evidence_emu import EmuOptions, emulated_arm
 from pdserve.sim.plan_check_configs import Config, configurations, pick_of
 from pdserve.sim.plan_check_metrics import run_metrics
 from pdserve.sim.plan_check_search import format_table, search_rate, verdict
+from pdserve.sim.run import sim_workload, text_prompt_ids
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -74,12 +78,10 @@ def _name(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", s).strip("-")
 
 
-def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any) -> dict[str, Any]:
-    from pdserve.sim.cluster import SimCluster
-    from pdserve.sim.evidence_emu import EmuOptions, emulated_arm
+def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any,
+              argv: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     from pdserve.sim.hardware import load_model_config
     from pdserve.sim.plan import Budget, candidates, plan
-    from pdserve.sim.run import sim_workload, text_prompt_ids
 
     budget = Budget.parse(args.hardware, args.prices)
     if len(budget.devices) != 1 or args.network != "nvlink" or args.dtype != "bfloat16":
@@ -89,7 +91,6 @@ def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any) -> d
     args.max_model_len = args.max_model_len or shape.max_position_embeddings
     if args.duration is None and args.num_requests is None:
         args.duration = 10.0
-    slo = SLO.parse(args.goodput).only("ttft", "tpot")
     t0 = time.perf_counter()
     res = plan(args, budget, args.model_config, args.network, args.dtype, args.target, log)
     plan_s = time.perf_counter() - t0
@@ -104,88 +105,95 @@ def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any) -> d
         configs = [c for c in configs if c.name in keep]
     log(f"plan's pick: {pick.name} ({pick.unit} x{pick.replicas}); checking "
         f"{len(configs)} configurations: {', '.join(c.name for c in configs)}")  # fmt: skip
-
-    def requests(rate: float) -> list[Any]:
-        return text_prompt_ids(sim_workload(args, rate), args.vocab_size)
-
-    hw = next(iter(budget.devices))
-    out_dir = Path(args.out).parent
-    opt = EmuOptions(time_scale=mine.time_scale, tokenizer=mine.tokenizer,
-                     log_dir=out_dir / f"{Path(args.out).stem}_emu",
-                     emulate=("--emulate", hw, "--model-config", args.model_config))  # fmt: skip
-    result: dict[str, Any] = {
-        "argv": sys.argv[1:], "plan": res, "plan_wall_s": plan_s, "pick": pick.name,
-        "time_scale": mine.time_scale, "resolution": mine.resolution, "target": args.target,
-        "slo": slo.to_json(), "configs": [], "load_avg_start": os.getloadavg(),
-    }  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-    def save() -> None:
-        out.write_text(json.dumps(result, indent=1, default=str))
-
+    check = Checker(args, mine, next(iter(budget.devices)), log)
+    check.result.update(argv=argv, plan=res, plan_wall_s=plan_s, pick=pick.name)
     for c in configs:
-        row = check_config(c, args, mine, slo, requests, opt, log, SimCluster,
-                           emulated_arm, save, result)  # fmt: skip
+        row = check.config(c)
         log(f"{c.name}: simulated {row['sim_goodput']:.2f} req/s, emulated "
             f"{row['emu_goodput'] or 0:.2f} req/s ({row['devices']} devices)")  # fmt: skip
-    rows = result["configs"]
-    key = "sim_per_device" if mine.no_emulate else "emu_per_device"  # --no-emulate: a dry run
-    v = verdict({r["config"]: r[key] for r in rows}, pick.name, mine.tolerance, mine.min_spread)
-    result["verdict_on"] = "simulated" if mine.no_emulate else "emulated"
-    result["verdict"] = v.to_json()
-    result["table"] = format_table(rows, v, result["verdict_on"])
-    result["load_avg_end"] = os.getloadavg()
-    result["wall_s"] = time.perf_counter() - t0
-    save()
+    result = check.result
+    on = "simulated" if mine.no_emulate else "emulated"  # --no-emulate: a dry run
+    v = verdict({r["config"]: r[f"{on[:3]}_per_device"] for r in result["configs"]}, pick.name,
+                mine.tolerance, mine.min_spread)  # fmt: skip
+    result.update(verdict_on=on, verdict=v.to_json(), table=format_table(result["configs"], v, on),
+                  load_avg_end=os.getloadavg(), wall_s=time.perf_counter() - t0)  # fmt: skip
+    check.save()
     return result
 
 
-def check_config(c: Config, args, mine, slo, requests, opt, log, SimCluster,  # type: ignore[no-untyped-def]
-                 emulated_arm, save, result) -> dict[str, Any]:  # fmt: skip
-    """One configuration: the simulated search, then the emulated one from its answer."""
-    row: dict[str, Any] = {"config": c.name, "unit": c.unit, "replicas": c.replicas,
-                           "devices": c.devices, "up": c.up, "plan_unit_goodput": c.unit_goodput,
-                           "sim_runs": []}  # fmt: skip
-    result["configs"].append(row)
+class Checker:
+    """Each configuration's simulated, then emulated, goodput search; every run is saved
+    to `--out` as it ends (a long check can be cut)."""
 
-    def sim_attain(rate: float) -> float:
-        reqs = requests(rate)
-        records = SimCluster(c.spec).run([replace(r) for r in reqs])
-        run = run_metrics(records, reqs, slo) | {"rate": rate}
-        row["sim_runs"].append(run)
-        return run["attainment"]
+    def __init__(self, args: argparse.Namespace, mine: argparse.Namespace, hw: str,
+                 log: Callable[[str], None]) -> None:  # fmt: skip
+        self.args, self.mine, self.log = args, mine, log
+        self.slo = SLO.parse(args.goodput).only("ttft", "tpot")
+        self.out = Path(args.out)
+        self.opt = EmuOptions(time_scale=mine.time_scale, tokenizer=mine.tokenizer,
+                              log_dir=self.out.parent / f"{self.out.stem}_emu",
+                              emulate=("--emulate", hw, "--model-config", args.model_config))  # fmt: skip
+        self.result: dict[str, Any] = {
+            "time_scale": mine.time_scale, "resolution": mine.resolution,
+            "target": args.target, "slo": self.slo.to_json(), "configs": [],
+            "load_avg_start": os.getloadavg(),
+        }  # fmt: skip
 
-    start = c.unit_goodput * c.replicas or args.start_rate * c.devices
-    s = search_rate(sim_attain, start, args.target, mine.resolution)
-    row.update(sim_goodput=s.goodput, sim_per_device=s.goodput / c.devices, sim_points=s.points)
-    row.update(emu_goodput=None, emu_per_device=None, emu_runs=[])
-    if mine.no_emulate:
-        save()
+    def save(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(self.result, indent=1, default=str))
+
+    def requests(self, rate: float) -> list[Any]:
+        """The simulator's requests at `rate` (both sides run these)."""
+        return text_prompt_ids(sim_workload(self.args, rate), self.args.vocab_size)
+
+    def config(self, c: Config) -> dict[str, Any]:
+        """One configuration: the simulated search, then the emulated one from its answer."""
+        args, mine = self.args, self.mine
+        row: dict[str, Any] = {"config": c.name, "unit": c.unit, "replicas": c.replicas,
+                               "devices": c.devices, "up": c.up,
+                               "plan_unit_goodput": c.unit_goodput, "sim_runs": [],
+                               "emu_goodput": None, "emu_per_device": None, "emu_runs": []}  # fmt: skip
+        self.result["configs"].append(row)
+
+        def sim_attain(rate: float) -> float:
+            reqs = self.requests(rate)
+            records = SimCluster(c.spec).run([replace(r) for r in reqs])
+            run = run_metrics(records, reqs, self.slo) | {"rate": rate}
+            row["sim_runs"].append(run)
+            return run["attainment"]
+
+        start = c.unit_goodput * c.replicas or args.start_rate * c.devices
+        s = search_rate(sim_attain, start, args.target, mine.resolution)
+        row.update(sim_goodput=s.goodput, sim_per_device=s.goodput / c.devices,
+                   sim_points=s.points)  # fmt: skip
+        self.save()
+        if mine.no_emulate:
+            return row
+        e = search_rate(lambda rate: self._emulated(c, row, rate), s.goodput or start,
+                        args.target, mine.resolution, max_runs=mine.max_runs)  # fmt: skip
+        lags = [r["step_lag"] for r in row["emu_runs"] if r.get("step_lag") is not None]
+        row.update(emu_goodput=e.goodput, emu_per_device=e.goodput / c.devices,
+                   emu_points=e.points, step_lag_max=max(lags) if lags else None,
+                   step_lag_mean=sum(lags) / len(lags) if lags else None)  # fmt: skip
+        self.save()
         return row
 
-    def emu_attain(rate: float) -> float:
-        reqs = requests(rate)
-        name = _name(f"{c.name}_{rate:.3f}")
+    def _emulated(self, c: Config, row: dict[str, Any], rate: float) -> float:
+        """One emulated run of `c` at `rate` on a fresh cluster; its attainment."""
+        reqs = self.requests(rate)
         t = time.perf_counter()
-        run = emulated_arm(c.up, reqs, slo, opt, name, metrics=run_metrics) | {"rate": rate}
+        run = emulated_arm(c.up, reqs, self.slo, self.opt, _name(f"{c.name}_{rate:.3f}"),
+                           metrics=run_metrics)  # fmt: skip
+        run |= {"rate": rate, "load_avg": os.getloadavg()[0]}
         row["emu_runs"].append(run)
-        save()
-        log(f"  emulated {c.name} @ {rate:.2f} req/s ({len(reqs)} requests): attainment "
-            f"{run['attainment']:.3f} (TTFT {run['attainment_ttft']:.3f}, TPOT "
-            f"{run['attainment_tpot']:.3f}), completed {run['completed']}, step lag "
-            f"{run['step_lag'] or 0:.2%}, {time.perf_counter() - t:.0f} s wall, "
-            f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+        self.save()
+        self.log(f"  emulated {c.name} @ {rate:.2f} req/s ({len(reqs)} requests): attainment "
+                 f"{run['attainment']:.3f} (TTFT {run['attainment_ttft']:.3f}, TPOT "
+                 f"{run['attainment_tpot']:.3f}), completed {run['completed']}, step lag "
+                 f"{run['step_lag'] or 0:.2%}, {time.perf_counter() - t:.0f} s wall, "
+                 f"load {run['load_avg']:.1f}")  # fmt: skip
         return run["attainment"]
-
-    e = search_rate(emu_attain, s.goodput or start, args.target, mine.resolution,
-                    max_runs=mine.max_runs)  # fmt: skip
-    lags = [r["step_lag"] for r in row["emu_runs"] if r.get("step_lag") is not None]
-    row.update(emu_goodput=e.goodput, emu_per_device=e.goodput / c.devices, emu_points=e.points,
-               step_lag_max=max(lags) if lags else None,
-               step_lag_mean=sum(lags) / len(lags) if lags else None)  # fmt: skip
-    save()
-    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         print(m, file=sys.stderr, flush=True)
 
     try:
-        result = run_check(args, mine, log)
+        result = run_check(args, mine, log, sys.argv[1:] if argv is None else argv)
     except ValueError as exc:
         raise SystemExit(f"plan_check: {exc}") from None
     print(result["table"])
