@@ -85,7 +85,7 @@ def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any,
 
     budget = Budget.parse(args.hardware, args.prices)
     if len(budget.devices) != 1 or args.network != "nvlink" or args.dtype != "bfloat16":
-        raise ValueError("plan_check emulates one hardware type, nvlink, bfloat16 (as `up`)")
+        raise ValueError("one hardware type, nvlink and bfloat16 only (what `up --emulate` models)")
     shape = load_model_config(args.model_config)
     args.vocab_size = args.vocab_size or shape.vocab_size
     args.max_model_len = args.max_model_len or shape.max_position_embeddings
