@@ -137,3 +137,16 @@ def test_a_decode_cap_other_than_the_prefill_pools_is_refused():
     disagg = next(c for c in cands if c.kind == "disagg")
     with pytest.raises(ValueError, match="engine shapes"):
         up_flags(disagg.spec(1, 8192))
+
+
+def test_emulated_cluster_flags_name_the_planned_hardware_and_model(tmp_path):
+    from pdserve.sim.evidence_emu import EMULATE, EmuOptions
+    from pdserve.sim.evidence_emu import up_flags as emu_flags
+
+    up = ["--mode", "colocated", "--colocated", "4"]
+    default = emu_flags(up, EmuOptions(time_scale=10), tmp_path)
+    assert default[4:8] == EMULATE and default[8:10] == ["--time-scale", "10"]
+    opt = EmuOptions(time_scale=5, emulate=("--emulate", "a100", "--model-config", "opt-13b"))
+    flags = emu_flags(up, opt, tmp_path)
+    assert flags[:4] == up and flags[4:8] == ["--emulate", "a100", "--model-config", "opt-13b"]
+    assert flags[-2:] == ["--log-dir", str(tmp_path)]
