@@ -18,6 +18,7 @@ import asyncio
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ class EmuOptions:
     tokenizer: str | None = None  # the emulated model's tokenizer dir (default: built-in tiny)
     log_dir: Path = Path("bench-results/evidence_emu")
     ready_timeout_s: float = 600.0
+    emulate: tuple[str, ...] = tuple(EMULATE)  # the `up` flags naming the hardware and model
 
 
 def tokenizer_dir(opt: EmuOptions) -> str:
@@ -81,7 +83,7 @@ def up_flags(up: list[str], opt: EmuOptions, log_dir: Path) -> list[str]:
     """The arm's `pdserve up` flags as an emulated cluster."""
     # the launcher converts the router's and workers' timers (heartbeats, queue timeouts and
     # aging, deadlines, flip periods) from modelled to wall seconds (pdserve.emulate.timers)
-    flags = [*up, *EMULATE, "--time-scale", f"{opt.time_scale:g}"]
+    flags = [*up, *opt.emulate, "--time-scale", f"{opt.time_scale:g}"]
     if opt.tokenizer:
         flags += ["--tokenizer", opt.tokenizer]
     return [*flags, "--log-dir", str(log_dir)]
@@ -92,10 +94,16 @@ def _delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float
 
 
 def emulated_arm(
-    up: list[str], reqs: list[Any], slo: Any, opt: EmuOptions, name: str
+    up: list[str],
+    reqs: list[Any],
+    slo: Any,
+    opt: EmuOptions,
+    name: str,
+    metrics: Callable[[list[Any], list[Any], Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Run `reqs` on a fresh emulated cluster of `up`; the metrics of `evidence.arm_metrics`
-    (modelled time) + preemptions, the step lag and the client's send lag."""
+    (modelled time; or of `metrics(records, reqs, slo)`) + preemptions, the step lag and the
+    client's send lag."""
     from pdserve.bench.cluster import UpProcess
     from pdserve.bench.lengths import worker_counters
     from pdserve.bench.loadgen import open_client, run_load
@@ -125,7 +133,7 @@ def emulated_arm(
         _, before = asyncio.run(worker_counters(addr, tls_dir=tls))
         records, _ = to_modelled(*asyncio.run(load()), scale)
         status, after = asyncio.run(worker_counters(addr, tls_dir=tls))
-    out = arm_metrics(records, reqs, slo)
+    out = (metrics or arm_metrics)(records, reqs, slo)
     modelled = _delta(before, after, "emulate_modelled_s")
     n_in = {r.index: len(r.prompt_ids) for r in reqs}
     out.update(
