@@ -112,31 +112,41 @@ class Scheduler:
     def _plan_running(self, plan: SchedulerPlan, budget: int) -> int:
         """Running requests (decodes first, then unfinished prefill chunks); the budget left.
         `plan` is empty when this starts, so the sequences it schedules are the ones planned
-        this step (never preemption victims). The hot path of every step: one pass over the
-        running requests, and a decode whose last block has room takes no KV call."""
-        decodes: list[tuple[Sequence, int]] = []
+        this step (never preemption victims). The hot path of every step: decodes are planned
+        in the one pass that finds the prefill chunks, and a decode whose last block has room
+        takes no KV call."""
         prefills: list[tuple[Sequence, int]] = []
-        for s in self.running:
-            left = len(s.prompt_token_ids) + len(s.output_token_ids) - s.num_computed_tokens
-            if left == 1:
-                decodes.append((s, 1))
-            elif left > 1:
-                prefills.append((s, left))
-        if prefills:
-            decodes.extend(prefills)
         bs = self.kv.block_size
         scheduled = plan.scheduled
         running = SeqStatus.RUNNING
-        for seq, left in decodes:
-            if budget <= 0:
-                break
+        # a copy: a preemption removes its victim from self.running. A sequence's `left` is
+        # that of the step's start: only preempted sequences change during this loop
+        for seq in tuple(self.running):
             if seq.status is not running:  # preempted earlier in this loop
                 continue
-            # (`left` is still seq's: only preempted sequences changed since it was taken)
+            left = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens
+            if left != 1:  # a prefill chunk (planned after every decode) or nothing to do
+                if left > 1:
+                    prefills.append((seq, left))
+                continue
+            if budget <= 0:
+                return budget
+            start = seq.num_computed_tokens
+            # blocks beyond its table (KVCacheManager.blocks_to_grow): none on most decodes
+            if -(-(start + 1) // bs) > len(seq.block_table) and not self._grow_or_preempt(
+                seq, start + 1, plan
+            ):
+                continue
+            scheduled.append(ScheduledSeq(seq, start, 1, True))
+            budget -= 1
+        for seq, left in prefills:
+            if budget <= 0:
+                break
+            if seq.status is not running:
+                continue
             num_new = left if left < budget else budget
             start = seq.num_computed_tokens
             target = start + num_new
-            # blocks beyond its table (KVCacheManager.blocks_to_grow): none on most decodes
             if -(-target // bs) > len(seq.block_table) and not self._grow_or_preempt(
                 seq, target, plan
             ):

@@ -144,7 +144,7 @@ class KVCacheManager:
         have = len(seq.block_hashes)
         if have < n_blocks:
             parent = seq.block_hashes[-1] if have else self._root
-            toks = seq.all_token_ids[have * self.block_size : n_blocks * self.block_size]
+            toks = seq.token_ids(have * self.block_size, n_blocks * self.block_size)
             seq.block_hashes.extend(
                 block_hashes(toks, self.block_size, self.kv_fingerprint, parent)
             )

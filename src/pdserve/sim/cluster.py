@@ -471,22 +471,36 @@ class SimCluster:
 
     def _step_done(self, inst: SimInstance, plan, dur: float) -> None:
         inst.busy = False
-        res = inst.finish_step(plan, dur)
-        # the hot path (a decode token of a running request: `_produced`'s first case, its
-        # `_emit` inlined); the role and the clock cannot change within this loop
         reqs, length = self._reqs, self.length
+        if length is not None:  # progress() and done() share the length state: in order
+            for seq, reason in inst.finish_step(plan, dur).produced:
+                self._produced(inst, seq, reason)
+            self._kick(inst)
+            return
+        # The hot path, in one pass over the step's tokens: a decode token of a running
+        # request (`_produced`'s first case, its `_emit` inlined) touches only its own
+        # record, so it goes out at once; the others (finished requests, a colocated first
+        # token) go to `_produced` after every finish of the step, in order, as
+        # `finish_step` + a loop over its result does. The role and the clock cannot change
+        # within this loop.
         t = self.loop.now + inst.costs.token_overhead_s
         colocated = inst.role == ROLE_COLOCATED
-        for seq, reason in res.produced:
-            if reason is None and (not colocated or len(seq.output_token_ids) > 1):
-                st = reqs[seq.request_id]
-                rec = st.rec
-                rec.token_times.append(t)
-                rec.n_out += 1
-                if st.pred is not None and length is not None:
-                    length.progress(st.pred, 1)
+        last = inst.finish_at
+        rest: list[tuple[Seq, str | None]] = []
+        for entry in inst.advance(plan, dur):
+            seq = entry.seq
+            n = len(seq.output_token_ids)
+            if n < last[seq.request_id]:
+                if not colocated or n > 1:
+                    rec = reqs[seq.request_id].rec
+                    rec.token_times.append(t)
+                    rec.n_out += 1
+                else:
+                    rest.append((seq, None))
             else:
-                self._produced(inst, seq, reason)
+                rest.append((seq, inst.finish(seq)))
+        for seq, reason in rest:
+            self._produced(inst, seq, reason)
         self._kick(inst)
 
     def _produced(self, inst: SimInstance, seq: Seq, reason: str | None) -> None:

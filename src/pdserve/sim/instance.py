@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerPlan
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerPlan
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.errors import OverloadedError
 from pdserve.kv.cache_manager import KVCacheManager
@@ -75,6 +75,7 @@ class SimInstance:
         # plain dict: its lookups are the hot path of every decode step)
         self._sampled: dict[str, int] = {}
         self._last: dict[str, int] = {}  # request id -> output count at which it finishes
+        self.finish_at = self._last
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, prefill_only: bool):
@@ -159,21 +160,30 @@ class SimInstance:
         return plan, self.costs.step_time_features_s((1.0, new, seqs, ctx, pairs), streamed)
 
     def finish_step(self, plan: SchedulerPlan, duration_s: float) -> StepResult:
-        self.busy_s += duration_s
-        self.steps += 1
         out = StepResult()
         produced = out.produced
         last = self._last
-        for entry in self.scheduler.update(plan, self._sampled):
+        for entry in self.advance(plan, duration_s):
             seq = entry.seq
             if len(seq.output_token_ids) < last[seq.request_id]:
                 produced.append((seq, None))
-                continue
-            reason = "prefill_done" if seq.prefill_only else "length"
-            self.scheduler.finish(seq, reason)
-            del self._sampled[seq.request_id], last[seq.request_id]
-            produced.append((seq, reason))
+            else:
+                produced.append((seq, self.finish(seq)))
         return out
+
+    def advance(self, plan: SchedulerPlan, duration_s: float) -> list[ScheduledSeq]:
+        """The step ended: `Scheduler.update`. Returns the entries that produced a token; the
+        caller finishes (`finish`) each whose output count reached `finish_at`."""
+        self.busy_s += duration_s
+        self.steps += 1
+        return self.scheduler.update(plan, self._sampled)
+
+    def finish(self, seq: Seq) -> str:
+        """Finish `seq` (its output reached `finish_at`); returns the finish reason."""
+        reason = "prefill_done" if seq.prefill_only else "length"
+        self.scheduler.finish(seq, reason)
+        del self._sampled[seq.request_id], self._last[seq.request_id]
+        return reason
 
     def _track(self, seq: Seq) -> None:
         """The finish rule, as the output count at which `seq` finishes: a prefill-only
