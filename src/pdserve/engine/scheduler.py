@@ -17,7 +17,7 @@ whole) and the running decodes wait; otherwise it is a decode step of every runn
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pdserve.engine.sequence import SeqStatus, Sequence
@@ -205,19 +205,22 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- after the step ---------------------------------------------------------------
-    def update(self, plan: SchedulerPlan, sampled: dict[str, int]) -> list[ScheduledSeq]:
-        """Advance num_computed_tokens, append sampled tokens, publish full blocks.
+    def update(self, plan: SchedulerPlan, sampled: Mapping[str, int] | int) -> list[ScheduledSeq]:
+        """Advance num_computed_tokens, append sampled tokens (`sampled`: request id -> token,
+        or one token for every sequence, as the simulator samples), publish full blocks.
         Returns the entries that produced a token (the engine checks stop conditions)."""
         kv = self.kv
         bs = kv.block_size
         register = kv.register_computed
         trim = kv.trim_window if kv.window is not None else None  # no window group: no trim
+        one = sampled if isinstance(sampled, int) else None
+        tokens: Mapping[str, int] = {} if isinstance(sampled, int) else sampled
         produced = []
         for entry in plan.scheduled:
             seq = entry.seq
             computed = seq.num_computed_tokens = entry.start + entry.num_new_tokens
             if entry.sample:
-                seq.output_token_ids.append(sampled[seq.request_id])
+                seq.output_token_ids.append(tokens[seq.request_id] if one is None else one)
                 produced.append(entry)
             if computed // bs > seq.num_registered_blocks:  # else register_computed is a no-op
                 register(seq)

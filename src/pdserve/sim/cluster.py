@@ -56,7 +56,7 @@ from pdserve.router.settings import RouterSettings
 from pdserve.sim import router_side
 from pdserve.sim.costs import CostModel
 from pdserve.sim.events import EventLoop
-from pdserve.sim.instance import SAMPLED_TOKEN, InstanceConfig, SimInstance
+from pdserve.sim.instance import SAMPLED_TOKEN, InstanceConfig, SimInstance, SimSeq
 
 ROLE_BY_NAME = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE, "colocated": ROLE_COLOCATED}
 
@@ -450,7 +450,7 @@ class SimCluster:
             if wanted:  # ImportAndHold when the fetch landed
                 st.kvstore_tokens = inst.import_cached(wanted) * inst.config.block_size
                 inst.kv.hold_prefix(rid, hashes)
-            inst.add(rid, prompt, st.req.max_tokens, prefill_only)
+            inst.add(rid, prompt, st.req.max_tokens, prefill_only).record = st.rec
             self._kick(inst)
 
         if delay > 0:
@@ -471,7 +471,7 @@ class SimCluster:
 
     def _step_done(self, inst: SimInstance, plan, dur: float) -> None:
         inst.busy = False
-        reqs, length = self._reqs, self.length
+        length = self.length
         if length is not None:  # progress() and done() share the length state: in order
             for seq, reason in inst.finish_step(plan, dur).produced:
                 self._produced(inst, seq, reason)
@@ -485,14 +485,13 @@ class SimCluster:
         # within this loop.
         t = self.loop.now + inst.costs.token_overhead_s
         colocated = inst.role == ROLE_COLOCATED
-        last = inst.finish_at
         rest: list[tuple[Seq, str | None]] = []
         for entry in inst.advance(plan, dur):
-            seq = entry.seq
+            seq: SimSeq = entry.seq  # type: ignore[assignment]
             n = len(seq.output_token_ids)
-            if n < last[seq.request_id]:
+            if n < seq.finish_at:
                 if not colocated or n > 1:
-                    rec = reqs[seq.request_id].rec
+                    rec = seq.record  # reqs[seq.request_id].rec
                     rec.token_times.append(t)
                     rec.n_out += 1
                 else:
@@ -549,7 +548,8 @@ class SimCluster:
                 dec.unreserve(rid)
                 self._finish(rid, dec, t)
                 return
-            dec.add_prefilled(rid, st.req.prompt_ids, SAMPLED_TOKEN, st.req.max_tokens)
+            seq = dec.add_prefilled(rid, st.req.prompt_ids, SAMPLED_TOKEN, st.req.max_tokens)
+            seq.record = st.rec
             st.rec.stages["queue_ms"] = 0.0  # early admission: decoding starts at landing
             self._kick(dec)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerPlan
@@ -37,6 +38,16 @@ class InstanceConfig:
     enable_prefix_caching: bool = True
     max_model_len: int = 1 << 30
     namespace: str = "sim"
+
+
+@dataclass(eq=False)
+class SimSeq(Seq):
+    """An engine `Sequence` that carries what the simulator reads on each of its tokens (no
+    map lookups on the hot path): its finish rule, as the output count at which it finishes,
+    and the caller's per-request object (the cluster's `RequestRecord`)."""
+
+    finish_at: int = 0
+    record: Any = None
 
 
 @dataclass
@@ -71,16 +82,15 @@ class SimInstance:
         self.flip_to = 0  # role this instance drains towards (the flip controller's pick)
         self.steps = 0
         self._arrival = itertools.count()
-        # `Scheduler.update`'s sampled-token map: SAMPLED_TOKEN for every sequence here (a
-        # plain dict: its lookups are the hot path of every decode step)
-        self._sampled: dict[str, int] = {}
-        self._last: dict[str, int] = {}  # request id -> output count at which it finishes
-        self.finish_at = self._last
 
     # ---- requests ---------------------------------------------------------------------
-    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, prefill_only: bool):
+    def add(
+        self, request_id: str, prompt: Sequence[int], max_tokens: int, prefill_only: bool
+    ) -> SimSeq:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        seq = Seq(request_id, list(prompt), params, next(self._arrival), prefill_only=prefill_only)
+        seq = SimSeq(
+            request_id, list(prompt), params, next(self._arrival), prefill_only=prefill_only
+        )
         seq.block_hashes = self._prompt_hashes(prompt)
         self._track(seq)
         self.scheduler.add(seq)
@@ -121,10 +131,10 @@ class SimInstance:
 
     def add_prefilled(
         self, request_id: str, prompt: Sequence[int], first_token: int, max_tokens: int
-    ) -> Seq:
+    ) -> SimSeq:
         """`LLMEngine.add_prefilled_request`: the reservation becomes the sequence's blocks."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        seq = Seq(request_id, list(prompt), params, next(self._arrival))
+        seq = SimSeq(request_id, list(prompt), params, next(self._arrival))
         seq.block_hashes = self._prompt_hashes(prompt)
         seq.output_token_ids.append(first_token)
         seq.block_table = self.kv.claim_reservation(request_id)
@@ -162,40 +172,38 @@ class SimInstance:
     def finish_step(self, plan: SchedulerPlan, duration_s: float) -> StepResult:
         out = StepResult()
         produced = out.produced
-        last = self._last
         for entry in self.advance(plan, duration_s):
             seq = entry.seq
-            if len(seq.output_token_ids) < last[seq.request_id]:
+            assert isinstance(seq, SimSeq)
+            if len(seq.output_token_ids) < seq.finish_at:
                 produced.append((seq, None))
             else:
                 produced.append((seq, self.finish(seq)))
         return out
 
     def advance(self, plan: SchedulerPlan, duration_s: float) -> list[ScheduledSeq]:
-        """The step ended: `Scheduler.update`. Returns the entries that produced a token; the
-        caller finishes (`finish`) each whose output count reached `finish_at`."""
+        """The step ended: `Scheduler.update` (every sampled token is SAMPLED_TOKEN). Returns
+        the entries that produced a token; the caller finishes (`finish`) each whose output
+        count reached its `finish_at`."""
         self.busy_s += duration_s
         self.steps += 1
-        return self.scheduler.update(plan, self._sampled)
+        return self.scheduler.update(plan, SAMPLED_TOKEN)
 
     def finish(self, seq: Seq) -> str:
         """Finish `seq` (its output reached `finish_at`); returns the finish reason."""
         reason = "prefill_done" if seq.prefill_only else "length"
         self.scheduler.finish(seq, reason)
-        del self._sampled[seq.request_id], self._last[seq.request_id]
         return reason
 
-    def _track(self, seq: Seq) -> None:
+    def _track(self, seq: SimSeq) -> None:
         """The finish rule, as the output count at which `seq` finishes: a prefill-only
         request after token 0; others at max_tokens or when prompt + output reach the
         context limit (n_out >= max_tokens or prompt + n_out >= max_len)."""
-        rid = seq.request_id
-        self._sampled[rid] = SAMPLED_TOKEN
         if seq.prefill_only:
-            self._last[rid] = 0
+            seq.finish_at = 0
         else:
             room = self.config.max_model_len - len(seq.prompt_token_ids)
-            self._last[rid] = min(seq.params.max_tokens, room)
+            seq.finish_at = min(seq.params.max_tokens, room)
 
     def load(self) -> LoadReport:
         return LoadReport(
