@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, mul
 from typing import Any
 
 from pdserve.engine.params import SamplingParams
@@ -24,6 +25,10 @@ from pdserve.errors import OverloadedError
 from pdserve.kv.cache_manager import KVCacheManager
 from pdserve.load import LoadReport
 from pdserve.sim.costs import CostModel
+
+_START = attrgetter("start")
+_NEW = attrgetter("num_new_tokens")
+_SAMPLE = attrgetter("sample")
 
 SAMPLED_TOKEN = 11  # every simulated sample; lengths are fixed by max_tokens (ignore_eos)
 
@@ -156,18 +161,19 @@ class SimInstance:
         plan = self.scheduler.schedule()
         if not plan:
             return None
-        # `plan_features` of the plan's (start, new) entries, in one pass (same float sums
-        # in the same order), and the sequences it samples
-        new = seqs = ctx = pairs = 0.0
-        streamed = 0
-        for e in plan.scheduled:
-            start, num_new = e.start, e.num_new_tokens
-            new += num_new
-            seqs += 1
-            ctx += start + num_new
-            pairs += num_new * (start + (num_new + 1) / 2.0)
-            streamed += e.sample
-        return plan, self.costs.step_time_features_s((1.0, new, seqs, ctx, pairs), streamed)
+        # `plan_features` of the plan's (start, new) entries and the sequences it samples,
+        # in C-level passes. Every term plan_features adds in floats is an integer (the
+        # pairs term n * (s + (n + 1) / 2) = n * s + n (n + 1) / 2) below 2 ** 53, so each
+        # partial float sum is exact: the float of the integer sum is the same value
+        sched = plan.scheduled
+        starts = list(map(_START, sched))
+        news = list(map(_NEW, sched))
+        new = sum(news)
+        ctx = sum(starts) + new
+        pairs = sum(map(mul, news, starts)) + (sum(map(mul, news, news)) + new) // 2
+        features = (1.0, float(new), float(len(sched)), float(ctx), float(pairs))
+        streamed = sum(map(_SAMPLE, sched))
+        return plan, self.costs.step_time_features_s(features, streamed)
 
     def finish_step(self, plan: SchedulerPlan, duration_s: float) -> StepResult:
         out = StepResult()
