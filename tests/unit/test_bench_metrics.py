@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pdserve.bench.goodput import (
@@ -13,7 +15,7 @@ from pdserve.bench.goodput import (
     search_goodput_rate,
     vllm_goodput,
 )
-from pdserve.bench.metrics import RequestRecord, stats_ms, summarize
+from pdserve.bench.metrics import RequestRecord, itl_stats_ms, stats_ms, summarize
 
 
 def rec(i: int, send: float, times: list[float], n_in: int = 10, **kw) -> RequestRecord:
@@ -143,3 +145,25 @@ def test_search_brackets_and_bisects():
     pts_down = search_goodput_rate(measure, start_rate=16.0, bisect_steps=4)
     assert [p.rate for p in pts_down][:3] == [16.0, 8.0, 4.0]
     assert 2.0 <= distserve_goodput(pts_down)["max_rate"] <= 3.0
+
+
+def test_itl_stats_are_those_of_every_records_itls_in_order():
+    rng = random.Random(3)
+    recs = []
+    for i in range(300):
+        r = RequestRecord(i, 0.0, 0.0, 10, 10)
+        t = rng.random()
+        for _ in range(rng.choice([0, 1, 2, rng.randint(0, 200)])):
+            t += rng.random() * 0.05
+            r.token_times.append(t)
+        r.n_out = len(r.token_times)
+        if rng.random() < 0.9:
+            r.finish_s = t + 0.001
+        else:
+            r.error = "x"  # a failed request's times count for nothing
+        recs.append(r)
+    done = [r for r in recs if r.ok]
+    assert itl_stats_ms(done) == stats_ms(x for r in done for x in r.itls_s)
+    assert itl_stats_ms(recs) == itl_stats_ms(done)
+    assert itl_stats_ms([]) == stats_ms([])
+    assert summarize(recs, 10.0)["itl_ms"]["count"] == sum(len(r.itls_s) for r in done)

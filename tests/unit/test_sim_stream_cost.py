@@ -4,9 +4,11 @@ times, `token_overhead_s`, cannot)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from pdserve.sim.costs import CostModel, StepCost
+from pdserve.sim.costs import CostModel, StepCost, plan_features
 from pdserve.sim.instance import InstanceConfig, SimInstance
 
 
@@ -29,3 +31,31 @@ def test_stream_token_cost_is_charged_per_sampled_sequence_per_step():
     costs = CostModel(stream_token_s=0.002)
     assert costs.step_time_s([], 3) == 0.0  # no step, no cost
     assert CostModel.from_json(costs.to_json()).stream_token_s == 0.002
+
+
+class _Features(StepCost):
+    """A step cost that records the features it is given."""
+
+    def features_s(self, features):
+        self.seen = features
+        return 0.001
+
+
+def test_a_steps_features_are_plan_features_of_its_entries_exactly():
+    rng = random.Random(5)
+    step = _Features()
+    inst = SimInstance(
+        "i", 0, CostModel(step=step), InstanceConfig(num_blocks=4096, max_num_batched_tokens=700)
+    )
+    for k in range(40):  # prompts of every length, chunked, then decodes beside chunks
+        prompt = [rng.randint(5, 30000) for _ in range(rng.choice([1, 2, 17, 300, 1501]))]
+        inst.add(f"r{k}", prompt, max_tokens=rng.randint(1, 30), prefill_only=False)
+    steps = 0
+    while inst.has_work():
+        plan, _ = inst.plan()
+        batch = [(e.start, e.num_new_tokens) for e in plan.scheduled]
+        assert step.seen == plan_features(batch)  # the same floats, not approximately
+        assert all(type(x) is float for x in step.seen)
+        inst.finish_step(plan, 0.001)
+        steps += 1
+    assert steps > 20

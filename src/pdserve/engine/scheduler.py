@@ -17,14 +17,14 @@ whole) and the running decodes wait; otherwise it is a decode step of every runn
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pdserve.engine.sequence import SeqStatus, Sequence
 from pdserve.kv.cache_manager import KVCacheManager
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int  # num_computed_tokens before this step (= position of the first new token)
@@ -110,20 +110,49 @@ class Scheduler:
         return plan
 
     def _plan_running(self, plan: SchedulerPlan, budget: int) -> int:
-        """Running requests (decodes first, then unfinished prefill chunks); the budget left."""
-        planned: set[int] = set()  # id(seq) planned this step: never preemption victims
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + prefills:
+        """Running requests (decodes first, then unfinished prefill chunks); the budget left.
+        `plan` is empty when this starts, so the sequences it schedules are the ones planned
+        this step (never preemption victims). The hot path of every step: decodes are planned
+        in the one pass that finds the prefill chunks, and a decode whose last block has room
+        takes no KV call."""
+        prefills: list[tuple[Sequence, int]] = []
+        bs = self.kv.block_size
+        scheduled = plan.scheduled
+        running = SeqStatus.RUNNING
+        # a copy: a preemption removes its victim from self.running. A sequence's `left` is
+        # that of the step's start: only preempted sequences change during this loop
+        for seq in tuple(self.running):
+            if seq.status is not running:  # preempted earlier in this loop
+                continue
+            left = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens
+            if left != 1:  # a prefill chunk (planned after every decode) or nothing to do
+                if left > 1:
+                    prefills.append((seq, left))
+                continue
+            if budget <= 0:
+                return budget
+            start = seq.num_computed_tokens
+            # blocks beyond its table (KVCacheManager.blocks_to_grow): none on most decodes
+            if -(-(start + 1) // bs) > len(seq.block_table) and not self._grow_or_preempt(
+                seq, start + 1, plan
+            ):
+                continue
+            scheduled.append(ScheduledSeq(seq, start, 1, True))
+            budget -= 1
+        for seq, left in prefills:
             if budget <= 0:
                 break
-            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not running:
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self._grow_or_preempt(seq, num_new, planned, plan):
-                plan.scheduled.append(self._entry(seq, num_new))
-                planned.add(id(seq))
-                budget -= num_new
+            num_new = left if left < budget else budget
+            start = seq.num_computed_tokens
+            target = start + num_new
+            if -(-target // bs) > len(seq.block_table) and not self._grow_or_preempt(
+                seq, target, plan
+            ):
+                continue
+            scheduled.append(ScheduledSeq(seq, start, num_new, num_new == left))
+            budget -= num_new
         return budget
 
     def _admit(self, plan: SchedulerPlan, budget: int, whole: bool) -> None:
@@ -148,14 +177,16 @@ class Scheduler:
         start = seq.num_computed_tokens
         return ScheduledSeq(seq, start, num_new, sample=start + num_new == seq.num_tokens)
 
-    def _grow_or_preempt(
-        self, seq: Sequence, num_new: int, planned: set[int], plan: SchedulerPlan
-    ) -> bool:
-        target = seq.num_computed_tokens + num_new
+    def _grow_or_preempt(self, seq: Sequence, target: int, plan: SchedulerPlan) -> bool:
+        """Grow `seq`'s tables to `target` tokens, preempting the newest running requests not
+        planned this step while the blocks are not free. False: `seq` itself was preempted."""
         need = self.kv.blocks_to_grow(seq, target)  # seq's own need: preempting others keeps it
-        if not need:  # most decode steps: the last block has room
+        if not need:
             return True
+        planned: set[int] | None = None  # id(seq) planned this step: never preemption victims
         while not self.kv.has_room(need):  # both pools (a window group grows alike)
+            if planned is None:
+                planned = {id(e.seq) for e in plan.scheduled}
             victims = [s for s in self.running if id(s) not in planned]
             victim = victims[-1]  # newest unplanned (seq itself is unplanned)
             self._preempt(victim)
@@ -174,18 +205,27 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- after the step ---------------------------------------------------------------
-    def update(self, plan: SchedulerPlan, sampled: dict[str, int]) -> list[ScheduledSeq]:
-        """Advance num_computed_tokens, append sampled tokens, publish full blocks.
+    def update(self, plan: SchedulerPlan, sampled: Mapping[str, int] | int) -> list[ScheduledSeq]:
+        """Advance num_computed_tokens, append sampled tokens (`sampled`: request id -> token,
+        or one token for every sequence, as the simulator samples), publish full blocks.
         Returns the entries that produced a token (the engine checks stop conditions)."""
+        kv = self.kv
+        bs = kv.block_size
+        register = kv.register_computed
+        trim = kv.trim_window if kv.window is not None else None  # no window group: no trim
+        one = sampled if isinstance(sampled, int) else None
+        tokens: Mapping[str, int] = {} if isinstance(sampled, int) else sampled
         produced = []
         for entry in plan.scheduled:
             seq = entry.seq
-            seq.num_computed_tokens = entry.start + entry.num_new_tokens
+            computed = seq.num_computed_tokens = entry.start + entry.num_new_tokens
             if entry.sample:
-                seq.output_token_ids.append(sampled[seq.request_id])
+                seq.output_token_ids.append(tokens[seq.request_id] if one is None else one)
                 produced.append(entry)
-            self.kv.register_computed(seq)
-            self.kv.trim_window(seq)  # after registering: freed window blocks stay cached
+            if computed // bs > seq.num_registered_blocks:  # else register_computed is a no-op
+                register(seq)
+            if trim is not None:
+                trim(seq)  # after registering: freed window blocks stay cached
         return produced
 
     def iter_all(self) -> Iterable[Sequence]:

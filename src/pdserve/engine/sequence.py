@@ -45,6 +45,16 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """`all_token_ids[start:stop]` (0 <= start <= stop) without building the whole list."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        if stop <= n:
+            return prompt[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return prompt[start:] + self.output_token_ids[: stop - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -136,14 +136,18 @@ class KVCacheManager:
 
     def seq_hashes(self, seq: SeqBlocks, n_blocks: int) -> list[bytes]:
         """Chained hashes of the first `n_blocks` full blocks of `seq` (memoised on it)."""
+        self._fill_hashes(seq, n_blocks)
+        return seq.block_hashes[:n_blocks]
+
+    def _fill_hashes(self, seq: SeqBlocks, n_blocks: int) -> None:
+        """Extend `seq.block_hashes` to (at least) its first `n_blocks` full blocks."""
         have = len(seq.block_hashes)
         if have < n_blocks:
             parent = seq.block_hashes[-1] if have else self._root
-            toks = seq.all_token_ids[have * self.block_size : n_blocks * self.block_size]
+            toks = seq.token_ids(have * self.block_size, n_blocks * self.block_size)
             seq.block_hashes.extend(
                 block_hashes(toks, self.block_size, self.kv_fingerprint, parent)
             )
-        return seq.block_hashes[:n_blocks]
 
     def _hit(self, hashes: Sequence[bytes]) -> tuple[list[int], list[int]]:
         """The longest usable prefix of `hashes` cached here: (main pool block ids [0, k),
@@ -179,13 +183,19 @@ class KVCacheManager:
     def register_computed(self, seq: SeqBlocks) -> None:
         """Publish the full blocks of `seq` whose K/V is computed to the prefix cache."""
         n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        if n_full <= seq.num_registered_blocks:
+        done = seq.num_registered_blocks
+        if n_full <= done:
             return
-        hashes = self.seq_hashes(seq, n_full)
-        for i in range(seq.num_registered_blocks, n_full):
-            self._pool.cache_block(seq.block_table[i], hashes[i])
-            if self._w is not None and seq.window_table[i] != NULL_BLOCK:
-                self._w.pool.cache_block(seq.window_table[i], hashes[i])
+        self._fill_hashes(seq, n_full)
+        hashes, table = seq.block_hashes, seq.block_table
+        cache = self._pool.cache_block
+        for i in range(done, n_full):
+            cache(table[i], hashes[i])
+        if self._w is not None:
+            w_table, w_cache = seq.window_table, self._w.pool.cache_block
+            for i in range(done, n_full):
+                if w_table[i] != NULL_BLOCK:
+                    w_cache(w_table[i], hashes[i])
         seq.num_registered_blocks = n_full
 
     def trim_window(self, seq: SeqBlocks) -> int:

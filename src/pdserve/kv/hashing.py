@@ -52,8 +52,19 @@ def block_hashes(
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
     prev = root_hash(namespace) if parent is None else parent
+    n = len(token_ids) // block_size
+    if n == 0:
+        return []
+    if len(prev) != HASH_BYTES:
+        raise ValueError(f"parent hash must be {HASH_BYTES} bytes, got {len(prev)}")
+    # hash_block's bytes for each block (parent || int32-LE tokens || namespace), with the
+    # tokens packed and the namespace encoded once for the whole run
+    data = _encode_tokens(token_ids[: n * block_size])
+    ns = namespace.encode("utf-8")
+    step = 4 * block_size
+    blake2b = hashlib.blake2b
     out: list[bytes] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = hash_block(prev, token_ids[start : start + block_size], namespace)
+    for a in range(0, n * step, step):
+        prev = blake2b(prev + data[a : a + step] + ns, digest_size=HASH_BYTES).digest()
         out.append(prev)
     return out

@@ -26,6 +26,10 @@ class SeqBlocks(Protocol):
     @property
     def all_token_ids(self) -> list[int]: ...
 
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """all_token_ids[start:stop] (0 <= start <= stop)."""
+        ...
+
 
 @dataclass
 class RequestKV:

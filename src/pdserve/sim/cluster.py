@@ -56,7 +56,7 @@ from pdserve.router.settings import RouterSettings
 from pdserve.sim import router_side
 from pdserve.sim.costs import CostModel
 from pdserve.sim.events import EventLoop
-from pdserve.sim.instance import SAMPLED_TOKEN, InstanceConfig, SimInstance
+from pdserve.sim.instance import SAMPLED_TOKEN, InstanceConfig, SimInstance, SimSeq
 
 ROLE_BY_NAME = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE, "colocated": ROLE_COLOCATED}
 
@@ -486,7 +486,7 @@ class SimCluster:
                 imported = inst.import_cached(wanted, window_from)
                 st.kvstore_tokens = imported * inst.config.block_size
                 inst.kv.hold_prefix(rid, hashes)
-            inst.add(rid, prompt, st.req.max_tokens, prefill_only)
+            inst.add(rid, prompt, st.req.max_tokens, prefill_only).record = st.rec
             self._kick(inst)
 
         if delay > 0:
@@ -507,22 +507,35 @@ class SimCluster:
 
     def _step_done(self, inst: SimInstance, plan, dur: float) -> None:
         inst.busy = False
-        res = inst.finish_step(plan, dur)
-        # the hot path (a decode token of a running request: `_produced`'s first case, its
-        # `_emit` inlined); the role and the clock cannot change within this loop
-        reqs, length = self._reqs, self.length
+        length = self.length
+        if length is not None:  # progress() and done() share the length state: in order
+            for seq, reason in inst.finish_step(plan, dur).produced:
+                self._produced(inst, seq, reason)
+            self._kick(inst)
+            return
+        # The hot path, in one pass over the step's tokens: a decode token of a running
+        # request (`_produced`'s first case, its `_emit` inlined) touches only its own
+        # record, so it goes out at once; the others (finished requests, a colocated first
+        # token) go to `_produced` after every finish of the step, in order, as
+        # `finish_step` + a loop over its result does. The role and the clock cannot change
+        # within this loop.
         t = self.loop.now + inst.costs.token_overhead_s
         colocated = inst.role == ROLE_COLOCATED
-        for seq, reason in res.produced:
-            if reason is None and (not colocated or len(seq.output_token_ids) > 1):
-                st = reqs[seq.request_id]
-                rec = st.rec
-                rec.token_times.append(t)
-                rec.n_out += 1
-                if st.pred is not None and length is not None:
-                    length.progress(st.pred, 1)
+        rest: list[tuple[Seq, str | None]] = []
+        for entry in inst.advance(plan, dur):
+            seq: SimSeq = entry.seq  # type: ignore[assignment]
+            n = len(seq.output_token_ids)
+            if n < seq.finish_at:
+                if not colocated or n > 1:
+                    rec = seq.record  # reqs[seq.request_id].rec
+                    rec.token_times.append(t)
+                    rec.n_out += 1
+                else:
+                    rest.append((seq, None))
             else:
-                self._produced(inst, seq, reason)
+                rest.append((seq, inst.finish(seq)))
+        for seq, reason in rest:
+            self._produced(inst, seq, reason)
         self._kick(inst)
 
     def _produced(self, inst: SimInstance, seq: Seq, reason: str | None) -> None:
@@ -571,7 +584,8 @@ class SimCluster:
                 dec.unreserve(rid)
                 self._finish(rid, dec, t)
                 return
-            dec.add_prefilled(rid, st.req.prompt_ids, SAMPLED_TOKEN, st.req.max_tokens)
+            seq = dec.add_prefilled(rid, st.req.prompt_ids, SAMPLED_TOKEN, st.req.max_tokens)
+            seq.record = st.rec
             st.rec.stages["queue_ms"] = 0.0  # early admission: decoding starts at landing
             self._kick(dec)
 

@@ -15,14 +15,20 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, mul
+from typing import Any
 
 from pdserve.engine.params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerPlan
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerPlan
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.errors import OverloadedError
 from pdserve.kv.cache_manager import KVCacheManager
 from pdserve.load import LoadReport
 from pdserve.sim.costs import CostModel
+
+_START = attrgetter("start")
+_NEW = attrgetter("num_new_tokens")
+_SAMPLE = attrgetter("sample")
 
 SAMPLED_TOKEN = 11  # every simulated sample; lengths are fixed by max_tokens (ignore_eos)
 
@@ -39,6 +45,16 @@ class InstanceConfig:
     namespace: str = "sim"
     window: int | None = None  # sliding layers in a window pool of `window_blocks` (Gemma 4)
     window_blocks: int | None = None
+
+
+@dataclass(eq=False)
+class SimSeq(Seq):
+    """An engine `Sequence` that carries what the simulator reads on each of its tokens (no
+    map lookups on the hot path): its finish rule, as the output count at which it finishes,
+    and the caller's per-request object (the cluster's `RequestRecord`)."""
+
+    finish_at: int = 0
+    record: Any = None
 
 
 @dataclass
@@ -82,15 +98,15 @@ class SimInstance:
         self.flip_to = 0  # role this instance drains towards (the flip controller's pick)
         self.steps = 0
         self._arrival = itertools.count()
-        # `Scheduler.update`'s sampled-token map: SAMPLED_TOKEN for every sequence here (a
-        # plain dict: its lookups are the hot path of every decode step)
-        self._sampled: dict[str, int] = {}
-        self._last: dict[str, int] = {}  # request id -> output count at which it finishes
 
     # ---- requests ---------------------------------------------------------------------
-    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, prefill_only: bool):
+    def add(
+        self, request_id: str, prompt: Sequence[int], max_tokens: int, prefill_only: bool
+    ) -> SimSeq:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        seq = Seq(request_id, list(prompt), params, next(self._arrival), prefill_only=prefill_only)
+        seq = SimSeq(
+            request_id, list(prompt), params, next(self._arrival), prefill_only=prefill_only
+        )
         seq.block_hashes = self._prompt_hashes(prompt)
         self._track(seq)
         self.scheduler.add(seq)
@@ -132,10 +148,10 @@ class SimInstance:
 
     def add_prefilled(
         self, request_id: str, prompt: Sequence[int], first_token: int, max_tokens: int
-    ) -> Seq:
+    ) -> SimSeq:
         """`LLMEngine.add_prefilled_request`: the reservation becomes the sequence's blocks."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        seq = Seq(request_id, list(prompt), params, next(self._arrival))
+        seq = SimSeq(request_id, list(prompt), params, next(self._arrival))
         seq.block_hashes = self._prompt_hashes(prompt)
         seq.output_token_ids.append(first_token)
         seq.num_computed_tokens = len(prompt)
@@ -166,47 +182,55 @@ class SimInstance:
         plan = self.scheduler.schedule()
         if not plan:
             return None
-        # `plan_features` of the plan's (start, new) entries, in one pass (same float sums
-        # in the same order), and the sequences it samples
-        new = seqs = ctx = pairs = 0.0
-        streamed = 0
-        for e in plan.scheduled:
-            start, num_new = e.start, e.num_new_tokens
-            new += num_new
-            seqs += 1
-            ctx += start + num_new
-            pairs += num_new * (start + (num_new + 1) / 2.0)
-            streamed += e.sample
-        return plan, self.costs.step_time_features_s((1.0, new, seqs, ctx, pairs), streamed)
+        # `plan_features` of the plan's (start, new) entries and the sequences it samples,
+        # in C-level passes. Every term plan_features adds in floats is an integer (the
+        # pairs term n * (s + (n + 1) / 2) = n * s + n (n + 1) / 2) below 2 ** 53, so each
+        # partial float sum is exact: the float of the integer sum is the same value
+        sched = plan.scheduled
+        starts = list(map(_START, sched))
+        news = list(map(_NEW, sched))
+        new = sum(news)
+        ctx = sum(starts) + new
+        pairs = sum(map(mul, news, starts)) + (sum(map(mul, news, news)) + new) // 2
+        features = (1.0, float(new), float(len(sched)), float(ctx), float(pairs))
+        streamed = sum(map(_SAMPLE, sched))
+        return plan, self.costs.step_time_features_s(features, streamed)
 
     def finish_step(self, plan: SchedulerPlan, duration_s: float) -> StepResult:
-        self.busy_s += duration_s
-        self.steps += 1
         out = StepResult()
         produced = out.produced
-        last = self._last
-        for entry in self.scheduler.update(plan, self._sampled):
+        for entry in self.advance(plan, duration_s):
             seq = entry.seq
-            if len(seq.output_token_ids) < last[seq.request_id]:
+            assert isinstance(seq, SimSeq)
+            if len(seq.output_token_ids) < seq.finish_at:
                 produced.append((seq, None))
-                continue
-            reason = "prefill_done" if seq.prefill_only else "length"
-            self.scheduler.finish(seq, reason)
-            del self._sampled[seq.request_id], last[seq.request_id]
-            produced.append((seq, reason))
+            else:
+                produced.append((seq, self.finish(seq)))
         return out
 
-    def _track(self, seq: Seq) -> None:
+    def advance(self, plan: SchedulerPlan, duration_s: float) -> list[ScheduledSeq]:
+        """The step ended: `Scheduler.update` (every sampled token is SAMPLED_TOKEN). Returns
+        the entries that produced a token; the caller finishes (`finish`) each whose output
+        count reached its `finish_at`."""
+        self.busy_s += duration_s
+        self.steps += 1
+        return self.scheduler.update(plan, SAMPLED_TOKEN)
+
+    def finish(self, seq: Seq) -> str:
+        """Finish `seq` (its output reached `finish_at`); returns the finish reason."""
+        reason = "prefill_done" if seq.prefill_only else "length"
+        self.scheduler.finish(seq, reason)
+        return reason
+
+    def _track(self, seq: SimSeq) -> None:
         """The finish rule, as the output count at which `seq` finishes: a prefill-only
         request after token 0; others at max_tokens or when prompt + output reach the
         context limit (n_out >= max_tokens or prompt + n_out >= max_len)."""
-        rid = seq.request_id
-        self._sampled[rid] = SAMPLED_TOKEN
         if seq.prefill_only:
-            self._last[rid] = 0
+            seq.finish_at = 0
         else:
             room = self.config.max_model_len - len(seq.prompt_token_ids)
-            self._last[rid] = min(seq.params.max_tokens, room)
+            seq.finish_at = min(seq.params.max_tokens, room)
 
     def load(self) -> LoadReport:
         return LoadReport(
