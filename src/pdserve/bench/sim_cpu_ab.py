@@ -10,7 +10,8 @@ instance's final KV state: free queue order, prefix cache map, ref counts, hit s
 both arms must print the same one.
 
     git archive <base commit> src | tar -x -C /tmp/base
-    python benchmarks/sim_cpu_ab.py --a /tmp/base/src --b src --repeats 3
+    python -m pdserve.bench.sim_cpu_ab --a /tmp/base/src --b src --repeats 3 \
+        --trace azure_llm_2023_conv.csv
 
 `--case` adds variants that exercise other paths (a small KV pool forces preemptions;
 nochunk: prefill priority; disagg: a 1P:1D unit), for the digest comparison.
@@ -27,7 +28,6 @@ import subprocess
 import sys
 import time
 
-TRACE = "/work/shared/data/traces/azure_llm_2023_conv.csv"
 CASES = {  # name: (rate, replicas, flags)
     "full": (261.8, 16, ""),
     "preempt": (20.0, 1, "blocks=3000"),
@@ -85,7 +85,7 @@ def main() -> int:
     ap.add_argument("--b", required=True, help="arm B's src directory")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--case", default="full", help=f"comma-separated: {', '.join(CASES)}")
-    ap.add_argument("--trace", default=TRACE)
+    ap.add_argument("--trace", required=True, help="the Azure conversation trace CSV")
     ap.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._child:
