@@ -227,7 +227,9 @@ def test_simulator_decides_as_the_router(name):
     assert len(real) == 2 * len(reqs)
     decode_real = [(r, i) for k, r, i in real if k == "decode"]
     decode_sim = [(r, i) for k, r, i in sim if k == "decode"]
-    assert decode_sim == decode_real  # queue order (the order of Decode streams opened) and placement
+    assert (
+        decode_sim == decode_real
+    )  # queue order (the order of Decode streams opened) and placement
     assert [x for x in sim if x[0] == "prefill"] == [x for x in real if x[0] == "prefill"]
 
 
