@@ -157,8 +157,8 @@ def test_a_full_decode_wakes_its_waiters_when_a_request_leaves():
     left: list[float] = []
     orig_reserve, orig_charge = dec.reserve, c.registry.charge
 
-    def reserve(rid, n):
-        ok = orig_reserve(rid, n)
+    def reserve(rid, n, n_kv=0):
+        ok = orig_reserve(rid, n, n_kv)
         if ok:
             reserved[rid] = c.loop.now
         return ok
