@@ -172,6 +172,15 @@ def _prompts(n, lens, seed=0):
     return [[rng.randrange(7, 512) for _ in range(lens[i % len(lens)])] for i in range(n)]
 
 
+def _steps_checked(e) -> list:
+    """Step `e` until idle, checking block integrity after every step; the outputs."""
+    outs = []
+    while e.has_unfinished_requests():
+        outs += e.step()
+        e.check_integrity()
+    return outs
+
+
 def _greedy(n):
     from pdserve.engine.params import SamplingParams
 
@@ -323,10 +332,7 @@ def test_kvstore_read_and_import_fill_both_pools(engine):
     assert dst.kv._w.pool.num_cached_blocks == 24 // BS + 2  # the tail only
     assert len(dst.cached_prefix(hashes)) == 16
     dst.add_request("d", [*base, 3, 4], _greedy(6))
-    outs = []
-    while dst.has_unfinished_requests():
-        outs += dst.step()
-        dst.check_integrity()
+    outs = _steps_checked(dst)
     assert outs[0].num_cached_tokens == 64
     toks = [t for o in outs for t in o.new_token_ids]
     assert toks == engine(window_pool=False).generate([[*base, 3, 4]], _greedy(6))[0]
@@ -360,10 +366,7 @@ def test_kvstore_parts_import_fills_the_window_from_window_from(engine):
     # diverging inside block 8: main hit 8, but no window block before 16 - t is cached
     assert len(dst.cached_prefix(dst.compute_block_hashes([*base[:33], 5, 6, 7]))) == 0
     dst.add_request("d", [*base, 3, 4], _greedy(6))
-    outs = []
-    while dst.has_unfinished_requests():
-        outs += dst.step()
-        dst.check_integrity()
+    outs = _steps_checked(dst)
     assert outs[0].num_cached_tokens == 64
     toks = [t for o in outs for t in o.new_token_ids]
     assert toks == engine(window_pool=False).generate([[*base, 3, 4]], _greedy(6))[0]

@@ -122,6 +122,37 @@ class KVStoreClient:
 
         return await self._guard("lookup", (0, 0), call) if hashes else (0, 0)
 
+    async def _fetch_into(
+        self,
+        buf: np.ndarray,
+        namespace: str,
+        hashes: Sequence[bytes],
+        window_blocks: int,
+        check: Callable[[kvstore_pb2.FetchResponse], None],
+    ) -> kvstore_pb2.FetchResponse | None:
+        """One Fetch into `buf`: the receive is posted before the store sends; `check`
+        raises on a reply whose sizes do not match what `buf` expects. None = no block
+        stored; otherwise the bytes have landed (checksums are the caller's to verify)."""
+        tag = self.transport.new_tag_base()
+        handle = self.transport.post_recv(buf, tag)
+        try:
+            req = kvstore_pb2.FetchRequest(
+                namespace=namespace,
+                block_hashes=list(hashes),
+                ucx_worker_address=self.transport.address,
+                tag=tag,
+                window_blocks=window_blocks,  # 0 (uniform): the field is not on the wire
+            )
+            timeout = self.rpc_timeout_s + self.transfer_timeout_s
+            resp = await self._stub.Fetch(req, timeout=timeout)
+            if resp.num_blocks == 0:
+                return None
+            check(resp)
+            await handle.wait(self.transfer_timeout_s)
+        finally:
+            await handle.cancel()  # no-op when done; retires it otherwise
+        return resp
+
     async def fetch_window(
         self,
         namespace: str,
@@ -139,35 +170,24 @@ class KVStoreClient:
         n, nw = len(hashes), min(len(hashes), window_blocks)
         buf = np.empty(n * main_bytes + nw * window_bytes, np.uint8)
 
-        async def call() -> tuple[int, np.ndarray, np.ndarray]:
-            tag = self.transport.new_tag_base()
-            handle = self.transport.post_recv(buf, tag)  # posted before the store sends
-            try:
-                req = kvstore_pb2.FetchRequest(
-                    namespace=namespace,
-                    block_hashes=list(hashes),
-                    ucx_worker_address=self.transport.address,
-                    tag=tag,
-                    window_blocks=window_blocks,
+        def check(resp: kvstore_pb2.FetchResponse) -> None:
+            k, t = int(resp.num_blocks), int(resp.num_window_blocks)
+            if (
+                resp.bytes_per_block != main_bytes
+                or (t and resp.window_bytes_per_block != window_bytes)
+                or t != min(k, window_blocks)
+                or len(resp.checksums) != k + t
+            ):
+                raise ValueError(
+                    f"parts {resp.bytes_per_block}/{resp.window_bytes_per_block} B x "
+                    f"{k}/{t}, expected {main_bytes}/{window_bytes} B"
                 )
-                timeout = self.rpc_timeout_s + self.transfer_timeout_s
-                resp = await self._stub.Fetch(req, timeout=timeout)
-                k, t = int(resp.num_blocks), int(resp.num_window_blocks)
-                if k == 0:
-                    return 0, *none
-                if (
-                    resp.bytes_per_block != main_bytes
-                    or (t and resp.window_bytes_per_block != window_bytes)
-                    or t != min(k, window_blocks)
-                    or len(resp.checksums) != k + t
-                ):
-                    raise ValueError(
-                        f"parts {resp.bytes_per_block}/{resp.window_bytes_per_block} B x "
-                        f"{k}/{t}, expected {main_bytes}/{window_bytes} B"
-                    )
-                await handle.wait(self.transfer_timeout_s)
-            finally:
-                await handle.cancel()  # no-op when done; retires it otherwise
+
+        async def call() -> tuple[int, np.ndarray, np.ndarray]:
+            resp = await self._fetch_into(buf, namespace, hashes, window_blocks, check)
+            if resp is None:
+                return 0, *none
+            k, t = int(resp.num_blocks), int(resp.num_window_blocks)
             main = buf[: k * main_bytes]
             window = buf[k * main_bytes : k * main_bytes + t * window_bytes]
             got = await asyncio.to_thread(block_checksums, main, main_bytes, k)
@@ -189,26 +209,15 @@ class KVStoreClient:
             raise ValueError("out_buf must hold exactly len(hashes) blocks")
         bpb = out.nbytes // len(hashes)
 
+        def check(resp: kvstore_pb2.FetchResponse) -> None:
+            if resp.bytes_per_block != bpb or len(resp.checksums) != resp.num_blocks:
+                raise ValueError(f"block size {resp.bytes_per_block} B, expected {bpb} B")
+
         async def call() -> int:
-            tag = self.transport.new_tag_base()
-            handle = self.transport.post_recv(out, tag)  # posted before the store sends
-            try:
-                req = kvstore_pb2.FetchRequest(
-                    namespace=namespace,
-                    block_hashes=list(hashes),
-                    ucx_worker_address=self.transport.address,
-                    tag=tag,
-                )
-                timeout = self.rpc_timeout_s + self.transfer_timeout_s
-                resp = await self._stub.Fetch(req, timeout=timeout)
-                n = int(resp.num_blocks)
-                if n == 0:
-                    return 0
-                if resp.bytes_per_block != bpb or len(resp.checksums) != n:
-                    raise ValueError(f"block size {resp.bytes_per_block} B, expected {bpb} B")
-                await handle.wait(self.transfer_timeout_s)
-            finally:
-                await handle.cancel()  # no-op when done; retires it otherwise
+            resp = await self._fetch_into(out, namespace, hashes, 0, check)
+            if resp is None:
+                return 0
+            n = int(resp.num_blocks)
             got = await asyncio.to_thread(block_checksums, out, bpb, n)
             ok = next((i for i in range(n) if got[i] != resp.checksums[i]), n)
             if ok < n:
