@@ -123,7 +123,8 @@ class KVReuse:
             self._counters["fetch_ms_sum"] += (time.perf_counter() - started) * 1e3
         buf = self._engine.empty_kv(self._spec.blocks_shape(k))
         if k:
-            store_parts.join(self._spec, main, window, buf)
+            # a copy of every fetched byte: off the event loop
+            await asyncio.to_thread(store_parts.join, self._spec, main, window, buf)
             window_from = k - window.shape[0]
         return buf, k, window_from
 
@@ -222,7 +223,7 @@ class KVReuse:
         end, window = n_main, None
         if data is not None:
             m = data.shape[0]
-            main, window = store_parts.split(self._spec, data, m)
+            main, window = await asyncio.to_thread(store_parts.split, self._spec, data, m)
             stored = await self.client.put(fp, hashes[: n_main + m], n_main, main)
             self._counters["published_blocks"] += stored
             end = n_main + m
@@ -236,7 +237,9 @@ class KVReuse:
         if first < n_main:  # the store lacks some of [start, n_main): read them here
             head = await self._engine.read_for_publish(hashes[:n_main], first)
             if head is not None and head.shape[0] == n_main - first:
-                _, head_w = store_parts.split(self._spec, head, head.shape[0])
+                _, head_w = await asyncio.to_thread(
+                    store_parts.split, self._spec, head, head.shape[0]
+                )
                 window = head_w if window is None else np.concatenate([head_w, window])
             else:
                 first = n_main
