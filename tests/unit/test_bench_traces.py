@@ -89,3 +89,28 @@ def test_mooncake_malformed_line_names_file_and_line(tmp_path, bad_line, words):
 def test_unknown_format(tmp_path):
     with pytest.raises(ValueError, match="unknown trace format"):
         read_trace(write(tmp_path, "x.csv", AZURE), fmt="parquet")
+
+
+def test_trace_offset_replays_a_later_window(tmp_path):
+    import argparse
+
+    from pdserve.bench.serve import add_workload_args, trace_window, workload_at
+
+    rows = "".join(f"2023-11-16 18:16:{i:02d}.0,{100 + i},{10 + i}\n" for i in range(10))
+    path = write(tmp_path, "w.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)
+    p = argparse.ArgumentParser()
+    add_workload_args(p)
+
+    def args(*extra: str) -> argparse.Namespace:
+        return p.parse_args(["--trace", str(path), "--vocab-size", "1000", *extra])
+
+    # requests 4..6 of the trace: the window's lengths, arrivals re-based at 0
+    win = trace_window(args("--trace-offset", "4", "--num-requests", "3"))
+    assert [(r.input_len, r.output_len) for r in win] == [(104, 14), (105, 15), (106, 16)]
+    reqs = workload_at(args("--trace-offset", "4", "--num-requests", "3"), None)
+    assert [len(r.prompt_ids) for r in reqs] == [104, 105, 106]
+    assert [r.arrival_s for r in reqs] == [0.0, 1.0, 2.0]
+    assert len(trace_window(args("--trace-offset", "8"))) == 2  # to the end without a count
+    assert trace_window(args("--trace-offset", "0", "--num-requests", "2"))[-1].input_len == 101
+    with pytest.raises(ValueError, match="trace-offset"):
+        trace_window(args("--trace-offset", "-1"))

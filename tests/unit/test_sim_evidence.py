@@ -26,3 +26,30 @@ def test_noisy_oracle_quality_falls_with_noise():
             p.estimate(LengthQuery(10, 1 << 30, oracle_tokens=n))
         taus.append(kendall_tau(*zip(*p.pairs, strict=True)))
     assert taus[0] == pytest.approx(1.0) and taus[0] > taus[1] > taus[2] > 0
+
+
+def test_trace_seeds_replay_disjoint_windows(monkeypatch):
+    from pdserve.sim import evidence
+
+    seen = []
+    monkeypatch.setattr(evidence, "workload_at", lambda a, rate, salt: seen.append(a) or [])
+    monkeypatch.setattr(evidence, "text_prompt_ids", lambda reqs, vocab: reqs)
+    for seed in (1, 2, 3):
+        evidence.requests_for("mooncake", seed, 300, 10.0)
+    assert [a.trace_offset for a in seen] == [0, 300, 600]
+    evidence.requests_for("mooncake", 3, 300, 10.0, window=False)
+    evidence.requests_for("lengths", 3, 300, 10.0)
+    assert [a.trace_offset for a in seen[3:]] == [0, 0]  # lengths: the seed draws, no window
+
+
+def test_emulated_flips_are_counted_from_the_router_log(tmp_path):
+    from pdserve.sim.evidence_emu import router_flips
+
+    assert router_flips(tmp_path) == 0
+    (tmp_path / "router.log").write_text(
+        '{"event": "flip started", "instance": "w1"}\n{"event": "flip done", "instance": "w1"}\n'
+        '{"event": "flip decision"}\n'
+    )
+    (tmp_path / "router.1700000000000.log").write_text('{"event": "flip done"}\n')  # restarted
+    (tmp_path / "prefill-0.log").write_text('{"event": "flip done"}\n')  # not the router's
+    assert router_flips(tmp_path) == 2

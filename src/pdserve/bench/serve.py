@@ -42,6 +42,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", help="Azure CSV or Mooncake JSONL trace (read in place)")
     g.add_argument("--trace-format", default="auto", choices=["auto", "azure", "mooncake"])
     g.add_argument(
+        "--trace-offset", type=int, default=0, help="skip the trace's first N requests (a window)"
+    )
+    g.add_argument(
         "--length-scale", type=float, default=1.0, help="scale trace (or --lengths) lengths"
     )
     g.add_argument(
@@ -119,6 +122,15 @@ def prompt_seed(args: argparse.Namespace, salt: int) -> int:
     return args.seed + 7919 * salt
 
 
+def trace_window(args: argparse.Namespace) -> list[Any]:
+    """The trace's records from `--trace-offset` on, at most `--num-requests` of them."""
+    skip = getattr(args, "trace_offset", 0) or 0
+    if skip < 0:
+        raise ValueError(f"--trace-offset must be >= 0, got {skip}")
+    limit = skip + args.num_requests if args.num_requests else None
+    return read_trace(args.trace, args.trace_format, limit=limit)[skip:]
+
+
 def base_requests(
     args: argparse.Namespace, n_hint: int | None = None, salt: int = 0
 ) -> list[BenchRequest]:
@@ -141,7 +153,7 @@ def base_requests(
             max_output=max_out,
         )
     if args.trace:
-        records = read_trace(args.trace, args.trace_format, limit=args.num_requests)
+        records = trace_window(args)
         return trace_requests(records, vocab, seed, args.length_scale, max_len, args.block_size)
     n = n_hint if n_hint is not None else (args.num_requests or 100)
     return synthetic_requests(

@@ -93,6 +93,12 @@ def _delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float
     return sum(c.get(key, 0.0) - before.get(w, {}).get(key, 0.0) for w, c in after.items())
 
 
+def router_flips(log_dir: Path) -> int:
+    """Role flips the emulated router completed: its "flip done" log lines (JSON or console)."""
+    paths = sorted(log_dir.glob("router*.log"))
+    return sum(p.read_text(errors="replace").count("flip done") for p in paths)
+
+
 def emulated_arm(
     up: list[str],
     reqs: list[Any],
@@ -138,7 +144,7 @@ def emulated_arm(
     n_in = {r.index: len(r.prompt_ids) for r in reqs}
     out.update(
         preemptions=_delta(before, after, "engine_num_preemptions"),
-        flips=None,  # not read from the router (no setup run here flips)
+        flips=router_flips(log_dir),
         tau=status.predictor_kendall_tau if status.predictor_observed else None,
         step_lag=_delta(before, after, "emulate_lag_s") / modelled if modelled else None,
         send_lag_ms_max=max((r.send_s - r.arrival_s) * 1e3 for r in records),

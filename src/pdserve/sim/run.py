@@ -210,12 +210,11 @@ class LazyTrace:
     trace draws only the window's prompts."""
 
     def __init__(self, args: argparse.Namespace, salt: int) -> None:
-        from pdserve.bench.serve import model_limits, prompt_seed
-        from pdserve.bench.traces import read_trace
+        from pdserve.bench.serve import model_limits, prompt_seed, trace_window
         from pdserve.bench.workload import iter_trace_requests
 
         vocab, max_len = model_limits(args)
-        records = read_trace(args.trace, args.trace_format, limit=args.num_requests)
+        records = trace_window(args)
         self.stamps = [r.timestamp_s for r in records]
         self._gen = iter_trace_requests(
             records, vocab, prompt_seed(args, salt), args.length_scale, max_len, args.block_size
