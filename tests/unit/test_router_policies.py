@@ -103,6 +103,34 @@ def test_prefix_aware_lru_capacity():
     assert p.matched_blocks(a, req(list(range(32))).hashes_for(4)) == 0  # first blocks evicted
 
 
+def test_prefix_aware_match_wins_only_when_it_saves_more_than_the_queue_costs():
+    p = PrefixAware()
+    a, b = inst("a"), inst("b")
+    prompt = list(range(100))  # 25 blocks of 4
+    p.on_routed(req(prompt[:80]), a, None)  # a holds the first 80 tokens
+    r = req(prompt)
+    # a: 79 queued + 20 uncached = 99 < b: 0 + 100 -> the match saves more than it waits
+    a.inflight_tokens = 79
+    assert p.pick_prefill(r, [a, b]).instance_id == "a"
+    # a: 80 + 20 = 100 = b's 100: a tie goes to the least loaded
+    a.inflight_tokens = 80
+    assert p.pick_prefill(r, [a, b]).instance_id == "b"
+    # a third instance holding nothing but idle does not beat a cheaper match
+    c = inst("c")
+    a.inflight_tokens = 10
+    assert p.pick_prefill(r, [a, b, c]).instance_id == "a"
+
+
+def test_prefix_aware_remembers_as_much_as_the_instance_pool_holds():
+    p = PrefixAware(capacity_blocks=4)
+    big, small = inst("big", total_blocks=64), inst("small")  # small reports no pool size
+    prompt = list(range(128))  # 32 blocks of 4
+    p.on_routed(req(prompt), big, None)
+    p.on_routed(req(prompt), small, None)
+    assert p.matched_blocks(big, req(prompt).hashes_for(4)) == 32  # pool of 64 keeps them all
+    assert p.matched_blocks(small, req(prompt).hashes_for(4)) == 0  # fallback 4: head evicted
+
+
 def test_session_affinity_sticks_while_instance_lives():
     p = SessionAffinity(LeastLoaded())
     a, b = inst("a"), inst("b", inflight_tokens=10)

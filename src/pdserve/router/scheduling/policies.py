@@ -105,15 +105,18 @@ class LeastLoaded(PlacementPolicy):
 
 
 class PrefixAware(LeastLoaded):
-    """Prefers the prefill instance whose block pool most likely holds the prompt's
-    prefix: the router remembers, per instance, an LRU of block hashes it routed
-    there. A match only wins while that instance is not much busier than the
-    least loaded one (`balance_tokens`), so one hot prefix cannot pin the pool."""
+    """Prefers the prefill instance where the prompt costs least: the router remembers, per
+    instance, an LRU of the block hashes it routed there (sized to the instance's reported
+    block pool, as the engine's own prefix cache is), and charges each candidate its queued
+    prompt tokens plus the tokens of this prompt it does not hold. A match therefore wins
+    exactly when the compute it saves exceeds the extra queue it lands in, and never while the
+    holder is more than `balance_tokens` busier than the least loaded (one hot prefix cannot
+    pin the pool)."""
 
     name = "prefix_aware"
 
-    def __init__(self, capacity_blocks: int = 4096, balance_tokens: int = 4096) -> None:
-        self.capacity_blocks = capacity_blocks
+    def __init__(self, capacity_blocks: int = 4096, balance_tokens: int = 65536) -> None:
+        self.capacity_blocks = capacity_blocks  # when an instance reports no pool size
         self.balance_tokens = balance_tokens
         self._lru: dict[str, OrderedDict[bytes, None]] = {}
 
@@ -130,16 +133,18 @@ class PrefixAware(LeastLoaded):
 
     def pick_prefill(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
         least = super().pick_prefill(request, candidates)
-        best, best_tokens = least, 0
+        n = len(request.token_ids)
+        best, best_cost = least, least.inflight_tokens + n - self._matched_tokens(least, request)
         for inst in candidates:
-            tokens = (
-                self.matched_blocks(inst, request.hashes_for(inst.block_size)) * inst.block_size
-            )
-            if tokens > best_tokens:
-                best, best_tokens = inst, tokens
-        if best is not least and best.inflight_tokens - least.inflight_tokens > self.balance_tokens:
-            return least
+            if inst.inflight_tokens - least.inflight_tokens > self.balance_tokens:
+                continue
+            cost = inst.inflight_tokens + n - self._matched_tokens(inst, request)
+            if cost < best_cost:  # strict: ties keep the least loaded
+                best, best_cost = inst, cost
         return best
+
+    def _matched_tokens(self, inst: Instance, request: RouteRequest) -> int:
+        return self.matched_blocks(inst, request.hashes_for(inst.block_size)) * inst.block_size
 
     def on_routed(
         self, request: RouteRequest, prefill: Instance | None, decode: Instance | None
@@ -150,7 +155,8 @@ class PrefixAware(LeastLoaded):
         for h in request.hashes_for(prefill.block_size):
             lru[h] = None
             lru.move_to_end(h)
-        while len(lru) > self.capacity_blocks:
+        cap = prefill.load.total_blocks or self.capacity_blocks
+        while len(lru) > cap:
             lru.popitem(last=False)
 
     def forget(self, instance_id: str) -> None:
