@@ -184,11 +184,18 @@ SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str
     ("prefix", "mooncake", "4P4D + kvstore", [*D44, "--kvstore"], 32.0, 300, "ttft:3000 tpot:60", {
         "least_loaded": ["--policy=least_loaded"], "prefix_aware": ["--policy=prefix_aware"]},
         "least_loaded"),
+    # no kvstore, a 1,500-request window (the trace's next turns come minutes later): only
+    # the instances' own prefix caches serve a repeated prefix
+    ("prefix", "mooncake", "4P4D", D44, 28.0, 1500, "ttft:3000 tpot:60", {
+        "least_loaded": ["--policy=least_loaded"], "prefix_aware": ["--policy=prefix_aware"]},
+        "least_loaded"),
     ("prefix", "mooncake", "8 colocated + kvstore", [*C8, "--kvstore"], 90.0, 300,
         "ttft:3000 tpot:60", {
         "least_loaded": ["--policy=least_loaded"], "prefix_aware": ["--policy=prefix_aware"]},
         "least_loaded"),
-    ("flip", "shift", "4P4D", D44, 12.0, 300, "ttft:3000 tpot:60", {
+    # 600 Mooncake requests then 600 `lengths` ones (~17 s each at 36/s): long enough for a
+    # flip to pay back, at a rate where static 4P4D misses the TTFT SLO in the first phase
+    ("flip", "shift", "4P4D", D44, 36.0, 1200, "ttft:3000 tpot:60", {
         "static": [LEN], "flip": [LEN, "--flip-enabled", "--flip-cooldown-s=5",
                                   "--flip-interval-s=1"]}, "static"),
 ]  # fmt: skip
