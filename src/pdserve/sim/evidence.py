@@ -140,7 +140,13 @@ def arm_metrics(records: list[Any], reqs: list[Any], slo: SLO) -> dict[str, Any]
         "e2e_mean": s["e2e_ms"]["mean"],
         "e2e_p99": s["e2e_ms"]["p99"],
         "completed": s["completed"],
+        # per request, for comparing an emulated run with its twin: [index, TTFT s, E2E s]
+        "timeline": [[r.index, _r4(r.ttft_s), _r4(r.e2e_s)] for r in records],
     }
+
+
+def _r4(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
 
 
 def run_arm(
