@@ -115,7 +115,12 @@ class FakeWorker:
 
         async def go():
             self.reserved.add(req.request_id)
-            await self._enter("Decode")
+            try:
+                await self._enter("Decode")
+            except FakeRpcError as err:
+                if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.reserved.discard(req.request_id)  # a refusal holds nothing
+                raise
             yield worker_pb2.TokenChunk(
                 ticket=worker_pb2.Ticket(ticket_id=7, decode_instance_id=self.iid)
             )
@@ -323,8 +328,37 @@ async def test_full_decode_is_skipped_for_another():
     await collect(c.orch, job, [])
     await c.orch.close()
     assert job.decode_instance == "d1"
-    assert c.w["d0"].calls == ["Decode", "Abort"]
+    assert c.w["d0"].calls == ["Decode"]  # it refused: it holds nothing, so no Abort
     assert c.charges() == {} and c.reserved() == {}
+
+
+async def test_a_refused_reserve_does_not_wake_the_other_capacity_waiters():
+    # Two requests wait for the one (full) decode. A refusal frees no room: if its release
+    # woke the other waiter, the two would retry each other's refusals back to back (a
+    # retry storm of Decode calls) instead of once per change or `recheck_s` (0.25 s).
+    c = Cluster(decodes=("d0",))
+    c.orch.deadlines = Deadlines(kv_queue_s=0.6)
+    c.w["d0"].fail["Decode"] = grpc.StatusCode.RESOURCE_EXHAUSTED
+    jobs = [c.job("r1"), c.job("r2")]
+    results = await asyncio.gather(*(collect(c.orch, j, []) for j in jobs), return_exceptions=True)
+    await c.orch.close()
+    assert all("RESOURCE_EXHAUSTED" in str(r) or "KV" in str(r) for r in results), results
+    # each request: a first try, then one per 0.25 s recheck within 0.6 s
+    assert 2 <= c.w["d0"].calls.count("Decode") <= 10, len(c.w["d0"].calls)
+    assert c.charges() == {} and c.reserved() == {}
+
+
+def test_a_refused_holding_leaves_without_abort_or_wake_up():
+    c, _aborter, pl = _placement()
+    d0 = c.registry.get("d0")
+    woken: list[int] = []
+    c.registry.on_change(lambda: woken.append(1))
+    pl.charge(d0, requests=1)
+    pl.leave(d0, refused=True)
+    assert woken == [] and c.charges() == {}
+    pl.charge(d0, requests=1)
+    pl.leave(d0, abort=False)  # a real release: room may have freed
+    assert woken == [1]
 
 
 async def test_colocated_failure_before_first_chunk_retries():

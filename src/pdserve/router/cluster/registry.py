@@ -202,14 +202,18 @@ class Registry:
             key=lambda i: i.instance_id,
         )
 
-    def charge(self, instance_id: str, requests: int = 0, tokens: int = 0) -> None:
+    def charge(
+        self, instance_id: str, requests: int = 0, tokens: int = 0, notify: bool = True
+    ) -> None:
         """Adjust the router-side in-flight counters (negative to release); the
-        instance may have re-registered meanwhile, so look it up by id."""
+        instance may have re-registered meanwhile, so look it up by id. `notify=False`:
+        the release frees no room (a reservation the worker refused), so it must not
+        wake the capacity waiters."""
         inst = self._instances.get(instance_id)
         if inst is not None:
             inst.inflight_requests = max(0, inst.inflight_requests + requests)
             inst.inflight_tokens = max(0, inst.inflight_tokens + tokens)
-            if requests < 0:  # a request left it: room may have freed there
+            if requests < 0 and notify:  # a request left it: room may have freed there
                 self._changed()
 
     def get(self, instance_id: str) -> Instance | None:

@@ -376,8 +376,11 @@ class Orchestrator:
                 if not isinstance(err, grpc.RpcError):
                     raise
                 failure = self._failure(err, decode, "decode")
-                placement.leave(decode)
-                if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                full = failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                # a refused Reserve holds nothing: waking every other waiter on its release
+                # made them all retry at once, each refusal waking them again (a retry storm)
+                placement.leave(decode, refused=full)
+                if full:
                     overloaded = OverloadedError(str(failure))
                 if overloaded is None:
                     decodes.failed(failure)  # (a full decode waits for capacity instead)

@@ -79,12 +79,15 @@ class RequestPlacement:
             raise RuntimeError(f"request {self.request_id}: {decode.instance_id} was not charged")
         self.decode, self.ticket = decode, ticket
 
-    def leave(self, inst: Instance, abort: bool = True) -> None:
+    def leave(self, inst: Instance, abort: bool = True, refused: bool = False) -> None:
+        """Release what this request holds on `inst` (and Abort it there, `abort`).
+        `refused`: the worker refused it (RESOURCE_EXHAUSTED) and holds nothing, so no
+        Abort is sent and the capacity waiters are not woken (no room freed)."""
         held = self._held.pop(inst.instance_id, None)
         if held is None:
             return
-        self._uncharge(held)
-        if abort:
+        self._uncharge(held, notify=not refused)
+        if abort and not refused:
             self._aborter.later(held.instance, self.request_id)
 
     async def leave_now(self, inst: Instance) -> None:
@@ -108,10 +111,13 @@ class RequestPlacement:
             self.leave(self._held[iid].instance, abort=True)
 
     # ------------------------------------------------------------- private
-    def _uncharge(self, held: _Holding) -> None:
+    def _uncharge(self, held: _Holding, notify: bool = True) -> None:
         if held.requests or held.tokens:
             self._registry.charge(
-                held.instance.instance_id, requests=-held.requests, tokens=-held.tokens
+                held.instance.instance_id,
+                requests=-held.requests,
+                tokens=-held.tokens,
+                notify=notify,
             )
         if self.decode is not None and self.decode.instance_id == held.instance.instance_id:
             self.decode, self.ticket = None, None
