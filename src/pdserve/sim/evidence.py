@@ -145,6 +145,11 @@ def arm_metrics(records: list[Any], reqs: list[Any], slo: SLO) -> dict[str, Any]
     }
 
 
+def _brief(run: dict[str, Any]) -> dict[str, Any]:
+    """A run without its per-request timeline (for the log)."""
+    return {k: v for k, v in run.items() if k != "timeline"}
+
+
 def _r4(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
@@ -247,14 +252,14 @@ def run_setup(  # type: ignore[no-untyped-def]
             t = time.perf_counter()
             run = sim(up, reqs, slo) | {"seed": seed, "requests": requests_digest(reqs)}
             per_arm[arm].append(run)
-            log(f"{group}/{kind}/{cname} seed {seed} {arm}: {run} "
+            log(f"{group}/{kind}/{cname} seed {seed} {arm}: {_brief(run)} "
                 f"({time.perf_counter() - t:.0f} s)")  # fmt: skip
             if emulate is not None and emu_arm is not None:
                 name = f"{group}_{kind}_{cname}_s{seed}_{arm}".replace(" ", "-").replace("/", "-")
                 erun = emulate(up, reqs, slo, name)
                 erun |= {"seed": seed, "requests": requests_digest(reqs)}
                 emu_arm[arm].append(erun)
-                log(f"  emulated: {erun}")
+                log(f"  emulated: {_brief(erun)}")
         result = {"rows": setup_rows(meta, base, per_arm, emu_arm), "runs": per_arm}
         if emu_arm is not None:
             result["emulated_runs"] = emu_arm
