@@ -136,3 +136,27 @@ def test_blocks_follow_device_memory_minus_weights():
     # the link charges the modelled bytes: 2 MiB per block over NVLink
     assert em.push_link.bytes_ratio == shape.kv_bytes_per_token(2) * 16 / 64
     llm.check_integrity()
+
+
+def test_time_lost_between_steps_of_a_busy_engine_is_counted_as_the_gap():
+    clock = FakeClock()
+    eng = _engine(clock, time_scale=2.0)
+    runner = eng.runner
+    eng.add_request("a", _prompt(40, 1), GREEDY)
+    eng.step()  # prefill (samples token 0)
+    eng.step()  # a decode chained on the previous deadline: no gap
+    assert runner.gap_s == 0.0
+    clock.t += 0.050  # the engine's thread starved for 50 ms of wall time
+    eng.step()  # continues "a": the late start is time lost
+    assert runner.gap_s == pytest.approx(0.050 / 2.0)
+    clock.t += 0.0001  # under chain_gap_s (2 ms modelled): chained, nothing lost
+    eng.step()
+    assert runner.gap_s == pytest.approx(0.025)
+    while eng.has_unfinished_requests():
+        eng.step()
+    clock.t += 5.0  # idle: no request ran in the step before
+    eng.add_request("b", _prompt(30, 2), GREEDY)
+    eng.step()
+    assert runner.gap_s == pytest.approx(0.025)
+    assert runner.counters()["emulate_gap_s"] == pytest.approx(0.025)
+    assert runner.lag_s == 0.0  # the lag does not see any of it

@@ -135,6 +135,8 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "steps": delta("emulate_steps"),
         "modelled_s": modelled,
         "lag": lag / modelled if modelled else None,
+        # modelled time busy engines lost between steps (late starts), per modelled second
+        "gap": delta("emulate_gap_s") / modelled if modelled else None,
         "max_step_lag_ms": max(a.get("emulate_max_lag_s", 0.0) for a in after.values()) * 1e3,
         "busy_fraction": busy,
         "streamed_tokens": load["tokens"],

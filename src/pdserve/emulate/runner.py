@@ -4,7 +4,11 @@ A step lasts `cost.step_time_s(batch, sampled) * time_scale` seconds of wall tim
 (start, new tokens) entries, as the simulator charges it). Back-to-back steps chain on their
 deadlines (the engine's own Python work between two steps is part of the modelled per-step
 overhead), so modelled time keeps pace with wall time while the engine is busy; what is left
-over is the lag: sum(end - deadline), reported with the modelled time.
+over is the lag: sum(end - deadline), reported with the modelled time. A step that starts
+more than `chain_gap_s` after the previous deadline starts late: when it continues a
+sequence the previous step ran (the engine was busy, not idle), that late start is time the
+engine lost between steps (a starved CPU, a long command) and is counted as the gap,
+sum(start - previous deadline); the lag alone does not see it.
 
 KV: per wire layer a numpy array [num_blocks, 2, block_size, 1, head_dim] (float16, a few
 bytes per block). Each step writes, at every new token's slot, K = token % 2039 and
@@ -81,6 +85,8 @@ class EmulatedRunner:
         self.modelled_s = 0.0
         self.lag_s = 0.0
         self.max_lag_s = 0.0
+        self.gap_s = 0.0  # lost between steps of a busy engine (see the module docstring)
+        self._last_running: set[str] = set()  # request ids of the previous step
 
     # ---- the step -----------------------------------------------------------------------
     def execute(
@@ -89,7 +95,12 @@ class EmulatedRunner:
         t0 = self.clock.now()
         batch = [(e.start, e.num_new_tokens) for e in plan.scheduled]
         modelled = self.cost.step_time_s(batch, sum(1 for e in plan.scheduled if e.sample))
-        begin = self._last_deadline if 0 <= t0 - self._last_deadline < self.chain_gap_s else t0
+        late = t0 - self._last_deadline
+        begin = self._last_deadline if 0 <= late < self.chain_gap_s else t0
+        running = {e.seq.request_id for e in plan.scheduled}
+        if late >= self.chain_gap_s and not running.isdisjoint(self._last_running):
+            self.gap_s += late / self.time_scale
+        self._last_running = running
         deadline = begin + modelled * self.time_scale
         sampled: dict[str, int] = {}
         for e in plan.scheduled:
@@ -124,6 +135,7 @@ class EmulatedRunner:
             "emulate_modelled_s": self.modelled_s,
             "emulate_lag_s": self.lag_s,
             "emulate_max_lag_s": self.max_lag_s,
+            "emulate_gap_s": self.gap_s,
         }
 
     # ---- KV content -----------------------------------------------------------------------

@@ -147,6 +147,8 @@ def emulated_arm(
         flips=router_flips(log_dir),
         tau=status.predictor_kendall_tau if status.predictor_observed else None,
         step_lag=_delta(before, after, "emulate_lag_s") / modelled if modelled else None,
+        # modelled time a busy engine lost between steps, per modelled second stepped
+        step_gap=_delta(before, after, "emulate_gap_s") / modelled if modelled else None,
         send_lag_ms_max=max((r.send_s - r.arrival_s) * 1e3 for r in records),
         prompt_tokens_differ=sum(1 for r in records if r.ok and r.n_in != n_in[r.index]),
         workers_read=len(after),

@@ -72,8 +72,10 @@ def emulated_block(sim: list[dict[str, Any]], emu: list[dict[str, Any]], st: dic
     send lag and prompts whose token count differed from the twin's (should be 0)."""
     pair(emu, sim, "emulated vs simulated")
     lags = [r["step_lag"] for r in emu if r.get("step_lag") is not None]
+    gaps = [r["step_gap"] for r in emu if r.get("step_gap") is not None]
     return st | {
         "step_lag": (statistics.fmean(lags), max(lags)) if lags else None,
+        "step_gap": (statistics.fmean(gaps), max(gaps)) if gaps else None,
         "send_lag_ms_max": max((r.get("send_lag_ms_max") or 0.0) for r in emu),
         "prompt_tokens_differ": sum(r.get("prompt_tokens_differ") or 0 for r in emu),
         "wall_s_mean": statistics.fmean(r.get("wall_s") or 0.0 for r in emu),
@@ -140,7 +142,7 @@ def side_by_side(rows: list[dict[str, Any]]) -> str:
         "| policy | workload | cluster | arm | goodput sim | goodput emu | goodput gain % sim "
         "| goodput gain % emu | mean E2E gain % sim | mean E2E gain % emu | mean E2E (s) sim "
         "| mean E2E (s) emu | p99 E2E (s) sim | p99 E2E (s) emu | preemptions sim / emu "
-        "| step lag (mean, worst) |",
+        "| step lag (mean, worst); gap between steps |",
         "|" + "---|" * 16,
     ]
     for r in rows:
@@ -149,8 +151,10 @@ def side_by_side(rows: list[dict[str, Any]]) -> str:
         def g(d: dict[str, Any], k: str) -> str:
             return _pm(d[k]) if k in d else "baseline"
 
-        lag = e.get("step_lag")
+        lag, gap = e.get("step_lag"), e.get("step_gap")
         lag_s = f"{lag[0]:.1%}, {lag[1]:.1%}" if lag else "-"
+        if gap:  # runs before the gap counter have none
+            lag_s += f"; gap {gap[0]:.1%}, {gap[1]:.1%}"
         lines.append(
             f"| {r['group']} | {r['workload']} @ {r['rate']:g}/s | {r['cluster']} | {r['arm']} "
             f"| {_pm(r['goodput'], '.2f')} | {_pm(e.get('goodput'), '.2f')} "
