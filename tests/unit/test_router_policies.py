@@ -129,6 +129,10 @@ def test_prefix_aware_remembers_as_much_as_the_instance_pool_holds():
     p.on_routed(req(prompt), small, None)
     assert p.matched_blocks(big, req(prompt).hashes_for(4)) == 32  # pool of 64 keeps them all
     assert p.matched_blocks(small, req(prompt).hashes_for(4)) == 0  # fallback 4: head evicted
+    capped = PrefixAware(max_blocks=8)  # the router's own memory bound wins over the pool
+    capped.on_routed(req(prompt), big, None)
+    assert capped.matched_blocks(big, req(prompt).hashes_for(4)) == 0
+    assert capped.matched_blocks(big, req(prompt[:32]).hashes_for(4)) == 0
 
 
 def test_session_affinity_sticks_while_instance_lives():

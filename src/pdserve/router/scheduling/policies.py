@@ -115,9 +115,12 @@ class PrefixAware(LeastLoaded):
 
     name = "prefix_aware"
 
-    def __init__(self, capacity_blocks: int = 4096, balance_tokens: int = 65536) -> None:
+    def __init__(
+        self, capacity_blocks: int = 4096, balance_tokens: int = 65536, max_blocks: int = 1 << 17
+    ) -> None:
         self.capacity_blocks = capacity_blocks  # when an instance reports no pool size
         self.balance_tokens = balance_tokens
+        self.max_blocks = max_blocks  # the router's memory per instance (~100 B per hash)
         self._lru: dict[str, OrderedDict[bytes, None]] = {}
 
     def matched_blocks(self, inst: Instance, hashes: Sequence[bytes]) -> int:
@@ -155,7 +158,7 @@ class PrefixAware(LeastLoaded):
         for h in request.hashes_for(prefill.block_size):
             lru[h] = None
             lru.move_to_end(h)
-        cap = prefill.load.total_blocks or self.capacity_blocks
+        cap = min(prefill.load.total_blocks or self.capacity_blocks, self.max_blocks)
         while len(lru) > cap:
             lru.popitem(last=False)
 
