@@ -136,18 +136,15 @@ class PrefixAware(LeastLoaded):
 
     def pick_prefill(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
         least = super().pick_prefill(request, candidates)
-        n = len(request.token_ids)
-        best, best_cost = least, least.inflight_tokens + n - self._matched_tokens(least, request)
-        for inst in candidates:
-            if inst.inflight_tokens - least.inflight_tokens > self.balance_tokens:
-                continue
-            cost = inst.inflight_tokens + n - self._matched_tokens(inst, request)
-            if cost < best_cost:  # strict: ties keep the least loaded
-                best, best_cost = inst, cost
-        return best
+        limit = least.inflight_tokens + self.balance_tokens
 
-    def _matched_tokens(self, inst: Instance, request: RouteRequest) -> int:
-        return self.matched_blocks(inst, request.hashes_for(inst.block_size)) * inst.block_size
+        def cost(inst: Instance) -> tuple[int, bool]:
+            # queued tokens + the prompt's tokens it does not hold (the prompt's length is the
+            # same for all, so it drops out); ties: the least loaded, then the first
+            held = self.matched_blocks(inst, request.hashes_for(inst.block_size)) * inst.block_size
+            return inst.inflight_tokens - held, inst is not least
+
+        return min((i for i in candidates if i.inflight_tokens <= limit), key=cost)
 
     def on_routed(
         self, request: RouteRequest, prefill: Instance | None, decode: Instance | None
