@@ -53,3 +53,10 @@ def test_emulated_flips_are_counted_from_the_router_log(tmp_path):
     (tmp_path / "router.1700000000000.log").write_text('{"event": "flip done"}\n')  # restarted
     (tmp_path / "prefill-0.log").write_text('{"event": "flip done"}\n')  # not the router's
     assert router_flips(tmp_path) == 2
+    import os
+
+    old = tmp_path / "router.1600000000000.log"  # an earlier run's, in the same directory
+    old.write_text('{"event": "flip done"}\n')
+    os.utime(old, (1.0, 1.0))
+    assert router_flips(tmp_path, since=1000.0) == 2
+    assert router_flips(tmp_path) == 3

@@ -93,9 +93,11 @@ def _delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float
     return sum(c.get(key, 0.0) - before.get(w, {}).get(key, 0.0) for w, c in after.items())
 
 
-def router_flips(log_dir: Path) -> int:
-    """Role flips the emulated router completed: its "flip done" log lines (JSON or console)."""
-    paths = sorted(log_dir.glob("router*.log"))
+def router_flips(log_dir: Path, since: float = 0.0) -> int:
+    """Role flips the emulated router completed: its "flip done" log lines (JSON or console),
+    in its log and the logs a restart set aside (`router.<ms>.log`), written since `since`
+    (time.time()): a log set aside by an earlier run in the same directory is not counted."""
+    paths = [p for p in sorted(log_dir.glob("router*.log")) if p.stat().st_mtime >= since]
     return sum(p.read_text(errors="replace").count("flip done") for p in paths)
 
 
@@ -131,7 +133,7 @@ def emulated_arm(
         async with open_client(addr) as client:
             return await run_load(client, stretch_arrivals(reqs, scale), progress=False)
 
-    t0 = time.perf_counter()
+    t0, started_at = time.perf_counter(), time.time()
     with UpProcess(flags, port=0, ready_timeout_s=opt.ready_timeout_s,
                    log_path=opt.log_dir / f"{name}_up.log") as addr:  # fmt: skip
         started = time.perf_counter() - t0
@@ -144,7 +146,7 @@ def emulated_arm(
     n_in = {r.index: len(r.prompt_ids) for r in reqs}
     out.update(
         preemptions=_delta(before, after, "engine_num_preemptions"),
-        flips=router_flips(log_dir),
+        flips=router_flips(log_dir, since=started_at),
         tau=status.predictor_kendall_tau if status.predictor_observed else None,
         step_lag=_delta(before, after, "emulate_lag_s") / modelled if modelled else None,
         # modelled time a busy engine lost between steps, per modelled second stepped
