@@ -26,6 +26,8 @@ test: setup
 	# build the batch-invariant attention kernel once, up front (cached; without a compiler
 	# the engine falls back to the torch path and tests/unit/test_fixed_kernel.py skips)
 	-$(PY) -c "from pdserve.model.attention import fixed_kernel as k; raise SystemExit(not k.available())"
+	# and, on a CPU with AMX, the batch-invariant bf16 linear (pdserve.model.amx_linear)
+	-$(PY) -c "from pdserve.model import amx_linear as k; k.available()"
 	$(PY) -m pytest -q
 
 lint: setup

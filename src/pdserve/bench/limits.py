@@ -89,6 +89,7 @@ def measure_gemm_peak(
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """GEMM FLOP/s in `dtype` per kernel and shape; "best" is the maximum."""
+    from pdserve.model import amx_linear
     from pdserve.model.cpu_linear import PackedLinear, packing_supported
 
     dt = _dtype(dtype)
@@ -107,6 +108,9 @@ def measure_gemm_peak(
                 out[f"packed_{m}x{k}x{n}"] = flops / best_time(
                     lambda x=x, p=packed: p(x), repeats, clock
                 )
+            if dt == torch.bfloat16 and amx_linear.available():  # the invariant kernel (AMX)
+                amx = amx_linear.AmxLinear(lin.weight)
+                out[f"amx_{m}x{k}x{n}"] = flops / best_time(lambda x=x, a=amx: a(x), repeats, clock)
     out["best"] = max(out.values())
     return out
 

@@ -24,6 +24,13 @@ rows than at four (CPU time, one thread, bench50m's shapes 512x2048 / 2048x512 /
 weights out of cache: 422 / 409 / 3155 us vs 308 / 333 / 2566 us), and a batch-1 decode pads
 its one row. Plain `F.linear` in fp32 (MKL) has three
 row-count classes (1, 2-3, >= 4): `linear_rows` pads to MIN_MKL_ROWS for the tied lm_head.
+
+On a CPU with AMX none of this holds in bf16: oneDNN picks its bf16 kernel by the row count
+there (`pdserve.model.amx_linear`), so `pack_linears(batch_invariant=True)` puts every bf16
+linear on the AMX kernel of that module instead, which is invariant by construction;
+`batch_invariant=False` keeps oneDNN. A tied lm_head gets a packed copy of the embedding
+(`model.tied_head`) when invariant: on a Xeon even fp32 MKL has more row classes than
+`linear_rows` pads away (measured: 64 rows differ from 1-5).
 """
 
 from __future__ import annotations
@@ -33,6 +40,11 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pdserve.logging import get_logger
+from pdserve.model import amx_linear
+
+_log = get_logger(__name__)
 
 # the batch size oneDNN tunes the packed layout for; any row count works at run time
 BATCH_HINT = 64
@@ -123,9 +135,46 @@ def pack_linears(
     def rows(dtype: torch.dtype) -> int:
         return FP32_MIN_ROWS if batch_invariant and dtype == torch.float32 else 1
 
+    amx = batch_invariant and amx_linear.cpu_has_amx() and amx_linear.available()
+    if batch_invariant and amx_linear.cpu_has_amx() and not amx:
+        bf16 = any(child.weight.dtype == torch.bfloat16 for _, _, child in targets)
+        if bf16:
+            _log.warning(
+                "bf16 is not batch-invariant on this CPU: it has AMX and the AMX linear "
+                "kernel is off or could not be built (see the log above)"
+            )
+
+    def packed(lin: nn.Linear) -> nn.Module:
+        if amx and lin.weight.dtype == torch.bfloat16:
+            return amx_linear.AmxLinear.from_linear(lin)
+        return PackedLinear(lin, batch_hint, rows(lin.weight.dtype))
+
     for module in model.modules():  # already packed (a model shared by engines): re-set
         if isinstance(module, PackedLinear):
             module.min_rows = rows(module.dtype)
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, batch_hint, rows(child.weight.dtype)))
+        setattr(parent, name, packed(child))
+    head = _unpacked_tied_head(model) if batch_invariant else None
+    if head is not None and packing_supported(head.dtype):  # the embedding stays: a packed copy
+        model.tied_head = packed(_linear_of(head))
     return len(targets)
+
+
+def _unpacked_tied_head(model: nn.Module) -> torch.Tensor | None:
+    """The embedding a model computes its logits with (tied head) when it has no packed head
+    yet (`model.tied_head`), on CPU; else None. Plain MKL/oneDNN GEMMs are not row-invariant
+    for it on every CPU (fp32 on a Xeon: `linear_rows`' padding is not enough)."""
+    if (
+        getattr(model, "lm_head", False) is not None
+        or getattr(model, "tied_head", False) is not None
+    ):
+        return None
+    weight = model.embed_tokens.weight
+    return weight if weight.device.type == "cpu" else None
+
+
+def _linear_of(weight: torch.Tensor) -> nn.Linear:
+    """An nn.Linear around an existing [N, K] weight (no copy)."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return lin

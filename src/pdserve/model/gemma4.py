@@ -150,6 +150,7 @@ class Gemma4Model(nn.Module):
             self.lm_head = (
                 None if config.tie_word_embeddings else nn.Linear(h, config.vocab_size, False)
             )
+            self.tied_head: nn.Module | None = None  # a packed copy of the tied head (cpu_linear)
             if g.ple_dim:
                 self.embed_tokens_per_layer = nn.Embedding(g.ple_vocab, n * g.ple_dim)
                 self.per_layer_model_projection = nn.Linear(h, n * g.ple_dim, bias=False)
@@ -262,7 +263,9 @@ class Gemma4Model(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] float32; soft-capped in the model dtype, as
         # transformers does
-        if self.lm_head is None:
+        if self.tied_head is not None:
+            logits = self.tied_head(hidden)
+        elif self.lm_head is None:
             logits = F.linear(hidden, self.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)

@@ -150,6 +150,7 @@ class LlamaModel(nn.Module):
                 if config.tie_word_embeddings
                 else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             )
+        self.tied_head: nn.Module | None = None  # a packed copy of the tied head (cpu_linear)
         device = torch.device(device)
         self.rope = RotaryCache(config, device, dtype)
         self.attn_backend = backend or select_backend(
@@ -180,6 +181,8 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] float32
+        if self.tied_head is not None:
+            return self.tied_head(hidden).float()
         if self.lm_head is None:  # tied to the embedding; >= 4 rows: batch-invariant in MKL
             return linear_rows(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()  # a module call: lm_head may be packed (cpu_linear)

@@ -10,19 +10,16 @@ chunking, decode vs prefill or the thread count. The interface only needs "q, th
 block-table rows, query positions, context lengths, window, scale": it does not care how the
 block table was built.
 
-Build: `torch.utils.cpp_extension.load` on first use (g++ and ninja), cached in
-`$TORCH_EXTENSIONS_DIR` or `$PDSERVE_HOME/torch_extensions` (default ~/.cache/pdserve/...),
-one directory per torch / Python version and per ISA variant (AVX-512 when the CPU has it,
-else scalar; `PDSERVE_ATTN_KERNEL=scalar` forces scalar). `load()` tries once per process;
-if the build fails (no compiler) or `PDSERVE_ATTN_KERNEL=0`, it returns None, logs why, and the torch `fixed` path is used: the
-attention backend resolves this once and keeps the same path for its whole life.
+Build: `pdserve.model.cpp_ext`, once, cached per ISA variant (AVX-512 when the CPU has it, else
+scalar; `PDSERVE_ATTN_KERNEL=scalar` forces scalar). `load()` tries once per process; if the
+build fails (no compiler) or `PDSERVE_ATTN_KERNEL=0`, it returns None, logs why, and the torch
+`fixed` path is used: the attention backend resolves this once and keeps the same path for its
+whole life.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +29,7 @@ from typing import Any
 import torch
 
 from pdserve.logging import get_logger
+from pdserve.model import cpp_ext
 
 _log = get_logger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "fixed_attn.cpp"
@@ -43,24 +41,6 @@ _state: dict[str, Any] = {}  # "ext": the module or None once tried; "build_s": 
 
 def _avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
-def build_dir(variant: str) -> Path:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        home = os.environ.get("PDSERVE_HOME") or Path.home() / ".cache" / "pdserve"
-        root = str(Path(home) / "torch_extensions")
-    tv = torch.__version__.replace("+", "_")
-    py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return Path(root) / f"pdserve_fixed_attn-{variant}-torch{tv}-{py}"
-
-
-def _ninja_on_path() -> None:
-    """cpp_extension runs `ninja` from PATH: add the venv's bin (the `ninja` wheel) when the
-    interpreter runs without an activated venv."""
-    venv_ninja = Path(sys.executable).parent / "ninja"
-    if shutil.which("ninja") is None and venv_ninja.exists():
-        os.environ["PATH"] = f"{venv_ninja.parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def load() -> Any | None:
@@ -75,20 +55,9 @@ def load() -> Any | None:
             return None
         variant = "avx512" if _avx512() and setting != "scalar" else "scalar"
         flags = _BASE_FLAGS + (_AVX512_FLAGS if variant == "avx512" else [])
-        path = build_dir(variant)
         t0 = time.perf_counter()
         try:
-            from torch.utils import cpp_extension
-
-            _ninja_on_path()
-            path.mkdir(parents=True, exist_ok=True)
-            ext = cpp_extension.load(
-                name=f"pdserve_fixed_attn_{variant}",
-                sources=[str(_SOURCE)],
-                extra_cflags=flags,
-                build_directory=str(path),
-                verbose=False,
-            )
+            ext = cpp_ext.build("pdserve_fixed_attn", variant, _SOURCE, flags)
         except Exception as exc:  # no compiler, no ninja, headers missing: fall back
             _log.warning(
                 "attention kernel unavailable: using the torch fixed path",

@@ -1,0 +1,114 @@
+"""A batch-invariant bf16 linear for CPUs with Intel AMX (csrc/amx_linear.cpp) and its loader.
+
+Why it exists: on a CPU with AMX, oneDNN chooses its bf16 GEMM kernel by the number of rows
+(AVX-512 for a few, AMX tiles above, another path for the rows of the M tail), so the same row
+gets other bits alone than inside a batch: measured on a Xeon with AMX, a packed 2048 x 512
+linear gives row 300 of a 300-row call other bits than that row alone, a 4096 x 14336 one
+changes row 0 from 33 rows up, and plain `F.linear` (the tied lm_head) too. On a CPU without
+AMX (AVX512-BF16 only) oneDNN's packed bf16 linear is invariant as measured
+(tests/unit/test_batch_invariant_ops.py), and this kernel is not used.
+
+The kernel runs every row through the same AMX tile instructions, K-tile by K-tile in order,
+so a row's bits do not depend on the row count, its position or the thread count (threads
+split the output columns). `AmxLinear` holds the weight in the kernel's tile layout (packed
+once at load; the plain weight is dropped).
+
+Build: `pdserve.model.cpp_ext`, once per process on first use. `load()` returns None (and
+logs why) when the CPU has no AMX, the compiler cannot build it, the OS refuses the AMX tile
+state, or `PDSERVE_AMX_LINEAR=0`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.logging import get_logger
+from pdserve.model import cpp_ext
+
+_log = get_logger(__name__)
+_SOURCE = Path(__file__).parent / "csrc" / "amx_linear.cpp"
+_FLAGS = [
+    "-O3",
+    "-mamx-tile",
+    "-mamx-bf16",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+]
+
+
+def cpu_has_amx() -> bool:
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+@functools.cache
+def load() -> Any | None:
+    """The compiled module with AMX granted to this process, or None (reason logged once)."""
+    if os.environ.get("PDSERVE_AMX_LINEAR", "1") == "0":
+        _log.info("AMX linear off (PDSERVE_AMX_LINEAR=0)")
+        return None
+    if not cpu_has_amx():
+        return None
+    try:
+        ext = cpp_ext.build("pdserve_amx_linear", "amx", _SOURCE, _FLAGS)
+    except Exception as exc:  # no compiler or no AMX support in it
+        _log.warning("AMX linear unavailable", error=f"{type(exc).__name__}: {exc}"[:500])
+        return None
+    if not ext.init():
+        _log.warning("AMX linear unavailable: the OS refused the AMX tile state")
+        return None
+    _log.info("AMX linear loaded")
+    return ext
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] bf16 -> the kernel's tile layout [ceil(N/16), ceil(K/32), 16, 32] bf16."""
+    ext = load()
+    if ext is None:
+        raise RuntimeError("the AMX linear kernel is not available (see the log)")
+    return ext.pack(weight.detach().contiguous())
+
+
+def linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """x [..., K] bf16 @ W.T (+ bias) -> [..., n] bf16, W packed by `pack`."""
+    ext = load()
+    if ext is None:
+        raise RuntimeError("the AMX linear kernel is not available (see the log)")
+    lead = x.shape[:-1]
+    y = ext.linear(x.reshape(-1, x.shape[-1]), packed, bias, n)
+    return y.view(*lead, n)
+
+
+class AmxLinear(nn.Module):
+    """y = x @ W.T + b with W in the AMX kernel's tile layout. bf16, inference only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.packed = pack(weight)
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> AmxLinear:
+        return cls(lin.weight, lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.packed, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
