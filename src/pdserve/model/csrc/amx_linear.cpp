@@ -34,6 +34,7 @@ constexpr int kTileRows = 16;   // rows of every tile used here
 constexpr int kTileBytes = 64;  // bytes per tile row (32 bf16 or 16 fp32)
 constexpr int kKTile = 32;      // K per tile (bf16 elements)
 constexpr int kNTile = 16;      // N per tile (fp32 outputs)
+constexpr int64_t kKSlice = 8;  // K tiles per slice (cache blocking only; 4 and 16: slower)
 constexpr long kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
 
@@ -60,18 +61,28 @@ bool request_amx() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-// C tiles of one 32-row x 32-col output block. a0 / a1: the block's two A row tiles over kb
-// (tile-packed, 1 KiB per kb); b0 / b1: its two N blocks of the packed weight.
+// C tiles of one 32-row x 32-col output block, K tiles [kb_begin, kb_end): zeroed first
+// (first) or loaded from c, then stored back to c (fp32: a store and reload change no bit, so
+// the K blocking does not change an element's sum). a0 / a1: the block's two A row tiles over
+// kb (tile-packed, 1 KiB per kb); b0 / b1: its two N blocks of the packed weight.
 // two_rows / two_cols: whether the second A tile / B tile exists (tails use one).
 template <bool two_rows, bool two_cols>
 void block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b0, const uint16_t* b1,
-           int64_t kb_count, float* c, int64_t c_stride_bytes) {
+           int64_t kb_begin, int64_t kb_end, bool first, float* c, int64_t c_stride_bytes) {
   constexpr int64_t kTile = kTileRows * kKTile;  // bf16 elements per tile
-  _tile_zero(0);
-  if (two_cols) _tile_zero(1);
-  if (two_rows) _tile_zero(2);
-  if (two_rows && two_cols) _tile_zero(3);
-  for (int64_t kb = 0; kb < kb_count; ++kb) {
+  const int64_t down = kTileRows * (c_stride_bytes / 4);
+  if (first) {
+    _tile_zero(0);
+    if (two_cols) _tile_zero(1);
+    if (two_rows) _tile_zero(2);
+    if (two_rows && two_cols) _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, c_stride_bytes);
+    if (two_cols) _tile_loadd(1, c + kNTile, c_stride_bytes);
+    if (two_rows) _tile_loadd(2, c + down, c_stride_bytes);
+    if (two_rows && two_cols) _tile_loadd(3, c + down + kNTile, c_stride_bytes);
+  }
+  for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
     _tile_loadd(4, a0 + kb * kTile, kTileBytes);
     if (two_rows) _tile_loadd(5, a1 + kb * kTile, kTileBytes);
     _tile_loadd(6, b0 + kb * kTile, kTileBytes);
@@ -81,7 +92,6 @@ void block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b0, const uin
     if (two_rows) _tile_dpbf16ps(2, 5, 6);
     if (two_rows && two_cols) _tile_dpbf16ps(3, 5, 7);
   }
-  const int64_t down = kTileRows * (c_stride_bytes / 4);
   _tile_stored(0, c, c_stride_bytes);
   if (two_cols) _tile_stored(1, c + kNTile, c_stride_bytes);
   if (two_rows) _tile_stored(2, c + down, c_stride_bytes);
@@ -166,55 +176,50 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, const std::optional<
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   constexpr int64_t kTile = kTileRows * kKTile;
   const int64_t pairs = (nb + 1) / 2;  // N blocks of 32 columns (the last may hold 16)
-  // Cache blocking (a size only: each output element's K order is the same whatever it is): a
-  // chunk of N blocks whose weight tiles fit in ~512 KiB of L2; each 32-row block of A runs
-  // against the chunk's N blocks in turn, so each output row is written front to back
-  // (measured at K 512, M 1024: ~20 % faster than one N block against all rows).
+  // Cache blocking (sizes only: each output element's K order is the same whatever they are):
+  // a chunk of N blocks whose weight tiles fit in ~512 KiB of L2; for each 32-row block of A,
+  // K in slices of kKSlice tiles: the block's A slice (16 KiB) stays in L1 while it runs
+  // against the chunk's N blocks, whose partial sums wait in L1 (cbuf); then the epilogue
+  // writes each output row front to back. Measured: see docs/BENCHMARKS.md.
   const int64_t pairs_chunk = std::max<int64_t>(1, (512 << 10) / (2 * kb * kTile * 2));
   // Threads split N only: a row's bits never depend on the thread count.
   at::parallel_for(0, pairs, 1, [&](int64_t lo, int64_t hi) {
     configure_tiles();
-    // Two C buffers: block i's tiles are stored into one while the epilogue of block i - 1
-    // reads the other.
-    alignas(64) float c[2][2 * kTileRows][2 * kNTile];
-    struct Pending {
-      int64_t rows = 0, cols = 0;
-      const float* bias = nullptr;
-      uint16_t* dst = nullptr;
-    } pending[2];
-    int cur = 0;
-    auto flush = [&](int which) {
-      const Pending& p = pending[which];
-      for (int64_t r = 0; r < p.rows; ++r) store_row(c[which][r], p.bias, p.dst + r * n, p.cols);
-      pending[which].rows = 0;
-    };
+    constexpr int64_t kBlock = 2 * kTileRows * 2 * kNTile;  // fp32 elements per C block
+    constexpr int64_t cs = 2 * kNTile * 4;                   // C block row stride (bytes)
+    std::vector<float> cbuf(std::min(pairs_chunk, hi - lo) * kBlock + 16);
+    float* cb = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(cbuf.data()) + 63) & ~uintptr_t(63));
     for (int64_t pc = lo; pc < hi; pc += pairs_chunk) {
       const int64_t pc_end = std::min(hi, pc + pairs_chunk);
       for (int64_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
         const bool two_rows = m0 + kTileRows < m;
         const uint16_t* a0 = ap + (m0 / kTileRows) * kb * kTile;
         const uint16_t* a1 = a0 + kb * kTile;
-        for (int64_t p = pc; p < pc_end; ++p) {
-          const int64_t b0 = 2 * p;
-          const bool two_cols = b0 + 1 < nb;
-          const uint16_t* w0 = bp + b0 * kb * kTile;
-          const uint16_t* w1 = w0 + kb * kTile;
-          const int64_t col0 = b0 * kNTile;
-          const int64_t cols = std::min<int64_t>(2 * kNTile, n - col0);
-          const float* bias_j = bias_f.empty() ? nullptr : bias_f.data() + col0;
-          float* cp = &c[cur][0][0];
-          constexpr int64_t cs = sizeof(c[0][0]);
-          if (two_rows && two_cols) block<true, true>(a0, a1, w0, w1, kb, cp, cs);
-          else if (two_rows) block<true, false>(a0, a1, w0, w1, kb, cp, cs);
-          else if (two_cols) block<false, true>(a0, a1, w0, w1, kb, cp, cs);
-          else block<false, false>(a0, a1, w0, w1, kb, cp, cs);
-          pending[cur] = {std::min<int64_t>(2 * kTileRows, m - m0), cols, bias_j, yp + m0 * n + col0};
-          cur ^= 1;
-          flush(cur);  // the previous block (nothing for the first)
+        for (int64_t k0 = 0; k0 < kb; k0 += kKSlice) {
+          const int64_t k1 = std::min(kb, k0 + kKSlice);
+          for (int64_t p = pc; p < pc_end; ++p) {
+            const int64_t b0 = 2 * p;
+            const bool two_cols = b0 + 1 < nb;
+            const uint16_t* w0 = bp + b0 * kb * kTile;
+            const uint16_t* w1 = w0 + kb * kTile;
+            float* cp = cb + (p - pc) * kBlock;
+            const bool first = k0 == 0;
+            if (two_rows && two_cols) block<true, true>(a0, a1, w0, w1, k0, k1, first, cp, cs);
+            else if (two_rows) block<true, false>(a0, a1, w0, w1, k0, k1, first, cp, cs);
+            else if (two_cols) block<false, true>(a0, a1, w0, w1, k0, k1, first, cp, cs);
+            else block<false, false>(a0, a1, w0, w1, k0, k1, first, cp, cs);
+          }
         }
+        const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t p = pc; p < pc_end; ++p) {
+            const int64_t col0 = 2 * p * kNTile;
+            const float* bias_j = bias_f.empty() ? nullptr : bias_f.data() + col0;
+            store_row(cb + (p - pc) * kBlock + r * 2 * kNTile, bias_j, yp + (m0 + r) * n + col0,
+                      std::min<int64_t>(2 * kNTile, n - col0));
+          }
       }
     }
-    flush(cur ^ 1);
     _tile_release();
   });
   return y;
