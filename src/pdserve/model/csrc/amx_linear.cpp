@@ -151,17 +151,18 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, const std::optional<
   // A in tiles, zero-padded: [Mt, Kb, 16, 32] (Mt row tiles: even, or 1 when m <= 16), so
   // that every A tile load reads 1 KiB in a row.
   const int64_t mt = m <= kTileRows ? 1 : (m + 2 * kTileRows - 1) / (2 * kTileRows) * 2;
-  auto a = torch::zeros({mt, kb, kTileRows, kKTile}, x.options());
+  auto a = torch::empty({mt, kb, kTileRows, kKTile}, x.options());
   {
     auto xc = x.contiguous();
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
     uint16_t* ad = reinterpret_cast<uint16_t*>(a.data_ptr());
-    at::parallel_for(0, m, 16, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, mt * kTileRows, 16, [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r)
         for (int64_t t = 0; t < kb; ++t) {
-          const int64_t len = std::min<int64_t>(kKTile, k - t * kKTile);
-          std::memcpy(ad + (((r / kTileRows) * kb + t) * kTileRows + r % kTileRows) * kKTile,
-                      xs + r * k + t * kKTile, len * 2);
+          uint16_t* dst = ad + (((r / kTileRows) * kb + t) * kTileRows + r % kTileRows) * kKTile;
+          const int64_t len = r < m ? std::min<int64_t>(kKTile, k - t * kKTile) : 0;
+          if (len > 0) std::memcpy(dst, xs + r * k + t * kKTile, len * 2);
+          if (len < kKTile) std::memset(dst + len, 0, (kKTile - len) * 2);  // padding: zeros
         }
     });
   }
