@@ -1,0 +1,91 @@
+"""One bf16 linear, two kernels: oneDNN's packed linear (`PackedLinear`, the batch-variant path
+on a CPU with AMX) and the batch-invariant AMX kernel (`AmxLinear`), by shape and row count.
+
+    python -m pdserve.bench.linear_kernels [--shapes 512x2048,2048x512] [--rows 1,8,32,128,512]
+
+Per shape it makes enough distinct weights to fill ~256 MB, so a few-row product reads its
+weights from memory, not the cache (decode's case); each row count is timed with process CPU
+time, one thread, kernels alternating, best of --repeats. Prints microseconds per call, GB/s
+of weight read and GFLOP/s. Needs a CPU with AMX (else it says so and exits 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pdserve.model import amx_linear
+from pdserve.model.cpu_linear import PackedLinear
+
+WEIGHT_BYTES = 256e6
+
+
+def _best(fn: Callable[[], object], reps: int, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.process_time() - t0) / reps)
+    return best
+
+
+def run(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> list[dict[str, float]]:
+    out = []
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for k, n in shapes:
+            count = max(1, int(WEIGHT_BYTES // (k * n * 2)))
+            lins = [nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(count)]
+            arms = {
+                "onednn": [PackedLinear(lin) for lin in lins],
+                "amx": [amx_linear.AmxLinear.from_linear(lin) for lin in lins],
+            }
+            for m in rows:
+                x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+                reps = max(1, 64 // count) if m <= 32 else 3
+                times = {name: float("inf") for name in arms}
+                for _ in range(repeats):  # arms alternate
+                    for name, mods in arms.items():
+                        t = _best(lambda mods=mods, x=x: [mod(x) for mod in mods], reps, 1) / count
+                        times[name] = min(times[name], t)
+                row = {"k": k, "n": n, "rows": m}
+                for name, t in times.items():
+                    row[f"{name}_us"] = t * 1e6
+                    row[f"{name}_gb_s"] = k * n * 2 / t / 1e9
+                    row[f"{name}_gflop_s"] = 2 * m * k * n / t / 1e9
+                out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="512x2048,2048x512,512x16384,4096x14336",
+                    help="KxN list (in_features x out_features)")  # fmt: skip
+    ap.add_argument("--rows", default="1,8,32,128,512")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    if not amx_linear.available():
+        print("the AMX linear kernel is not available on this machine (no AMX, or no build)")
+        return 2
+    torch.set_num_threads(1)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rows = [int(v) for v in args.rows.split(",")]
+    print(f"{'K x N':>11} {'rows':>5} | {'oneDNN us':>10} {'GB/s':>6} {'GFLOP/s':>8} | "
+          f"{'AMX us':>10} {'GB/s':>6} {'GFLOP/s':>8} | AMX / oneDNN time")  # fmt: skip
+    for r in run(shapes, rows, args.repeats):  # type: ignore[arg-type]
+        print(
+            f"{r['k']:>5} x {r['n']:<5} {r['rows']:>5} | {r['onednn_us']:>10.1f} "
+            f"{r['onednn_gb_s']:>6.1f} {r['onednn_gflop_s']:>8.0f} | {r['amx_us']:>10.1f} "
+            f"{r['amx_gb_s']:>6.1f} {r['amx_gflop_s']:>8.0f} | {r['amx_us'] / r['onednn_us']:.2f}",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
