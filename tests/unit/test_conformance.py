@@ -13,6 +13,8 @@ batch:
 The last test runs the batch-variant engine (`batch_invariant=False`, SDPA attention) through
 the same first check and requires a difference: the suite can fail, and does on the old path.
 The served paths (1P1D cluster, default dtype) are in tests/integration/test_conformance_served.py.
+The last test compares logits bit for bit (alone vs all at once) on a wider bf16 model, wide
+enough for oneDNN to switch kernels by row count on a CPU with AMX.
 
 Model: tiny qwen2 (q/k/v bias, GQA 4:2), prompts of 1..186 tokens (three 128-key tiles).
 Budget: ~40 s on 2 shared cores (the variant check is ~1/4 of it).
@@ -154,3 +156,58 @@ def test_the_batch_variant_engine_fails_the_first_check(model_dir):
         engine(lm, "bfloat16", batch_invariant=False, max_num_batched_tokens=64), range(16)
     )
     assert together != alone
+
+
+class LogitsRecorder:
+    """Wraps an engine's runner: records each sampled request's logits row, step by step
+    (request id -> list of [vocab] float32 rows), so that runs compare bit for bit."""
+
+    def __init__(self, e: LLMEngine) -> None:
+        self.rows: dict[str, list[torch.Tensor]] = {}
+        runner, model = e.runner, e.runner.model
+        compute, execute = model.compute_logits, runner.execute
+        captured: list[torch.Tensor] = []
+
+        def compute_logits(hidden):
+            out = compute(hidden)
+            captured.append(out.clone())
+            return out
+
+        def recording_execute(plan, **kw):
+            captured.clear()
+            sampled = execute(plan, **kw)
+            if captured:
+                for rid, row in zip(sampled, captured[-1], strict=True):
+                    self.rows.setdefault(rid, []).append(row)
+            return sampled
+
+        model.compute_logits, runner.execute = compute_logits, recording_execute
+
+
+def test_logits_are_bit_identical_alone_and_all_at_once_on_wide_layers(tmp_path):
+    """Tokens can agree while logits differ in the last bits; this compares the logits of every
+    step bit for bit, on linears wide enough for a GEMM library to switch kernels by row count
+    (512 x 2048 MLP, a tied 1024 x 512 head). On a CPU with AMX, oneDNN's bf16 kernels do:
+    there this fails with PDSERVE_AMX_LINEAR=0 (pdserve.model.amx_linear)."""
+    spec = TinySpec(hidden=512, heads=8, kv_heads=2, intermediate=2048, vocab=1024, tie=True)
+    lm = load_model(make_tiny(tmp_path / "wide", spec), dtype="bfloat16")
+    ps, params = prompts(), replace(GREEDY, max_tokens=4)
+    alone: dict[str, list[torch.Tensor]] = {}
+    for i in range(16):
+        e = engine(lm, "bfloat16")
+        rec = LogitsRecorder(e)
+        e.add_request(f"r{i}", ps[i], params)
+        while e.has_unfinished_requests():
+            e.step()
+        alone.update(rec.rows)
+    e = engine(lm, "bfloat16", max_num_batched_tokens=512)
+    rec = LogitsRecorder(e)
+    for i in range(16):
+        e.add_request(f"r{i}", ps[i], params)
+    while e.has_unfinished_requests():
+        e.step()
+    assert rec.rows.keys() == alone.keys()
+    for rid, rows in alone.items():
+        assert len(rec.rows[rid]) == len(rows) == 4
+        for step, (a, b) in enumerate(zip(rows, rec.rows[rid], strict=True)):
+            assert torch.equal(a, b), f"{rid} step {step}"
