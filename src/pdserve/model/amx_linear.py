@@ -3,7 +3,7 @@
 Why it exists: on a CPU with AMX, oneDNN chooses its bf16 GEMM kernel by the number of rows
 (AVX-512 for a few, AMX tiles above, another path for the rows of the M tail), so the same row
 gets other bits alone than inside a batch: measured on a Xeon with AMX, a packed 2048 x 512
-linear gives row 300 of a 300-row call other bits than that row alone, a 4096 x 14336 one
+linear gives the last row of a 300-row call other bits than that row alone, a 4096 x 14336 one
 changes row 0 from 33 rows up, and plain `F.linear` (the tied lm_head) too. On a CPU without
 AMX (AVX512-BF16 only) oneDNN's packed bf16 linear is invariant as measured
 (tests/unit/test_batch_invariant_ops.py), and this kernel is not used.
@@ -72,23 +72,24 @@ def available() -> bool:
     return load() is not None
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] bf16 -> the kernel's tile layout [ceil(N/16), ceil(K/32), 16, 32] bf16."""
+def _loaded() -> Any:
     ext = load()
     if ext is None:
         raise RuntimeError("the AMX linear kernel is not available (see the log)")
-    return ext.pack(weight.detach().contiguous())
+    return ext
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] bf16 -> the kernel's tile layout [ceil(N/16), ceil(K/32), 16, 32] bf16."""
+    return _loaded().pack(weight.detach().contiguous())
 
 
 def linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor:
     """x [..., K] bf16 @ W.T (+ bias) -> [..., n] bf16, W packed by `pack`."""
-    ext = load()
-    if ext is None:
-        raise RuntimeError("the AMX linear kernel is not available (see the log)")
     lead = x.shape[:-1]
-    y = ext.linear(x.reshape(-1, x.shape[-1]), packed, bias, n)
+    y = _loaded().linear(x.reshape(-1, x.shape[-1]), packed, bias, n)
     return y.view(*lead, n)
 
 
@@ -98,7 +99,6 @@ class AmxLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
         self.packed = pack(weight)
         self.bias = None if bias is None else bias.detach().contiguous()
 

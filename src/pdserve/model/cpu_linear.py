@@ -135,14 +135,18 @@ def pack_linears(
     def rows(dtype: torch.dtype) -> int:
         return FP32_MIN_ROWS if batch_invariant and dtype == torch.float32 else 1
 
-    amx = batch_invariant and amx_linear.cpu_has_amx() and amx_linear.available()
-    if batch_invariant and amx_linear.cpu_has_amx() and not amx:
-        bf16 = any(child.weight.dtype == torch.bfloat16 for _, _, child in targets)
-        if bf16:
-            _log.warning(
-                "bf16 is not batch-invariant on this CPU: it has AMX and the AMX linear "
-                "kernel is off or could not be built (see the log above)"
-            )
+    head = _unpacked_tied_head(model) if batch_invariant else None
+    if head is not None and not packing_supported(head.dtype):
+        head = None
+    # the AMX kernel is built (first use) only when an invariant bf16 layer is to be packed
+    weights = [child.weight for _, _, child in targets] + ([head] if head is not None else [])
+    bf16 = batch_invariant and any(w.dtype == torch.bfloat16 for w in weights)
+    amx = bf16 and amx_linear.available()
+    if bf16 and not amx and amx_linear.cpu_has_amx():
+        _log.warning(
+            "bf16 is not batch-invariant on this CPU: it has AMX and the AMX linear "
+            "kernel is off or could not be built (see the log above)"
+        )
 
     def packed(lin: nn.Linear) -> nn.Module:
         if amx and lin.weight.dtype == torch.bfloat16:
@@ -154,8 +158,7 @@ def pack_linears(
             module.min_rows = rows(module.dtype)
     for parent, name, child in targets:
         setattr(parent, name, packed(child))
-    head = _unpacked_tied_head(model) if batch_invariant else None
-    if head is not None and packing_supported(head.dtype):  # the embedding stays: a packed copy
+    if head is not None:  # the embedding stays for the lookup: a packed copy
         model.tied_head = packed(_linear_of(head))
     return len(targets)
 

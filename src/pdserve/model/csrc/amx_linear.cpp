@@ -14,7 +14,7 @@
 // zero where n >= N or k >= K). One (nb, kb) tile is 1 KiB; an N block of 16 is contiguous
 // over kb, so a one-row product streams the weight front to back.
 //
-// Build flags: -mamx-tile -mamx-bf16 -mavx512f -mavx512bf16 (see amx_linear.py).
+// Build flags: AMX-TILE, AMX-BF16 and AVX-512 (F, BW, VL, BF16): see amx_linear.py.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
