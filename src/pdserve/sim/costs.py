@@ -151,6 +151,12 @@ class CostModel:
     # profile`: served TPOT minus the engine-only step, per stream; 0 for a GPU engine
     # whose host work overlaps its kernels)
     stream_token_s: float = 0.0
+    # The same for a prompt: the serving stack's extra work per prefill chunk and per prompt
+    # token of a step (a chunk = a scheduled entry of more than one new token), on top of the
+    # engine-only step (`pdserve profile`: a served prompt's prefill stage minus the
+    # engine-only step, fitted over prompt lengths; 0 for a GPU engine)
+    prefill_chunk_s: float = 0.0
+    prefill_token_s: float = 0.0
     kv_bytes_per_token: int = 0  # every stored layer, every block (a one-pool cache)
     # The sliding layers' share of it when the engine keeps them in a window pool (Gemma 4:
     # kv.footprint.window_group_split), and their window in tokens; 0 = one pool
@@ -164,14 +170,31 @@ class CostModel:
         """One engine step of `batch` that samples `num_streamed` sequences."""
         if not batch:
             return 0.0
-        return self.step.step_s(batch) + self.stream_token_s * num_streamed
+        t = self.step.step_s(batch) + self.stream_token_s * num_streamed
+        if self.prefill_chunk_s or self.prefill_token_s:
+            chunks = [n for _, n in batch if n > 1]
+            t += self.prefill_chunk_s * len(chunks) + self.prefill_token_s * sum(chunks)
+        return t
 
     def step_time_features_s(
-        self, features: tuple[float, float, float, float, float], num_streamed: int
+        self,
+        features: tuple[float, float, float, float, float],
+        num_streamed: int,
+        prefill_chunks: int = 0,
+        prefill_tokens: int = 0,
     ) -> float:
         """`step_time_s` from a non-empty batch's `plan_features` (the simulator's hot path
-        computes them while it walks the plan); the same float operations."""
-        return self.step.features_s(features) + self.stream_token_s * num_streamed
+        computes them while it walks the plan) and its prefill chunks and their tokens; the
+        same float operations."""
+        t = self.step.features_s(features) + self.stream_token_s * num_streamed
+        if self.prefill_chunk_s or self.prefill_token_s:
+            t += self.prefill_chunk_s * prefill_chunks + self.prefill_token_s * prefill_tokens
+        return t
+
+    @property
+    def serves_prefill_extra(self) -> bool:
+        """Whether a step's prefill chunks cost more than the engine-only step."""
+        return bool(self.prefill_chunk_s or self.prefill_token_s)
 
     def transfer_bytes(self, num_tokens: int, block_size: int) -> int:
         """KV bytes a prefill pushes for a `num_tokens` prompt (kv.footprint stage
@@ -206,6 +229,8 @@ class CostModel:
             router_overhead_s=float(d.get("router_overhead_s", 0.0)),
             token_overhead_s=float(d.get("token_overhead_s", 0.0)),
             stream_token_s=float(d.get("stream_token_s", 0.0)),
+            prefill_chunk_s=float(d.get("prefill_chunk_s", 0.0)),
+            prefill_token_s=float(d.get("prefill_token_s", 0.0)),
             kv_bytes_per_token=int(d.get("kv_bytes_per_token", 0)),
             kv_window=int(d.get("kv_window", 0)),
             kv_window_bytes_per_token=int(d.get("kv_window_bytes_per_token", 0)),

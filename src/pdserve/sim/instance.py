@@ -194,6 +194,11 @@ class SimInstance:
         pairs = sum(map(mul, news, starts)) + (sum(map(mul, news, news)) + new) // 2
         features = (1.0, float(new), float(len(sched)), float(ctx), float(pairs))
         streamed = sum(map(_SAMPLE, sched))
+        if self.costs.serves_prefill_extra:  # a profile of a CPU engine (see CostModel)
+            chunks = [n for n in news if n > 1]
+            return plan, self.costs.step_time_features_s(
+                features, streamed, len(chunks), sum(chunks)
+            )
         return plan, self.costs.step_time_features_s(features, streamed)
 
     def finish_step(self, plan: SchedulerPlan, duration_s: float) -> StepResult:

@@ -298,11 +298,20 @@ def profile_serving(
     batches: tuple[int, ...] = (1, 4, 16),
     prompt_len: int = 64,
     max_tokens: int = 48,
+    prompt_lens: tuple[int, ...] = (8, 32, 128, 256),
+    prompt_repeats: int = 4,
+    max_model_len: int | None = None,
 ) -> dict[str, Any]:
-    """The serving stack's cost per streamed token: a real colocated worker behind a real
-    router (`Cluster`, mutual TLS), B concurrent greedy streams; served TPOT minus the
-    engine-only step of B decodes (the fitted `step`), divided by B, fitted over B by least
-    squares through 0: seconds per sampled sequence per step (`CostModel.stream_token_s`)."""
+    """The serving stack's costs on top of the engine, on a real colocated worker behind a
+    real router (`Cluster`, mutual TLS):
+    - per streamed token: B concurrent greedy streams; served TPOT minus the engine-only step
+      of B decodes (the fitted `step`), divided by B, fitted over B by least squares through
+      0: seconds per sampled sequence per step (`CostModel.stream_token_s`);
+    - per prompt: single prompts of `prompt_lens` tokens one at a time; the worker's prefill
+      stage minus the engine-only step of that prompt, fitted as a + b * tokens (non-negative
+      least squares): `prefill_chunk_s`, `prefill_token_s`;
+    - the request path: client TTFT minus the worker's prefill stage of those prompts, the
+      median (`router_overhead_s`: the router, the gRPC hops and the token's way back)."""
     from pdserve.client import AsyncClient
     from pdserve.launcher import Cluster, ClusterConfig
 
@@ -310,6 +319,8 @@ def profile_serving(
         model=model_dir, mode="colocated", colocated=1, port=0,
         worker_args=["--threads", str(threads), "--dtype", dtype],
     ))  # fmt: skip
+    if max_model_len:  # a prompt and its 2 tokens must fit the context
+        prompt_lens = tuple(min(n, max_model_len - 2) for n in prompt_lens)
     cluster.start(timeout=300.0)
     rng = np.random.default_rng(1)
     try:
@@ -323,6 +334,19 @@ def profile_serving(
                 ))  # fmt: skip
             return [r.tpot_ms / 1e3 for r in rs]
 
+        async def prompts() -> list[dict[str, float]]:
+            out = []
+            async with AsyncClient(cluster.addr, timeout=300.0) as client:
+                for i in range(prompt_repeats * len(prompt_lens)):
+                    n = prompt_lens[i % len(prompt_lens)]
+                    r = await client.generate(token_ids=rng.integers(10, 200, n).tolist(),
+                                              max_tokens=2, ignore_eos=True)  # fmt: skip
+                    served_s = (r.usage.stages if r.usage else {}).get("prefill_ms", 0.0) / 1e3
+                    out.append({"tokens": n, "prefill_s": served_s, "ttft_s": r.ttft_ms / 1e3,
+                                "engine_step_s": step.step_s([(0, n)])})  # fmt: skip
+                    await asyncio.sleep(0.05)  # one at a time: nothing queues
+            return out
+
         asyncio.run(streams(2))  # warm-up
         points = []
         for b in batches:
@@ -330,12 +354,40 @@ def profile_serving(
             ctx = prompt_len + max_tokens // 2
             engine_s = step.step_s([(ctx, 1)] * b)
             points.append({"streams": b, "tpot_s": tpot, "engine_step_s": engine_s})
+        prefills = asyncio.run(prompts())
     finally:
         cluster.stop()
     x = np.array([p["streams"] for p in points], dtype=float)
     y = np.array([p["tpot_s"] - p["engine_step_s"] for p in points])
     per_stream = max(0.0, float(x @ y / (x @ x)))
-    return {"stream_token_s": per_stream, "samples": points}
+    chunk_s, token_s = fit_served_prefill(prefills)
+    path_s = float(np.median([p["ttft_s"] - p["prefill_s"] for p in prefills]))
+    return {
+        "stream_token_s": per_stream,
+        "samples": points,
+        "prefill_chunk_s": chunk_s,
+        "prefill_token_s": token_s,
+        "prefill_samples": prefills,
+        "path_overhead_s": max(0.0, path_s),
+    }
+
+
+def fit_served_prefill(samples: list[dict[str, float]]) -> tuple[float, float]:
+    """(a, b) >= 0 with served - engine-only prefill ~ a + b * tokens, least squares over the
+    per-length medians (a stray slow sample moves a median less than a mean)."""
+    by_len: dict[int, list[float]] = {}
+    for p in samples:
+        by_len.setdefault(int(p["tokens"]), []).append(p["prefill_s"] - p["engine_step_s"])
+    n = np.array(sorted(by_len), dtype=float)
+    extra = np.array([float(np.median(by_len[int(k)])) for k in n])
+    if len(n) < 2:
+        return max(0.0, float(extra.mean()) if len(extra) else 0.0), 0.0
+    (b, a) = np.polyfit(n, extra, 1)
+    if b < 0:  # flat or falling: a constant per chunk
+        return max(0.0, float(extra.mean())), 0.0
+    if a < 0:  # through 0: a per-token cost only
+        return 0.0, max(0.0, float(n @ extra / (n @ n)))
+    return float(a), float(b)
 
 
 # ---------------------------------------------------------------------------- limits
@@ -407,12 +459,20 @@ def run_profile(
     serving = None
     if not skip_transport:
         log("profiling the serving stack (router + worker, streamed tokens) ...")
-        serving = profile_serving(model_dir, dtype, threads, eng["step"])
+        serving = profile_serving(
+            model_dir, dtype, threads, eng["step"], max_model_len=eng["max_model_len"]
+        )
         costs.stream_token_s = serving["stream_token_s"]
-        log(f"  {costs.stream_token_s * 1e3:.3f} ms per streamed sequence per step")
+        costs.prefill_chunk_s = serving["prefill_chunk_s"]
+        costs.prefill_token_s = serving["prefill_token_s"]
+        log(f"  {costs.stream_token_s * 1e3:.3f} ms per streamed sequence per step; a prompt "
+            f"{costs.prefill_chunk_s * 1e3:.2f} ms + {costs.prefill_token_s * 1e6:.1f} us per "
+            f"token over the engine; request path {serving['path_overhead_s'] * 1e3:.2f} ms")  # fmt: skip
     decision_s = profile_router_decision()
     rtt = kvstore["rpc_rtt_s"] if kvstore else 0.0
-    costs.router_overhead_s = 2 * rtt + decision_s
+    # the measured request path of a served prompt when there is one, else its estimate
+    # from two gRPC round trips and the router's decision
+    costs.router_overhead_s = serving["path_overhead_s"] if serving else 2 * rtt + decision_s
     limits = limits_call_site(dtype, threads)
     return {
         "version": 1,
