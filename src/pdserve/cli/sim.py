@@ -61,6 +61,20 @@ def add_parser(subparsers: Any) -> None:
         help="measure the machine's contention before/after each real arm (pdserve.sim.probe) "
         "and simulate with the profile's floor step model x that factor",
     )
+    v.add_argument(
+        "--sim-draws",
+        type=int,
+        default=1,
+        help="simulate each arm this many times, each request's path overhead jittered by "
+        "--path-jitter with seeds 0..K-1, and compare the median of each metric over the draws "
+        "(a tail percentile is one draw of a chaotic placement; see SIMULATOR.md)",
+    )
+    v.add_argument(
+        "--path-jitter",
+        type=float,
+        default=1.0,
+        help="with --sim-draws > 1: each request's path overhead x U(1 - J, 1 + J), 0 <= J <= 1",
+    )
     add_cost_args(v)
     add_workload_args(v)
     v.set_defaults(func=validate_main)
@@ -145,12 +159,39 @@ def run_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate_arm(
+    spec: Any, args: argparse.Namespace, real: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One arm simulated (`--sim-draws` times with a jittered request path): the first
+    draw's result (with every draw's rows under "draws") and the error rows of the median
+    over the draws."""
+    import dataclasses
+
+    from pdserve.sim.run import simulate_benchmark
+    from pdserve.sim.validate import error_rows, median_rows
+
+    if not 0.0 <= args.path_jitter <= 1.0:
+        raise SystemExit("pdserve sim validate: --path-jitter must be within [0, 1]")
+    draws = max(1, args.sim_draws)
+    results, rows = [], []
+    for seed in range(draws):
+        if draws > 1:
+            spec = dataclasses.replace(spec, path_jitter=args.path_jitter, path_seed=seed)
+        res = simulate_benchmark(spec, args)
+        results.append({k: v for k, v in res.items() if not k.startswith("_")})
+        rows.append(error_rows(real, results[-1]))
+    first = results[0]
+    if draws == 1:
+        return first, rows[0]
+    first["draws"] = rows
+    return first, median_rows(rows)
+
+
 def validate_main(args: argparse.Namespace) -> int:
     from pdserve.bench.compare import parse_arms
     from pdserve.bench.report import write_json
-    from pdserve.sim.run import simulate_benchmark, spec_from_up_flags
+    from pdserve.sim.run import spec_from_up_flags
     from pdserve.sim.validate import (
-        error_rows,
         format_table,
         max_rel_error,
         real_results,
@@ -173,18 +214,14 @@ def validate_main(args: argparse.Namespace) -> int:
         if real[name].get("path_overhead_s") is not None:  # measured on the emulated cluster
             arm_costs = with_router_overhead(costs, real[name]["path_overhead_s"])
         spec = spec_from_up_flags(flags + extra, arm_costs, max_model_len(args), args.block_size)
-        res = simulate_benchmark(spec, args)
-        sim[name] = {k: v for k, v in res.items() if not k.startswith("_")}
-        table[name] = error_rows(real[name], sim[name])
+        sim[name], table[name] = _simulate_arm(spec, args, real[name])
         factor = (real[name].get("contention") or {}).get("factor")
         if factor and args.profile:
             raw_table[name] = table[name]  # the uncalibrated profile, kept for the record
             cal = calibrated_costs(args.profile, factor)
             spec = spec_from_up_flags(flags + extra, cal, max_model_len(args), args.block_size)
-            res = simulate_benchmark(spec, args)
-            sim[name] = {k: v for k, v in res.items() if not k.startswith("_")}
+            sim[name], table[name] = _simulate_arm(spec, args, real[name])
             sim[name]["contention_factor"] = factor
-            table[name] = error_rows(real[name], sim[name])
     out = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "arms": real,

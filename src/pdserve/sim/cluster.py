@@ -29,6 +29,7 @@ Colocated = pick an instance, [kvstore fetch], prefill + decode there.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,11 @@ class ClusterSpec:
     flip: FlipThresholds | None = None  # None: no flip controller
     flip_interval_s: float = 2.0
     flip_switch_s: float = 0.05  # SetRole after the instance drained
+    # Each request's path overhead (`router_overhead_s`) x U(1 - j, 1 + j), seeded: a real
+    # request path varies (the router and its hops on shared cores), and a finish a fraction
+    # of a millisecond earlier or later can send the next prompt elsewhere; 0 = constant
+    path_jitter: float = 0.0
+    path_seed: int = 0
 
     def describe(self) -> str:
         return " + ".join(f"{p.count}x{p.role}" for p in self.pools)
@@ -114,6 +120,7 @@ class SimCluster:
     ) -> None:
         self.spec = spec
         self.loop = EventLoop()
+        self._path_rng = random.Random(spec.path_seed)
         self.registry = Registry(heartbeat_timeout_s=1e18, clock=self.loop.clock)
         rs = spec.router if spec.router is not None else router_side.router_settings()
         self.settings = rs
@@ -276,6 +283,9 @@ class SimCluster:
             self._fail(rid, f"INVALID_ARGUMENT: max_tokens: {too_big}")
             return
         overhead = max(c.costs.router_overhead_s for c in self.instances.values())
+        if self.spec.path_jitter:
+            j = self.spec.path_jitter
+            overhead *= self._path_rng.uniform(1.0 - j, 1.0 + j)
         self.loop.after(overhead, lambda: self._route(rid))
 
     def _refused(self, req: BenchRequest) -> str:

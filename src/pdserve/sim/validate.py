@@ -48,6 +48,25 @@ def error_rows(real: Mapping[str, Any], sim: Mapping[str, Any]) -> list[dict[str
     return rows
 
 
+def median_rows(draws: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Error rows of the median simulated value of each metric over several draws of the
+    same arm (rows from `error_rows`, one list per draw, same metrics in the same order)."""
+    import statistics
+
+    out = []
+    for per_draw in zip(*draws, strict=True):
+        head = per_draw[0]
+        sims = [r["sim"] for r in per_draw if r["sim"] is not None]
+        s = statistics.median(sims) if sims else None
+        r = head["real"]
+        err = None
+        if head["rel_error"] is not None and s is not None:
+            err = abs(s - r) / abs(r)
+        out.append({"metric": head["metric"], "real": r, "sim": s, "rel_error": err,
+                    "sim_draws": sims})  # fmt: skip
+    return out
+
+
 def max_rel_error(table: Mapping[str, list[dict[str, Any]]]) -> float | None:
     errs = [
         row["rel_error"] for rows in table.values() for row in rows if row["rel_error"] is not None
