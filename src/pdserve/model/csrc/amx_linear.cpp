@@ -14,6 +14,18 @@
 // zero where n >= N or k >= K). One (nb, kb) tile is 1 KiB; an N block of 16 is contiguous
 // over kb, so a one-row product streams the weight front to back.
 //
+// Blocking (cache only: it never changes an element's K order). Threads split N in pairs of N
+// blocks (32 columns); a pair's 32 x 32 output block is 2 x 2 C tiles fed by two A row tiles
+// and two B tiles per kb, its fp32 partial sums waiting in a buffer between K slices of
+// kKSlice tiles. Up to 32 rows (decode): A packed per call, a chunk of pairs (~512 KiB of
+// weight) per K slice, then each row's epilogue. From 33 rows (prefill), each 32 x 32 block's
+// epilogue runs as soon as its last slice is done (partial sums still in L1), and: if packed A
+// is at most 128 KiB, per pair and K slice the weight slice (16 KiB, L1) runs against every
+// 32-row block (the weight is read once; with more A this was slower, weights in DRAM); else
+// a chunk of ~1 MiB of weight stays in L2 while each 32-row block's A slice (16 KiB, L1) runs
+// against the chunk's pairs, A packed per call or, with at most 2 chunks, per block just
+// before its use (no call-sized copy).
+//
 // Build flags: AMX-TILE, AMX-BF16 and AVX-512 (F, BW, VL, BF16): see amx_linear.py.
 
 #include <torch/extension.h>
@@ -35,6 +47,10 @@ constexpr int kTileBytes = 64;  // bytes per tile row (32 bf16 or 16 fp32)
 constexpr int kKTile = 32;      // K per tile (bf16 elements)
 constexpr int kNTile = 16;      // N per tile (fp32 outputs)
 constexpr int64_t kKSlice = 8;  // K tiles per slice (cache blocking only; 4 and 16: slower)
+constexpr int64_t kLargeM = 33;  // rows from which the prefill blocking runs
+constexpr int64_t kSmallChunkBytes = 512 << 10;   // weight per N chunk, up to 32 rows
+constexpr int64_t kLargeChunkBytes = 1024 << 10;  // weight per N chunk, from 33 rows
+constexpr int64_t kASmallBytes = 128 << 10;       // packed A up to this: weight-stationary
 constexpr long kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
 
@@ -110,6 +126,67 @@ inline void store_row(const float* c, const float* bias, uint16_t* y, int64_t co
   }
 }
 
+// The epilogue of one C block (rows x cols, up to 32 x 32; row stride 32 floats, 64-byte
+// aligned): per element the same instructions as store_row.
+inline void store_block(const float* c, const float* bias, uint16_t* y, int64_t y_stride,
+                        int64_t rows, int64_t cols) {
+  const __mmask16 m0 = cols >= kNTile ? 0xffff : (__mmask16)((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 2 * kNTile ? 0xffff
+                       : cols > kNTile    ? (__mmask16)((1u << (cols - kNTile)) - 1)
+                                          : 0;
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    b0 = _mm512_maskz_loadu_ps(m0, bias);
+    b1 = _mm512_maskz_loadu_ps(m1, bias + kNTile);
+  }
+  for (int64_t r = 0; r < rows; ++r, c += 2 * kNTile, y += y_stride) {
+    __m512 v0 = _mm512_load_ps(c), v1 = _mm512_load_ps(c + kNTile);
+    if (bias != nullptr) {
+      v0 = _mm512_add_ps(v0, b0);
+      v1 = _mm512_add_ps(v1, b1);
+    }
+    _mm256_mask_storeu_epi16(y, m0, (__m256i)_mm512_cvtneps_pbh(v0));
+    if (m1) _mm256_mask_storeu_epi16(y + kNTile, m1, (__m256i)_mm512_cvtneps_pbh(v1));
+  }
+}
+
+// x rows [m0, m0 + rows) into the tile layout of block(): a0 (rows 0-15) and a1 (16-31), Kb
+// tiles each, zeros past k and past rows (rows <= 16: a0 only).
+inline void pack_a_block(const uint16_t* x, int64_t k, int64_t kb, int64_t rows, uint16_t* a0,
+                         uint16_t* a1) {
+  constexpr int64_t kTile = kTileRows * kKTile;
+  const int64_t tail = k - (kb - 1) * kKTile;  // K in the last tile, 1..32
+  const __mmask32 tail_mask = tail == kKTile ? 0xffffffffu : (1u << tail) - 1;
+  for (int64_t r = 0; r < (rows > kTileRows ? 2 : 1) * kTileRows; ++r) {
+    uint16_t* dst = (r < kTileRows ? a0 : a1) + (r % kTileRows) * kKTile;
+    if (r < rows) {
+      const uint16_t* src = x + r * k;
+      for (int64_t t = 0; t + 1 < kb; ++t)
+        _mm512_store_si512(dst + t * kTile, _mm512_loadu_si512(src + t * kKTile));
+      _mm512_store_si512(dst + (kb - 1) * kTile,
+                         _mm512_maskz_loadu_epi16(tail_mask, src + (kb - 1) * kKTile));
+    } else {
+      for (int64_t t = 0; t < kb; ++t) _mm512_store_si512(dst + t * kTile, _mm512_setzero_si512());
+    }
+  }
+}
+
+inline void block_any(bool two_rows, bool two_cols, const uint16_t* a0, const uint16_t* a1,
+                      const uint16_t* b0, const uint16_t* b1, int64_t k0, int64_t k1, bool first,
+                      float* c, int64_t cs) {
+  if (two_rows && two_cols) block<true, true>(a0, a1, b0, b1, k0, k1, first, c, cs);
+  else if (two_rows) block<true, false>(a0, a1, b0, b1, k0, k1, first, c, cs);
+  else if (two_cols) block<false, true>(a0, a1, b0, b1, k0, k1, first, c, cs);
+  else block<false, false>(a0, a1, b0, b1, k0, k1, first, c, cs);
+}
+
+// 64-byte aligned storage of n elements, per call (the vector's own data may be unaligned).
+template <typename T>
+T* aligned(std::vector<T>& v, int64_t n) {
+  v.resize(n + 64 / sizeof(T));
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+}
+
 }  // namespace
 
 bool init() { return request_amx(); }
@@ -148,48 +225,102 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, const std::optional<
               "linear: x's K or n does not match the packed weight");
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  // A in tiles, zero-padded: [Mt, Kb, 16, 32] (Mt row tiles: even, or 1 when m <= 16), so
-  // that every A tile load reads 1 KiB in a row.
-  const int64_t mt = m <= kTileRows ? 1 : (m + 2 * kTileRows - 1) / (2 * kTileRows) * 2;
-  auto a = torch::empty({mt, kb, kTileRows, kKTile}, x.options());
-  {
-    auto xc = x.contiguous();
-    const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-    uint16_t* ad = reinterpret_cast<uint16_t*>(a.data_ptr());
-    at::parallel_for(0, mt * kTileRows, 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t r = lo; r < hi; ++r)
-        for (int64_t t = 0; t < kb; ++t) {
-          uint16_t* dst = ad + (((r / kTileRows) * kb + t) * kTileRows + r % kTileRows) * kKTile;
-          const int64_t len = r < m ? std::min<int64_t>(kKTile, k - t * kKTile) : 0;
-          if (len > 0) std::memcpy(dst, xs + r * k + t * kKTile, len * 2);
-          if (len < kKTile) std::memset(dst + len, 0, (kKTile - len) * 2);  // padding: zeros
-        }
-    });
-  }
   std::vector<float> bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "linear: bias must have n elements");
     auto bf = bias->to(torch::kFloat32).contiguous();
     bias_f.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + n);
   }
-  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const float* bias_p = bias_f.empty() ? nullptr : bias_f.data();
   const uint16_t* bp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   constexpr int64_t kTile = kTileRows * kKTile;
+  constexpr int64_t kBlock = 2 * kTileRows * 2 * kNTile;  // fp32 elements per C block
+  constexpr int64_t cs = 2 * kNTile * 4;                   // C block row stride (bytes)
   const int64_t pairs = (nb + 1) / 2;  // N blocks of 32 columns (the last may hold 16)
-  // Cache blocking (sizes only: each output element's K order is the same whatever they are):
-  // a chunk of N blocks whose weight tiles fit in ~512 KiB of L2; for each 32-row block of A,
-  // K in slices of kKSlice tiles: the block's A slice (16 KiB) stays in L1 while it runs
-  // against the chunk's N blocks, whose partial sums wait in L1 (cbuf); then the epilogue
-  // writes each output row front to back. Measured: see docs/BENCHMARKS.md.
-  const int64_t pairs_chunk = std::max<int64_t>(1, (512 << 10) / (2 * kb * kTile * 2));
+  auto xc = x.contiguous();
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const int64_t mblocks = (m + 2 * kTileRows - 1) / (2 * kTileRows);
+  const int64_t mt = m <= kTileRows ? 1 : 2 * mblocks;
+  const int64_t chunk = std::max<int64_t>(1, kLargeChunkBytes / (2 * kb * kTile * 2));
+  const bool a_small = mt * kb * kTile * 2 <= kASmallBytes;
+  // From 33 rows, A over kASmallBytes and at most 2 weight chunks: each thread packs a 32-row
+  // block's A just before its use (2 x Kb KiB) instead of a call-sized copy (measured faster).
+  const bool lazy = m >= kLargeM && !a_small && pairs <= 2 * chunk;
+  // A in tiles, zero-padded: [Mt, Kb, 16, 32], Mt row tiles (even, or 1 when m <= 16), so that
+  // every A tile load reads 1 KiB in a row; a 32-row block's two row tiles are adjacent.
+  torch::Tensor a;
+  uint16_t* ap = nullptr;
+  if (!lazy) {
+    a = torch::empty({mt, kb, kTileRows, kKTile}, x.options());
+    ap = reinterpret_cast<uint16_t*>(a.data_ptr());
+    at::parallel_for(0, mblocks, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t b = lo; b < hi; ++b) {
+        const int64_t m0 = b * 2 * kTileRows;
+        uint16_t* a0 = ap + 2 * b * kb * kTile;
+        const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
+        pack_a_block(xs + m0 * k, k, kb, rows, a0, a0 + kb * kTile);
+      }
+    });
+  }
+  if (m >= kLargeM) {
+    // The 32 x 32 block at rows m0, pair p over K tiles [k0, k1) (partial sums in c); after the
+    // last slice, its epilogue.
+    auto run = [&](const uint16_t* a0, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* c) {
+      const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
+      const uint16_t* w0 = bp + 2 * p * kb * kTile;
+      block_any(rows > kTileRows, 2 * p + 1 < nb, a0, a0 + kb * kTile, w0, w0 + kb * kTile, k0, k1,
+                k0 == 0, c, cs);
+      if (k1 == kb) {
+        const int64_t col0 = 2 * p * kNTile;
+        store_block(c, bias_p == nullptr ? nullptr : bias_p + col0, yp + m0 * n + col0, n, rows,
+                    std::min<int64_t>(2 * kNTile, n - col0));
+      }
+    };
+    // Threads split N only: a row's bits never depend on the thread count.
+    at::parallel_for(0, pairs, 1, [&](int64_t lo, int64_t hi) {
+      configure_tiles();
+      std::vector<float> cvec;
+      if (a_small) {  // a pair's weight slice (16 KiB, L1) against every 32-row block
+        float* cb = aligned(cvec, mblocks * kBlock);
+        for (int64_t p = lo; p < hi; ++p) {
+          for (int64_t k0 = 0; k0 < kb; k0 += kKSlice) {
+            const int64_t k1 = std::min(kb, k0 + kKSlice);
+            for (int64_t b = 0; b < mblocks; ++b)
+              run(ap + 2 * b * kb * kTile, b * 2 * kTileRows, p, k0, k1, cb + b * kBlock);
+          }
+        }
+        _tile_release();
+        return;
+      }
+      // else a chunk of ~1 MiB of weight stays in L2 while every block runs against it
+      float* cb = aligned(cvec, std::min(chunk, hi - lo) * kBlock);
+      std::vector<uint16_t> avec;
+      uint16_t* abuf = lazy ? aligned(avec, 2 * kb * kTile) : nullptr;
+      for (int64_t pc = lo; pc < hi; pc += chunk) {
+        const int64_t pc_end = std::min(hi, pc + chunk);
+        for (int64_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
+          if (lazy)
+            pack_a_block(xs + m0 * k, k, kb, std::min<int64_t>(2 * kTileRows, m - m0), abuf,
+                         abuf + kb * kTile);
+          const uint16_t* a0 = lazy ? abuf : ap + (m0 / kTileRows) * kb * kTile;
+          for (int64_t k0 = 0; k0 < kb; k0 += kKSlice) {
+            const int64_t k1 = std::min(kb, k0 + kKSlice);
+            for (int64_t p = pc; p < pc_end; ++p) run(a0, m0, p, k0, k1, cb + (p - pc) * kBlock);
+          }
+        }
+      }
+      _tile_release();
+    });
+    return y;
+  }
+  // Up to 32 rows (see the header): per K slice, the chunk's pairs; then each row's epilogue.
+  const int64_t pairs_chunk = std::max<int64_t>(1, kSmallChunkBytes / (2 * kb * kTile * 2));
   // Threads split N only: a row's bits never depend on the thread count.
   at::parallel_for(0, pairs, 1, [&](int64_t lo, int64_t hi) {
     configure_tiles();
-    constexpr int64_t kBlock = 2 * kTileRows * 2 * kNTile;  // fp32 elements per C block
-    constexpr int64_t cs = 2 * kNTile * 4;                   // C block row stride (bytes)
-    std::vector<float> cbuf(std::min(pairs_chunk, hi - lo) * kBlock + 16);
-    float* cb = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(cbuf.data()) + 63) & ~uintptr_t(63));
+    std::vector<float> cvec;
+    float* cb = aligned(cvec, std::min(pairs_chunk, hi - lo) * kBlock);
     for (int64_t pc = lo; pc < hi; pc += pairs_chunk) {
       const int64_t pc_end = std::min(hi, pc + pairs_chunk);
       for (int64_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
@@ -199,23 +330,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, const std::optional<
         for (int64_t k0 = 0; k0 < kb; k0 += kKSlice) {
           const int64_t k1 = std::min(kb, k0 + kKSlice);
           for (int64_t p = pc; p < pc_end; ++p) {
-            const int64_t b0 = 2 * p;
-            const bool two_cols = b0 + 1 < nb;
-            const uint16_t* w0 = bp + b0 * kb * kTile;
-            const uint16_t* w1 = w0 + kb * kTile;
-            float* cp = cb + (p - pc) * kBlock;
-            const bool first = k0 == 0;
-            if (two_rows && two_cols) block<true, true>(a0, a1, w0, w1, k0, k1, first, cp, cs);
-            else if (two_rows) block<true, false>(a0, a1, w0, w1, k0, k1, first, cp, cs);
-            else if (two_cols) block<false, true>(a0, a1, w0, w1, k0, k1, first, cp, cs);
-            else block<false, false>(a0, a1, w0, w1, k0, k1, first, cp, cs);
+            const uint16_t* w0 = bp + 2 * p * kb * kTile;
+            block_any(two_rows, 2 * p + 1 < nb, a0, a1, w0, w0 + kb * kTile, k0, k1, k0 == 0,
+                      cb + (p - pc) * kBlock, cs);
           }
         }
         const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t p = pc; p < pc_end; ++p) {
             const int64_t col0 = 2 * p * kNTile;
-            const float* bias_j = bias_f.empty() ? nullptr : bias_f.data() + col0;
+            const float* bias_j = bias_p == nullptr ? nullptr : bias_p + col0;
             store_row(cb + (p - pc) * kBlock + r * 2 * kNTile, bias_j, yp + (m0 + r) * n + col0,
                       std::min<int64_t>(2 * kNTile, n - col0));
           }
