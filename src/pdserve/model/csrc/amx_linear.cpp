@@ -19,12 +19,12 @@
 // and two B tiles per kb, its fp32 partial sums waiting in a buffer between K slices of
 // kKSlice tiles. Up to 32 rows (decode): A packed per call, a chunk of pairs (~512 KiB of
 // weight) per K slice, then each row's epilogue. From 33 rows (prefill), each 32 x 32 block's
-// epilogue runs as soon as its last slice is done (partial sums still in L1), and: if packed A
-// is at most 128 KiB, per pair and K slice the weight slice (16 KiB, L1) runs against every
-// 32-row block (the weight is read once; with more A this was slower, weights in DRAM); else
-// a chunk of ~1 MiB of weight stays in L2 while each 32-row block's A slice (16 KiB, L1) runs
-// against the chunk's pairs, A packed per call or, with at most 2 chunks, per block just
-// before its use (no call-sized copy).
+// epilogue runs as soon as its last slice is done (partial sums still in L1), and: up to 128
+// rows with at most 1 MiB of packed A, per pair and K slice the weight slice (16 KiB, L1) runs
+// against every 32-row block (the weight is read once, the blocks' partial sums fit in L1;
+// more blocks were slower with the weight in DRAM); else a chunk of ~1 MiB of weight stays in
+// L2 while each 32-row block's A slice (16 KiB, L1) runs against the chunk's pairs, A packed
+// per call or, with at most 2 chunks, per block just before its use (no call-sized copy).
 //
 // Build flags: AMX-TILE, AMX-BF16 and AVX-512 (F, BW, VL, BF16): see amx_linear.py.
 
@@ -50,7 +50,8 @@ constexpr int64_t kKSlice = 8;  // K tiles per slice (cache blocking only; 4 and
 constexpr int64_t kLargeM = 33;  // rows from which the prefill blocking runs
 constexpr int64_t kSmallChunkBytes = 512 << 10;   // weight per N chunk, up to 32 rows
 constexpr int64_t kLargeChunkBytes = 1024 << 10;  // weight per N chunk, from 33 rows
-constexpr int64_t kASmallBytes = 128 << 10;       // packed A up to this: weight-stationary
+constexpr int64_t kASmallBlocks = 4;              // up to 4 32-row blocks (128 rows) and
+constexpr int64_t kASmallBytes = 1024 << 10;      // 1 MiB of packed A: weight-stationary
 constexpr long kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
 
@@ -243,8 +244,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, const std::optional<
   const int64_t mblocks = (m + 2 * kTileRows - 1) / (2 * kTileRows);
   const int64_t mt = m <= kTileRows ? 1 : 2 * mblocks;
   const int64_t chunk = std::max<int64_t>(1, kLargeChunkBytes / (2 * kb * kTile * 2));
-  const bool a_small = mt * kb * kTile * 2 <= kASmallBytes;
-  // From 33 rows, A over kASmallBytes and at most 2 weight chunks: each thread packs a 32-row
+  const bool a_small = mblocks <= kASmallBlocks && mt * kb * kTile * 2 <= kASmallBytes;
+  // From 33 rows, not weight-stationary and at most 2 weight chunks: each thread packs a 32-row
   // block's A just before its use (2 x Kb KiB) instead of a call-sized copy (measured faster).
   const bool lazy = m >= kLargeM && !a_small && pairs <= 2 * chunk;
   // A in tiles, zero-padded: [Mt, Kb, 16, 32], Mt row tiles (even, or 1 when m <= 16), so that
