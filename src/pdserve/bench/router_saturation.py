@@ -9,7 +9,7 @@ For each worker count: a colocated emulated cluster (`pdserve up --emulate`); th
 Every level records the router's and the client's CPU use (/proc/<pid>/stat: a router near
 1.0 CPU-s/s is saturated), the router's CPU per unit of work (per request, per streamed token)
 and the load average (the machine is shared). `--pin-router` gives the router a core of its
-own (every thread of it on the first allowed CPU; the workers, the kvstore and the load
+own (every thread of it on the machine's first CPU; the workers, the kvstore and the load
 generator on the others), so its CPU per unit is not inflated by sharing a core and
 1 / (CPU per unit) is the rate at which one router process saturates.
 
@@ -135,9 +135,9 @@ def pin_process(pid: int, cpus: set[int]) -> None:
 
 
 def pin_router_alone(cluster: Any) -> dict[str, list[int]]:
-    """The router on the machine's first CPU, every other process (and this one) on the rest
-    (of the CPUs this process may use: another tool may have narrowed them)."""
-    cpus = sorted(range(os.cpu_count() or 1))
+    """The router on the machine's first CPU, every other process (and this one) on the
+    others (all of the machine's, whatever affinity this process was started with)."""
+    cpus = list(range(os.cpu_count() or 1))
     if len(cpus) < 2:
         raise SystemExit("--pin-router needs at least 2 CPUs")
     router_cpus, rest = {cpus[0]}, set(cpus[1:])
@@ -189,15 +189,14 @@ def _level(cluster: Any, fn, *a) -> dict[str, Any]:
     r0, c0, t0 = _cpu_s(router), time.process_time(), time.monotonic()
     out = asyncio.run(fn(cluster.addr, *a))
     wall = time.monotonic() - t0
-    router_cpu_s = _cpu_s(router) - r0
-    out["router_cpu_per_s"] = router_cpu_s / wall
+    cpu = out["router_cpu_per_s"] = (_cpu_s(router) - r0) / wall
     out["client_cpu_per_s"] = (time.process_time() - c0) / wall
     out["loadavg_1m"] = os.getloadavg()[0]
     # router CPU per unit of work, both over the whole level
-    if "requests_per_s" in out and out["requests_per_s"] > 0:
-        out["router_cpu_ms_per_request"] = 1e3 * out["router_cpu_per_s"] / out["requests_per_s"]
+    if out.get("requests_per_s"):
+        out["router_cpu_ms_per_request"] = 1e3 * cpu / out["requests_per_s"]
     if out.get("level_tokens_per_s"):
-        out["router_cpu_us_per_token"] = 1e6 * router_cpu_s / wall / out["level_tokens_per_s"]
+        out["router_cpu_us_per_token"] = 1e6 * cpu / out["level_tokens_per_s"]
     return out
 
 

@@ -171,7 +171,7 @@ class CostModel:
         if not batch:
             return 0.0
         t = self.step.step_s(batch) + self.stream_token_s * num_streamed
-        if self.prefill_chunk_s or self.prefill_token_s:
+        if self.serves_prefill_extra:
             chunks = [n for _, n in batch if n > 1]
             t += self.prefill_chunk_s * len(chunks) + self.prefill_token_s * sum(chunks)
         return t
@@ -187,7 +187,7 @@ class CostModel:
         computes them while it walks the plan) and its prefill chunks and their tokens; the
         same float operations."""
         t = self.step.features_s(features) + self.stream_token_s * num_streamed
-        if self.prefill_chunk_s or self.prefill_token_s:
+        if self.serves_prefill_extra:
             t += self.prefill_chunk_s * prefill_chunks + self.prefill_token_s * prefill_tokens
         return t
 

@@ -308,8 +308,8 @@ def profile_serving(
       of B decodes (the fitted `step`), divided by B, fitted over B by least squares through
       0: seconds per sampled sequence per step (`CostModel.stream_token_s`);
     - per prompt: single prompts of `prompt_lens` tokens one at a time; the worker's prefill
-      stage minus the engine-only step of that prompt, fitted as a + b * tokens (non-negative
-      least squares): `prefill_chunk_s`, `prefill_token_s`;
+      stage minus the engine-only step of that prompt, fitted as a + b * tokens, both >= 0
+      (`fit_served_prefill`): `prefill_chunk_s`, `prefill_token_s`;
     - the request path: client TTFT minus the worker's prefill stage of those prompts, the
       median (`router_overhead_s`: the router, the gRPC hops and the token's way back)."""
     from pdserve.client import AsyncClient
