@@ -41,3 +41,42 @@ def test_a_silent_stream_hits_its_deadline(monkeypatch, wait_for: bool, sent: in
     with pytest.raises(DeadlineError, match=r"decode instance d1 sent nothing for 0\.\d+ s"):
         asyncio.run(asyncio.wait_for(scenario(), 5))
     assert call.cancelled
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_one_watchdog_task_serves_every_stream_and_cuts_only_the_bad_ones():
+    """1,000 watched streams share ONE task (a task per stream woke 4x/s per stream); a lost
+    instance cuts its streams, a silent stream is cut at its deadline, a live one is not;
+    the task ends with the last stream."""
+    from pdserve.router.lifecycle.stream_watch import StreamWatch
+
+    reg = Registry(heartbeat_timeout_s=3600.0)
+    reg.register("d1", "127.0.0.1:2", ROLE_DECODE, "fp", 16)
+    reg.register("d2", "127.0.0.1:3", ROLE_DECODE, "fp", 16)
+    watch = StreamWatch(reg, lambda: 0.01)
+
+    async def scenario() -> None:
+        before = len(asyncio.all_tasks())
+        live = [watch.watch(_Call(), "d1", 10.0) for _ in range(1000)]
+        silent = watch.watch(_Call(), "d1", 0.02)
+        on_d2 = watch.watch(_Call(), "d2", 10.0)
+        assert len(asyncio.all_tasks()) == before + 1
+        reg.get("d2").last_heartbeat -= 1e6  # stopped heartbeating: lost
+        await asyncio.sleep(0.1)
+        assert on_d2.lost and on_d2.call.cancelled and not on_d2.expired
+        assert silent.expired and silent.call.cancelled and not silent.lost
+        assert not any(s.call.cancelled or s.lost or s.expired for s in live)
+        assert len(watch) == 1000
+        for s in live:
+            watch.unwatch(s)
+        await asyncio.sleep(0.05)
+        assert len(asyncio.all_tasks()) == before  # the tick task ended with the last stream
+
+    asyncio.run(scenario())

@@ -29,6 +29,7 @@ front door, which ordered the admission queue by it) and what the predictor lear
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -65,6 +66,7 @@ from ..scheduling.predictor import EwmaPredictor
 from .migration import Migrator, StreamLost
 from .placement import RequestPlacement
 from .retry import Tries
+from .stream_watch import StreamWatch
 
 log = get_logger("pdserve.router.lifecycle.orchestrator")
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
@@ -74,22 +76,6 @@ DECODE_WATCH_S = 0.25  # how often a running Prefill checks that its decode stil
 # The relay's read deadline: by the stream's watchdog (default), or the old asyncio.wait_for
 # around every read (PDSERVE_RELAY_WAIT_FOR=1: the baseline of `bench router-saturation`).
 RELAY_WAIT_FOR = os.environ.get("PDSERVE_RELAY_WAIT_FOR", "0") == "1"
-
-
-class _Idle:
-    """A relayed stream's read deadline: `limit_s` after the last message (or the start)."""
-
-    __slots__ = ("deadline", "expired")
-
-    def __init__(self, limit_s: float) -> None:
-        self.deadline = time.monotonic() + limit_s
-        self.expired = False
-
-    def seen(self, limit_s: float) -> None:
-        self.deadline = time.monotonic() + limit_s
-
-    def overdue(self) -> bool:
-        return time.monotonic() > self.deadline
 
 
 class _DecodeLost(Exception):
@@ -128,6 +114,8 @@ class Orchestrator:
             self._attempt, registry, max_migrations, migration_wait_s, on_migration, capacity
         )
         self.workers, self.deadlines = workers, deadlines
+        # every relayed stream's watchdog: lost instance, read deadline (stream_watch.py)
+        self.streams = StreamWatch(registry, lambda: DECODE_WATCH_S)
         self.aborter = Aborter(workers, deadlines.abort_s)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_prefill_attempts = max(1, max_prefill_attempts)
@@ -467,15 +455,16 @@ class Orchestrator:
         later failures become domain errors. Cancels the call when left early; the
         instance leaves the placement (without Abort) when it sends the finish.
 
-        A watchdog (`_watch_stream`, one task per stream, not per message) cancels the call
-        when the instance is lost (expired, or silent for the heartbeat timeout): a hung or
-        partitioned worker keeps its stream open and silent, so the read turns that into
-        `StreamLost` at once instead of waiting for `decode_idle_s` (before the first
-        message: a retryable `CallLost`, like any failure there)."""
+        The orchestrator's `StreamWatch` (one task for every stream, not one per message or
+        per stream) cancels the call when the instance is lost (expired, or silent for the
+        heartbeat timeout: a hung or partitioned worker keeps its stream open and silent), so
+        the read turns that into `StreamLost` at once instead of waiting for `decode_idle_s`
+        (before the first message: a retryable `CallLost`, like any failure there), and when
+        the stream stays silent past its read deadline (`DeadlineError`)."""
         first, finished = True, False
-        lost: list[bool] = []  # set by the watchdog before it cancels the call
-        idle = _Idle(self.deadlines.first_token_s)  # the watchdog enforces it
-        watchdog = asyncio.ensure_future(self._watch_stream(call, inst, lost, idle))
+        # the watchdog flags `watch.lost` / `watch.expired` before it cancels the call
+        limit_s = math.inf if RELAY_WAIT_FOR else self.deadlines.first_token_s
+        watch = self.streams.watch(call, inst.instance_id, limit_s)
         try:
             while True:
                 wait = self.deadlines.first_token_s if first else self.deadlines.decode_idle_s
@@ -484,7 +473,7 @@ class Orchestrator:
                         msg = await asyncio.wait_for(call.read(), wait)
                     else:
                         msg = await call.read()
-                        idle.seen(self.deadlines.decode_idle_s)
+                        watch.seen(self.deadlines.decode_idle_s)
                 except asyncio.TimeoutError:
                     raise DeadlineError(
                         f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
@@ -495,13 +484,13 @@ class Orchestrator:
                     # channel.
                     if not cancelled_under_us():
                         raise
-                    if idle.expired:
+                    if watch.expired:
                         raise DeadlineError(
                             f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
                         ) from None
-                    if lost and first:
+                    if watch.lost and first:
                         raise CallLost(what, "the instance stopped heartbeating") from None
-                    if lost:
+                    if watch.lost:
                         raise self._stream_lost(inst, what) from None
                     if first:
                         raise CallLost(what) from None  # retryable, like an RpcError
@@ -509,13 +498,13 @@ class Orchestrator:
                 except grpc.RpcError as err:
                     if first:
                         raise
-                    if lost:
+                    if watch.lost:
                         raise self._stream_lost(inst, what) from None
                     raise self._failure(err, inst, what) from None
                 if msg is grpc.aio.EOF:
                     if first:
                         raise CallLost(what, "the stream ended before its first message")
-                    if lost:
+                    if watch.lost:
                         raise self._stream_lost(inst, what)
                     raise UnavailableError(
                         f"{what} instance {inst.instance_id} ended the stream without finishing"
@@ -529,24 +518,9 @@ class Orchestrator:
                 if finished:
                     return
         finally:
-            watchdog.cancel()
+            self.streams.unwatch(watch)
             if not finished:
                 call.cancel()
-
-    async def _watch_stream(self, call, inst: Instance, lost: list[bool], idle: _Idle) -> None:
-        """Every DECODE_WATCH_S: if the registry counts `inst` lost, flag it, cancel `call`;
-        if the stream has been silent past its deadline, mark `idle` expired, cancel `call`
-        (one timer per stream: a per-message `wait_for` cost ~50 us of router CPU per token)."""
-        while True:
-            await asyncio.sleep(DECODE_WATCH_S)
-            if self.registry.lost(inst.instance_id):
-                lost.append(True)
-                call.cancel()
-                return
-            if not RELAY_WAIT_FOR and idle.overdue():
-                idle.expired = True
-                call.cancel()
-                return
 
     @staticmethod
     def _stream_lost(inst: Instance, what: str) -> StreamLost:
