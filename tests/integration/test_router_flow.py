@@ -126,6 +126,8 @@ async def test_disagg_order_tokens_and_usage(router, cluster):
     u = res.usage
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (3, 5, 2)
     assert u.stages["prefill_ms"] == 1.5 and u.stages["decode_ms"] == 2.5  # summed per stage
+    # the router's own stage: Decode opened -> ticket read (a real gRPC round trip)
+    assert 0.0 < u.stages["reserve_ms"] < res.ttft_ms
     assert (u.prefill_instance, u.decode_instance) == (p.instance_id, d.instance_id)
     assert res.prompt_tokens == 3 and res.cached_tokens == 2
     assert len(res.token_times) == 5 and res.ttft_ms > 0 and res.e2e_ms >= res.ttft_ms

@@ -67,6 +67,24 @@ def test_hand_computed_disaggregated_latencies():
     assert rec.token_times == pytest.approx([0.057, 0.068, 0.079, 0.090])
     assert rec.stages["transfer_ms"] == pytest.approx(15.0)
     assert rec.stages["transfer_bytes"] == 3200
+    assert rec.stages["reserve_ms"] == 0.0  # the decode was idle
+
+
+def test_reserve_waits_for_the_decode_step_in_flight():
+    """A Reserve is an engine command: it runs between two steps. The second request arrives
+    at 60 ms, during the first one's decode step 57-68 ms: its reservation takes 8 ms."""
+    costs = CostModel(
+        step=COSTS.step,
+        transfer=LinkCost(latency_s=0.005, bandwidth_Bps=3200 / 0.010),
+        kv_bytes_per_token=100,
+    )
+    spec = ClusterSpec(
+        [PoolSpec("prefill", 1, costs, _cfg()), PoolSpec("decode", 1, costs, _cfg())],
+        policy="least_loaded",
+    )
+    a, b = SimCluster(spec).run([_req(0, 32, 4), _req(1, 32, 2, at=0.060)])
+    assert a.stages["reserve_ms"] == 0.0
+    assert b.stages["reserve_ms"] == pytest.approx(8.0)
 
 
 def test_queueing_behind_a_busy_instance():

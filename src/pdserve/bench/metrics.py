@@ -26,6 +26,7 @@ STAGE_FIELDS = (
     "decode_ms",
     "cached_tokens",
     "kvstore_tokens",
+    "reserve_ms",
 )
 PERCENTILES = (50, 90, 99)
 

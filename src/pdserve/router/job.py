@@ -47,6 +47,7 @@ class Stages:
     decode_ms: float = 0.0
     cached_tokens: int = 0  # prompt tokens reused (pool prefix cache or kvstore)
     kvstore_tokens: int = 0  # of which fetched from the kvstore
+    reserve_ms: float = 0.0  # Decode opened -> its ticket read (the decode's Reserve)
 
     # Costs that describe the client's prompt, not work: a migrated stream's continuation
     # re-reads the prompt from a cache, which is not a cache hit of the client's.

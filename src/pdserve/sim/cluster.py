@@ -105,6 +105,7 @@ class _Req:
     first_token_at: float = 0.0
     kvstore_tokens: int = 0
     queue_deadline: float = 0.0  # of the capacity wait (kv_queue_timeout_s)
+    reserve_started: float = 0.0  # when placement began reserving on a decode
     job: Job | None = None
     pred: Prediction | None = None  # the length prediction (None: nothing reads it)
     admission: Any = None  # the admission context (`Admission.admit`) while it holds a pass
@@ -373,6 +374,7 @@ class SimCluster:
         assert st.route is not None
         if self.registry.candidates(ROLE_PREFILL) and self.registry.candidates(ROLE_DECODE):
             st.queue_deadline = self.loop.now + self.spec.kv_queue_timeout_s
+            st.reserve_started = self.loop.now
             self._reserve(rid)
         elif self.registry.candidates(ROLE_COLOCATED):
             inst = self._pick(ROLE_COLOCATED, st.route, None)
@@ -456,6 +458,7 @@ class SimCluster:
         if dec.reserve(rid, n + 1 + extra, n) or (extra > 0 and dec.reserve(rid, n + 1, n)):
             self.registry.charge(dec.instance_id, requests=1)
             st.decode = dec
+            st.rec.stages["reserve_ms"] = (self.loop.now - st.reserve_started) * 1e3
             if self.length is not None and st.pred is not None:
                 self.length.placed(st.pred, dec.instance_id, n, st.route)
             pre = self._pick(ROLE_PREFILL, st.route, dec)

@@ -70,7 +70,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., num_reserved: _Optional[int] = ..., step_ms_ewma: _Optional[float] = ...) -> None: ...
 
 class StageCosts(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "transfer_bytes", "decode_ms", "cached_tokens", "kvstore_tokens")
+    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "transfer_bytes", "decode_ms", "cached_tokens", "kvstore_tokens", "reserve_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class StageCosts(_message.Message):
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KVSTORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     transfer_ms: float
@@ -85,4 +86,5 @@ class StageCosts(_message.Message):
     decode_ms: float
     cached_tokens: int
     kvstore_tokens: int
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., decode_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., kvstore_tokens: _Optional[int] = ...) -> None: ...
+    reserve_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., decode_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., kvstore_tokens: _Optional[int] = ..., reserve_ms: _Optional[float] = ...) -> None: ...

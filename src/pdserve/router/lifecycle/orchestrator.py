@@ -213,7 +213,9 @@ class Orchestrator:
         prefills = Tries(self.registry, ROLE_PREFILL, self.max_prefill_attempts)
         prompt = job.token_ids
         while True:
+            started = time.perf_counter()
             decode, stream = await self._reserve(job, route, placement, pred)
+            job.stages.reserve_ms += (time.perf_counter() - started) * 1e3
             try:
                 prefill = self._pick(prefills, route, decode=decode)
                 resp = await self._prefill(job, placement, prefill, prompt)
