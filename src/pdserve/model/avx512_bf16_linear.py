@@ -1,0 +1,104 @@
+"""A batch-invariant bf16 linear for CPUs with AVX512-BF16 and no AMX
+(csrc/avx512_bf16_linear.cpp) and its loader.
+
+Why it exists: on such a CPU (the AMD EPYC this repository is benchmarked on) oneDNN's packed
+bf16 linear is row-invariant as measured, but a batch-1 decode step spends ~77 % of its time in
+it, streaming the weights at ~40-60 % of the read bandwidth. This kernel streams a one-row
+product's weight front to back (prefetched), and is invariant by construction rather than by
+observation: each output element is one fp32 accumulator fed k pair by k pair in order
+(VDPBF16PS), then bias in fp32 and one rounding to bf16, so a row's bits do not depend on the
+row count, its position or the thread count (threads split the output columns). The many-row
+path blocks 6 rows x 64 columns in registers, which changes no element's k order.
+
+`Avx512Bf16Linear` holds the weight in the kernel's panel layout (packed once at load; the
+plain weight is dropped). On a CPU with AMX `pdserve.model.amx_linear` is used instead.
+
+Build: `pdserve.model.cpp_ext`, once per process on first use. `load()` returns None (and
+logs why) when the CPU has no AVX512-BF16, the compiler cannot build it, or
+`PDSERVE_AVX512_BF16_LINEAR=0`. Whether `pack_linears` serves it by default: cpu_linear.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.logging import get_logger
+from pdserve.model import cpp_ext
+
+_log = get_logger(__name__)
+_SOURCE = Path(__file__).parent / "csrc" / "avx512_bf16_linear.cpp"
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+ENV = "PDSERVE_AVX512_BF16_LINEAR"
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+@functools.cache
+def load() -> Any | None:
+    """The compiled module, or None (reason logged once)."""
+    if os.environ.get(ENV, "1") == "0":
+        _log.info(f"AVX512-BF16 linear off ({ENV}=0)")
+        return None
+    if not cpu_has_avx512_bf16():
+        return None
+    try:
+        ext = cpp_ext.build("pdserve_avx512_bf16_linear", "avx512bf16", _SOURCE, _FLAGS)
+    except Exception as exc:  # no compiler, or no AVX512-BF16 support in it
+        _log.warning("AVX512-BF16 linear unavailable", error=f"{type(exc).__name__}: {exc}"[:500])
+        return None
+    _log.info("AVX512-BF16 linear loaded")
+    return ext
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _loaded() -> Any:
+    ext = load()
+    if ext is None:
+        raise RuntimeError("the AVX512-BF16 linear kernel is not available (see the log)")
+    return ext
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] bf16 -> the kernel's panel layout [ceil(N/64), ceil(K/2), 64, 2] bf16."""
+    return _loaded().pack(weight.detach().contiguous())
+
+
+def linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """x [..., K] bf16 @ W.T (+ bias) -> [..., n] bf16, W packed by `pack`."""
+    lead = x.shape[:-1]
+    y = _loaded().linear(x.reshape(-1, x.shape[-1]), packed, bias, n)
+    return y.view(*lead, n)
+
+
+class Avx512Bf16Linear(nn.Module):
+    """y = x @ W.T + b with W in the AVX512-BF16 kernel's panel layout. bf16, inference only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = pack(weight)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> Avx512Bf16Linear:
+        return cls(lin.weight, lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.packed, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"

@@ -1,0 +1,181 @@
+// A batch-invariant bf16 linear on AVX512-BF16 (no AMX): y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+//
+// Why: oneDNN's packed bf16 linear is row-invariant on such a CPU (as measured), but its
+// few-row products stream the weight at ~40-60 % of the read bandwidth, and a batch-1 decode
+// step spends most of its time there. Here a row's bits are fixed by construction, and the
+// one-row path streams the weight once, front to back.
+//
+// Invariant: every output element has ONE fp32 accumulator (a lane of a zmm register), zeroed,
+// then fed pair by pair over k = (0, 1), (2, 3), ... in order by VDPBF16PS (acc += x[2i] w[2i] +
+// x[2i+1] w[2i+1], the instruction's fixed internal order), an odd K's last element as a pair
+// with a zero; then bias added in fp32 and ONE rounding to bf16 (VCVTNEPS2BF16, round to
+// nearest even). The register blocking (1-6 rows x 4 column vectors) and the thread split
+// (over column panels only) decide which instructions run side by side, never an element's
+// sequence, so a row's bits depend neither on the row count, its position nor the threads.
+//
+// Weight layout (pack): W [N, K] bf16 -> P [Np, Kp, 64, 2] bf16, Np = ceil(N/64), Kp =
+// ceil(K/2), P[p, i, c, j] = W[64 p + c, 2 i + j] (zero where n >= N or k >= K). For a k pair
+// i, a panel's 64 columns are 256 contiguous bytes: four zmm loads give 4 x 16 columns x 2 k,
+// multiplied by x's pair broadcast as one 32-bit value. A panel is contiguous over i, and the
+// panels follow each other, so one row's product streams the weight front to back.
+//
+// Blocking (speed only). Threads split the panels. Per panel, the rows run in blocks of
+// kRows (6: 24 accumulators + 4 weight vectors + 1 broadcast of the 32 zmm registers) over the
+// whole K; the panel (K x 128 bytes: 64 KiB at K = 512, 256 KiB at 2048) stays in L2 from the
+// first row block to the last, the rows' x in L1/L2. A block of 1-2 rows (decode) is bound by
+// memory: it prefetches the weight a few KiB ahead.
+//
+// Build flags: AVX-512 (F, BW, VL, BF16): see avx512_bf16_linear.py.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int kVec = 16;                   // fp32 lanes per zmm (columns per vector)
+constexpr int kCols = 4 * kVec;            // columns per panel
+constexpr int64_t kPairBytes = kCols * 4;  // one k pair of a panel: 256 bytes
+constexpr int kRows = 6;                   // rows per register block
+constexpr int64_t kPrefetch = 2048;        // bytes ahead the 1-2 row blocks prefetch
+
+// x's pair (x[2i], x[2i+1]) as one 32-bit value broadcast to all lanes.
+inline __m512bh pair_at(const uint16_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// One row's odd last element: the pair (x[K-1], 0).
+inline __m512bh last_at(const uint16_t* x) { return (__m512bh)_mm512_set1_epi32(*x); }
+
+// Rows [0, R) of x (row stride ldx) times one panel w (Kp pairs of 256 bytes) into
+// y[r, 0:cols] (row stride ldy): the whole K in registers, then the epilogue. bias: this
+// panel's first column in an fp32 array, or null.
+template <int R>
+void block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const float* bias,
+           uint16_t* y, int64_t ldy, int64_t cols) {
+  constexpr bool stream = R <= 2;  // few rows: bound by memory, prefetch the weight
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t pairs = k / 2;
+  const char* wb = reinterpret_cast<const char*>(w);
+  for (int64_t i = 0; i < pairs; ++i) {
+    const char* wi = wb + i * kPairBytes;
+    if (stream)
+      for (int l = 0; l < 4; ++l) _mm_prefetch(wi + kPrefetch + 64 * l, _MM_HINT_T0);
+    const __m512bh b0 = (__m512bh)_mm512_load_si512(wi);
+    const __m512bh b1 = (__m512bh)_mm512_load_si512(wi + 64);
+    const __m512bh b2 = (__m512bh)_mm512_load_si512(wi + 128);
+    const __m512bh b3 = (__m512bh)_mm512_load_si512(wi + 192);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = pair_at(x + r * ldx + 2 * i);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
+    }
+  }
+  if (k & 1) {  // the last pair: (x[K-1], 0) against (w[K-1], 0)
+    const char* wi = wb + pairs * kPairBytes;
+    __m512bh b[4];
+    for (int v = 0; v < 4; ++v) b[v] = (__m512bh)_mm512_load_si512(wi + 64 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = last_at(x + r * ldx + k - 1);
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+    }
+  }
+  // epilogue: (acc + bias) in fp32, one rounding to bf16, masked past cols
+  for (int v = 0; v < 4; ++v) {
+    const int64_t c0 = v * kVec;
+    if (c0 >= cols) break;
+    const __mmask16 mask =
+        cols - c0 >= kVec ? (__mmask16)0xffff : (__mmask16)((1u << (cols - c0)) - 1);
+    const __m512 bv = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + c0);
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = bias == nullptr ? acc[r][v] : _mm512_add_ps(acc[r][v], bv);
+      _mm256_mask_storeu_epi16(y + r * ldy + c0, mask, (__m256i)_mm512_cvtneps_pbh(s));
+    }
+  }
+}
+
+using BlockFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*,
+                         uint16_t*, int64_t, int64_t);
+constexpr BlockFn kBlocks[kRows + 1] = {nullptr,  block<1>, block<2>, block<3>,
+                                        block<4>, block<5>, block<6>};
+
+}  // namespace
+
+// W [N, K] bf16 -> [Np, Kp, 64, 2] bf16 (layout above).
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack: W must be [N, K] bf16");
+  w = w.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t np = (n + kCols - 1) / kCols, kp = (k + 1) / 2;
+  auto out = torch::zeros({np, kp, kCols, 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, np, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p)
+      for (int64_t c = 0; c < kCols && p * kCols + c < n; ++c) {
+        const uint16_t* row = src + (p * kCols + c) * k;
+        for (int64_t kk = 0; kk < k; ++kk)
+          dst[((p * kp + kk / 2) * kCols + c) * 2 + kk % 2] = row[kk];
+      }
+  });
+  return out;
+}
+
+// x [M, K] bf16, packed from pack(W), bias [N] (any float dtype) or empty -> y [M, N] bf16.
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, const std::optional<torch::Tensor>& bias,
+                     int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "linear: x must be [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 &&
+                  packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous(),
+              "linear: packed must come from pack()");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+              "linear: packed must be 64-byte aligned");
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t np = packed.size(0), kp = packed.size(1);
+  TORCH_CHECK(kp == (k + 1) / 2 && np == (n + kCols - 1) / kCols,
+              "linear: x's K or n does not match the packed weight");
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  std::vector<float> bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "linear: bias must have n elements");
+    auto bf = bias->to(torch::kFloat32).contiguous();
+    bias_f.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + n);
+  }
+  const float* bias_p = bias_f.empty() ? nullptr : bias_f.data();
+  auto xc = x.contiguous();
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  // Threads split the panels only: a row's bits never depend on the thread count.
+  at::parallel_for(0, np, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p) {
+      const int64_t col0 = p * kCols;
+      const int64_t cols = std::min<int64_t>(kCols, n - col0);
+      const uint16_t* w = wp + p * kp * kCols * 2;
+      const float* b = bias_p == nullptr ? nullptr : bias_p + col0;
+      for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, m - m0));
+        kBlocks[rows](xs + m0 * k, k, k, w, b, yp + m0 * n + col0, n, cols);
+      }
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "W [N, K] bf16 -> panels of 64 columns x k pairs [Np, Kp, 64, 2]");
+  m.def("linear", &linear, "y = x @ W^T (+ bias), batch-invariant, bf16 out");
+}
