@@ -28,6 +28,8 @@ test: setup
 	-$(PY) -c "from pdserve.model.attention import fixed_kernel as k; raise SystemExit(not k.available())"
 	# and, on a CPU with AMX, the batch-invariant bf16 linear (pdserve.model.amx_linear)
 	-$(PY) -c "from pdserve.model import amx_linear as k; k.available()"
+	# and, on a CPU with AVX512-BF16 and no AMX, its bf16 linear (pdserve.model.avx512_bf16_linear)
+	-$(PY) -c "from pdserve.model import amx_linear as a, avx512_bf16_linear as k; a.cpu_has_amx() or k.available()"
 	$(PY) -m pytest -q
 
 lint: setup

@@ -89,7 +89,7 @@ def measure_gemm_peak(
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """GEMM FLOP/s in `dtype` per kernel and shape; "best" is the maximum."""
-    from pdserve.model import amx_linear
+    from pdserve.model import amx_linear, avx512_bf16_linear
     from pdserve.model.cpu_linear import PackedLinear, packing_supported
 
     dt = _dtype(dtype)
@@ -111,6 +111,11 @@ def measure_gemm_peak(
             if dt == torch.bfloat16 and amx_linear.available():  # the invariant kernel (AMX)
                 amx = amx_linear.AmxLinear(lin.weight)
                 out[f"amx_{m}x{k}x{n}"] = flops / best_time(lambda x=x, a=amx: a(x), repeats, clock)
+            elif dt == torch.bfloat16 and avx512_bf16_linear.available():  # (AVX512-BF16)
+                avx = avx512_bf16_linear.Avx512Bf16Linear(lin.weight)
+                out[f"avx512bf16_{m}x{k}x{n}"] = flops / best_time(
+                    lambda x=x, a=avx: a(x), repeats, clock
+                )
     out["best"] = max(out.values())
     return out
 

@@ -1,12 +1,14 @@
-"""One bf16 linear, two kernels: oneDNN's packed linear (`PackedLinear`, the batch-variant path
-on a CPU with AMX) and the batch-invariant AMX kernel (`AmxLinear`), by shape and row count.
+"""One bf16 linear, two kernels: oneDNN's packed linear (`PackedLinear`) and this package's
+batch-invariant kernel (`AmxLinear` on a CPU with AMX, else `Avx512Bf16Linear` on one with
+AVX512-BF16), by shape and row count.
 
     python -m pdserve.bench.linear_kernels [--shapes 512x2048,2048x512] [--rows 1,8,32,128,512]
 
 Per shape it makes enough distinct weights to fill ~256 MB, so a few-row product reads its
 weights from memory, not the cache (decode's case); each row count is timed with process CPU
 time, one thread, kernels alternating, best of --repeats. Prints microseconds per call, GB/s
-of weight read and GFLOP/s. Needs a CPU with AMX (else it says so and exits 2).
+of weight read and GFLOP/s. Needs AMX or AVX512-BF16 and the kernel built (else it says so and
+exits 2).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pdserve.model import amx_linear
+from pdserve.model import amx_linear, avx512_bf16_linear
 from pdserve.model.cpu_linear import PackedLinear
 
 WEIGHT_BYTES = 256e6
@@ -34,8 +36,20 @@ def _best(fn: Callable[[], object], reps: int, repeats: int) -> float:
     return best
 
 
+def kernel() -> tuple[str, Callable[[nn.Linear], nn.Module]] | None:
+    """(name, constructor) of this CPU's invariant kernel: AMX first, else AVX512-BF16."""
+    if amx_linear.available():
+        return "AMX", amx_linear.AmxLinear.from_linear
+    if avx512_bf16_linear.available():
+        return "AVX512", avx512_bf16_linear.Avx512Bf16Linear.from_linear
+    return None
+
+
 def run(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> list[dict[str, float]]:
     out = []
+    found = kernel()
+    assert found is not None
+    make = found[1]
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for k, n in shapes:
@@ -43,7 +57,7 @@ def run(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> list[di
             lins = [nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(count)]
             arms = {
                 "onednn": [PackedLinear(lin) for lin in lins],
-                "amx": [amx_linear.AmxLinear.from_linear(lin) for lin in lins],
+                "kernel": [make(lin) for lin in lins],
             }
             for m in rows:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -64,24 +78,26 @@ def run(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> list[di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="512x2048,2048x512,512x16384,4096x14336",
+    ap.add_argument("--shapes", default="512x768,512x512,512x4096,2048x512,512x16384",
                     help="KxN list (in_features x out_features)")  # fmt: skip
     ap.add_argument("--rows", default="1,8,32,128,512")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    if not amx_linear.available():
-        print("the AMX linear kernel is not available on this machine (no AMX, or no build)")
+    found = kernel()
+    if found is None:
+        print("no invariant bf16 linear kernel on this machine (no AMX / AVX512-BF16, or no build)")
         return 2
+    name = found[0]
     torch.set_num_threads(1)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = [int(v) for v in args.rows.split(",")]
     print(f"{'K x N':>11} {'rows':>5} | {'oneDNN us':>10} {'GB/s':>6} {'GFLOP/s':>8} | "
-          f"{'AMX us':>10} {'GB/s':>6} {'GFLOP/s':>8} | AMX / oneDNN time")  # fmt: skip
+          f"{name + ' us':>10} {'GB/s':>6} {'GFLOP/s':>8} | {name} / oneDNN time")  # fmt: skip
     for r in run(shapes, rows, args.repeats):  # type: ignore[arg-type]
         print(
             f"{r['k']:>5} x {r['n']:<5} {r['rows']:>5} | {r['onednn_us']:>10.1f} "
-            f"{r['onednn_gb_s']:>6.1f} {r['onednn_gflop_s']:>8.0f} | {r['amx_us']:>10.1f} "
-            f"{r['amx_gb_s']:>6.1f} {r['amx_gflop_s']:>8.0f} | {r['amx_us'] / r['onednn_us']:.2f}",
+            f"{r['onednn_gb_s']:>6.1f} {r['onednn_gflop_s']:>8.0f} | {r['kernel_us']:>10.1f} "
+            f"{r['kernel_gb_s']:>6.1f} {r['kernel_gflop_s']:>8.0f} | {r['kernel_us'] / r['onednn_us']:.2f}",
             flush=True,
         )
     return 0

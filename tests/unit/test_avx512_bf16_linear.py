@@ -1,0 +1,122 @@
+"""The AVX512-BF16 bf16 linear (pdserve.model.avx512_bf16_linear): invariant by construction,
+correct, and what `pack_linears` serves on a CPU with AVX512-BF16 and no AMX. Skipped where
+the CPU has no AVX512-BF16 or the kernel cannot be built (no compiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model import amx_linear, avx512_bf16_linear
+from pdserve.model.avx512_bf16_linear import Avx512Bf16Linear
+from pdserve.model.cpu_linear import PackedLinear, pack_linears
+
+pytestmark = pytest.mark.skipif(
+    not avx512_bf16_linear.available(), reason="no AVX512-BF16 on this CPU, or no build"
+)
+
+BF16 = torch.bfloat16
+ROWS = (1, 2, 3, 5, 17, 64, 300)
+# (K, N, bias): tails in K (odd, not a multiple of 32) and N (not a multiple of 16 / 64),
+# bench50m's qkv and MLP down projection
+SHAPES = [(100, 37, True), (33, 130, False), (257, 70, True), (512, 768, False), (2048, 512, True)]
+
+
+def _layer(k: int, n: int, bias: bool) -> tuple[nn.Linear, Avx512Bf16Linear]:
+    torch.manual_seed(k + n)
+    lin = nn.Linear(k, n, bias=bias).to(BF16)
+    return lin, Avx512Bf16Linear.from_linear(lin)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_row_has_the_same_bits_alone_at_any_position_count_and_thread_count(shape):
+    _, kern = _layer(*shape)
+    x = torch.randn(300, shape[0]).to(BF16)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            with torch.inference_mode():
+                alone = torch.cat([kern(x[i : i + 1]) for i in range(300)])
+                for m in ROWS:  # every row of every count, at its own position
+                    assert torch.equal(kern(x[:m]), alone[:m]), f"{m} rows, {t} thread(s)"
+                for m in ROWS[1:]:  # row 0 moved to the last position of m rows
+                    moved = torch.cat([x[1:m], x[:1]])
+                    assert torch.equal(kern(moved)[-1:], alone[:1]), f"last of {m}"
+            if t == 1:
+                one_thread = alone
+            else:
+                assert torch.equal(alone, one_thread)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_it_computes_the_linear(shape):
+    lin, kern = _layer(*shape)
+    x = torch.randn(40, shape[0]).to(BF16)
+    bias = None if lin.bias is None else lin.bias.double()
+    with torch.inference_mode():
+        ref = F.linear(x.double(), lin.weight.double(), bias)
+        got = kern(x.view(4, 10, -1)).view(40, -1).double()  # leading dims kept
+    assert got.shape == ref.shape
+    # exact bf16 products summed in fp32, one rounding to bf16 (relative error ~2^-9)
+    assert torch.allclose(got, ref, rtol=8e-3, atol=8e-3 * ref.abs().max().item())
+
+
+def test_pack_linears_serves_bf16_on_it_and_keeps_onednn_when_not_invariant():
+    if amx_linear.cpu_has_amx():
+        pytest.skip("a CPU with AMX gets the AMX kernel (test_amx_linear.py)")
+    torch.manual_seed(0)
+
+    def model() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(64, 96).to(BF16), nn.Linear(96, 64).float())
+
+    inv, var = model(), model()
+    pack_linears(inv, batch_invariant=True)
+    pack_linears(var, batch_invariant=False)
+    assert isinstance(inv[0], Avx512Bf16Linear) and isinstance(inv[1], PackedLinear)
+    assert isinstance(var[0], PackedLinear) and isinstance(var[1], PackedLinear)
+
+
+def test_a_tied_bf16_head_gets_the_kernel(tmp_path):
+    from pdserve.model.loader import load_model
+    from pdserve.model.tiny import TinySpec, make_tiny
+
+    if amx_linear.cpu_has_amx():
+        pytest.skip("a CPU with AMX gets the AMX kernel (test_amx_linear.py)")
+    spec = TinySpec(hidden=256, vocab=1000, tie=True)
+    model = load_model(make_tiny(tmp_path / "m", spec), "bfloat16").model
+    pack_linears(model, batch_invariant=True)
+    assert isinstance(model.tied_head, Avx512Bf16Linear)  # rows: test_batch_invariant_ops
+    h = torch.randn(8, 256).to(BF16)
+    with torch.inference_mode():
+        ref = F.linear(h.float(), model.embed_tokens.weight.float())
+        assert torch.allclose(model.compute_logits(h), ref, rtol=8e-3, atol=0.05)
+
+
+def test_the_env_var_turns_it_off(monkeypatch):
+    if amx_linear.cpu_has_amx():
+        pytest.skip("a CPU with AMX gets the AMX kernel (test_amx_linear.py)")
+    monkeypatch.setenv(avx512_bf16_linear.ENV, "0")
+    avx512_bf16_linear.load.cache_clear()
+    try:
+        assert not avx512_bf16_linear.available()
+        model = nn.Sequential(nn.Linear(64, 96).to(BF16))
+        pack_linears(model, batch_invariant=True)
+        assert isinstance(model[0], PackedLinear)  # oneDNN: invariant on such a CPU
+    finally:
+        monkeypatch.delenv(avx512_bf16_linear.ENV)
+        avx512_bf16_linear.load.cache_clear()
+    assert avx512_bf16_linear.available()
+
+
+def test_bad_input_names_the_problem():
+    _, kern = _layer(64, 32, False)
+    with pytest.raises(RuntimeError, match="x must be"):
+        kern(torch.randn(2, 64))  # fp32
+    with pytest.raises(RuntimeError, match="K or n does not match"):
+        kern(torch.randn(2, 96).to(BF16))
+    assert kern(torch.randn(0, 64).to(BF16)).shape == (0, 32)
