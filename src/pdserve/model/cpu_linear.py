@@ -28,7 +28,11 @@ row-count classes (1, 2-3, >= 4): `linear_rows` pads to MIN_MKL_ROWS for the tie
 On a CPU with AMX none of this holds in bf16: oneDNN picks its bf16 kernel by the row count
 there (`pdserve.model.amx_linear`), so `pack_linears(batch_invariant=True)` puts every bf16
 linear on the AMX kernel of that module instead, which is invariant by construction;
-`batch_invariant=False` keeps oneDNN. A tied lm_head gets a packed copy of the embedding
+`batch_invariant=False` keeps oneDNN. On a CPU with AVX512-BF16 and no AMX (AMD Zen 4),
+oneDNN's bf16 linear is invariant as measured, but an invariant engine serves bf16 on
+`pdserve.model.avx512_bf16_linear` (invariant by construction, and faster: it streams a
+decode's weights at ~2x oneDNN's GB/s, and is at parity from 128 rows; docs/BENCHMARKS.md
+"Batch invariance on AVX512-BF16 without AMX"); `PDSERVE_AVX512_BF16_LINEAR=0` keeps oneDNN. A tied lm_head gets a packed copy of the embedding
 (`model.tied_head`) when invariant: on a Xeon even fp32 MKL has more row classes than
 `linear_rows` pads away (measured: 64 rows differ from 1-5).
 """

@@ -23,7 +23,8 @@
 // kRows (6: 24 accumulators + 4 weight vectors + 1 broadcast of the 32 zmm registers) over the
 // whole K; the panel (K x 128 bytes: 64 KiB at K = 512, 256 KiB at 2048) stays in L2 from the
 // first row block to the last, the rows' x in L1/L2. A block of 1-2 rows (decode) is bound by
-// memory: it prefetches the weight a few KiB ahead.
+// memory and streams the weight at what the hardware prefetcher gives (software prefetch of
+// 1-4 lines, 0.5-8 KiB ahead, was 15-35 % slower; two panels streamed side by side: no gain).
 //
 // Build flags: AVX-512 (F, BW, VL, BF16): see avx512_bf16_linear.py.
 
@@ -43,7 +44,6 @@ constexpr int kVec = 16;                   // fp32 lanes per zmm (columns per ve
 constexpr int kCols = 4 * kVec;            // columns per panel
 constexpr int64_t kPairBytes = kCols * 4;  // one k pair of a panel: 256 bytes
 constexpr int kRows = 6;                   // rows per register block
-constexpr int64_t kPrefetch = 2048;        // bytes ahead the 1-2 row blocks prefetch
 
 // x's pair (x[2i], x[2i+1]) as one 32-bit value broadcast to all lanes.
 inline __m512bh pair_at(const uint16_t* x) {
@@ -61,7 +61,6 @@ inline __m512bh last_at(const uint16_t* x) { return (__m512bh)_mm512_set1_epi32(
 template <int R>
 void block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const float* bias,
            uint16_t* y, int64_t ldy, int64_t cols) {
-  constexpr bool stream = R <= 2;  // few rows: bound by memory, prefetch the weight
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -69,8 +68,6 @@ void block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const f
   const char* wb = reinterpret_cast<const char*>(w);
   for (int64_t i = 0; i < pairs; ++i) {
     const char* wi = wb + i * kPairBytes;
-    if (stream)
-      for (int l = 0; l < 4; ++l) _mm_prefetch(wi + kPrefetch + 64 * l, _MM_HINT_T0);
     const __m512bh b0 = (__m512bh)_mm512_load_si512(wi);
     const __m512bh b1 = (__m512bh)_mm512_load_si512(wi + 64);
     const __m512bh b2 = (__m512bh)_mm512_load_si512(wi + 128);
