@@ -120,3 +120,16 @@ def test_bad_input_names_the_problem():
     with pytest.raises(RuntimeError, match="K or n does not match"):
         kern(torch.randn(2, 96).to(BF16))
     assert kern(torch.randn(0, 64).to(BF16)).shape == (0, 32)
+
+
+def test_weights_packed_back_to_back_are_packed_alike():
+    torch.manual_seed(1)
+    lins = [nn.Linear(k, n).to(BF16) for k, n in ((100, 37), (512, 768), (33, 4100))]
+    together = avx512_bf16_linear.pack_all([lin.weight for lin in lins])
+    x = torch.randn(7, 100).to(BF16)
+    for lin, packed in zip(lins, together, strict=True):
+        assert torch.equal(packed, avx512_bf16_linear.pack(lin.weight))
+    with torch.inference_mode():
+        one = Avx512Bf16Linear.from_linear(lins[0], together[0])
+        assert torch.equal(one(x), Avx512Bf16Linear.from_linear(lins[0])(x))
+    assert together[1].data_ptr() == together[0].data_ptr() + 2 * together[0].numel()

@@ -36,12 +36,21 @@ def _best(fn: Callable[[], object], reps: int, repeats: int) -> float:
     return best
 
 
-def kernel() -> tuple[str, Callable[[nn.Linear], nn.Module]] | None:
-    """(name, constructor) of this CPU's invariant kernel: AMX first, else AVX512-BF16."""
+def _avx512(lins: list[nn.Linear]) -> list[nn.Module]:
+    """As `pack_linears` packs them: back to back in one storage (huge pages)."""
+    packed = avx512_bf16_linear.pack_all([lin.weight for lin in lins])
+    return [
+        avx512_bf16_linear.Avx512Bf16Linear.from_linear(*lp)
+        for lp in zip(lins, packed, strict=True)
+    ]
+
+
+def kernel() -> tuple[str, Callable[[list[nn.Linear]], list[nn.Module]]] | None:
+    """(name, constructor of a list) of this CPU's invariant kernel: AMX, else AVX512-BF16."""
     if amx_linear.available():
-        return "AMX", amx_linear.AmxLinear.from_linear
+        return "AMX", lambda lins: [amx_linear.AmxLinear.from_linear(lin) for lin in lins]
     if avx512_bf16_linear.available():
-        return "AVX512", avx512_bf16_linear.Avx512Bf16Linear.from_linear
+        return "AVX512", _avx512
     return None
 
 
@@ -57,7 +66,7 @@ def run(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> list[di
             lins = [nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(count)]
             arms = {
                 "onednn": [PackedLinear(lin) for lin in lins],
-                "kernel": [make(lin) for lin in lins],
+                "kernel": make(lins),
             }
             for m in rows:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)

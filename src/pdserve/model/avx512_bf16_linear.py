@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,29 @@ def _loaded() -> Any:
     return ext
 
 
+def packed_numel(n: int, k: int) -> int:
+    """Elements of a packed [N, K] weight: ceil(N/64) * ceil(K/2) * 128."""
+    return -(-n // 64) * -(-k // 2) * 128
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] bf16 -> the kernel's panel layout [ceil(N/64), ceil(K/2), 64, 2] bf16."""
     return _loaded().pack(weight.detach().contiguous())
+
+
+def pack_all(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Several weights packed back to back, in the given order, into one storage (huge pages:
+    csrc). A decode step that runs them in this order streams one run of memory, which the
+    hardware prefetcher follows across weights; a weight of less than 2 MiB alone would get
+    4 KiB pages. Each result is `pack`'s layout (a view; the storage lives while one does)."""
+    ext = _loaded()
+    sizes = [packed_numel(*w.shape) for w in weights]
+    arena = ext.alloc(sum(sizes))
+    out, offset = [], 0
+    for w, size in zip(weights, sizes, strict=True):
+        out.append(ext.pack(w.detach().contiguous(), arena[offset : offset + size]))
+        offset += size
+    return out
 
 
 def linear(
@@ -86,15 +107,21 @@ def linear(
 class Avx512Bf16Linear(nn.Module):
     """y = x @ W.T + b with W in the AVX512-BF16 kernel's panel layout. bf16, inference only."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
+    ) -> None:
+        """packed: `weight` already packed (`pack_all`), else it is packed here."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = pack(weight)
+        self.packed = pack(weight) if packed is None else packed
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear) -> Avx512Bf16Linear:
-        return cls(lin.weight, lin.bias)
+    def from_linear(cls, lin: nn.Linear, packed: torch.Tensor | None = None) -> Avx512Bf16Linear:
+        return cls(lin.weight, lin.bias, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.packed, self.bias, self.out_features)

@@ -154,11 +154,20 @@ def pack_linears(
     # AVX512-BF16 without AMX: oneDNN is invariant there too, the kernel is faster (module doc)
     avx = bf16 and not amx_linear.cpu_has_amx() and avx512_bf16_linear.available()
 
+    # AVX512-BF16: the bf16 weights packed back to back in model order (one stream per step),
+    # found again by their memory (the head's nn.Linear wraps the embedding in a new Parameter)
+    def key(w: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+        return w.data_ptr(), tuple(w.shape)
+
+    avx_weights = [w for w in weights if w.dtype == torch.bfloat16] if avx else []
+    avx_all = avx512_bf16_linear.pack_all(avx_weights) if avx_weights else []
+    avx_packed = dict(zip(map(key, avx_weights), avx_all, strict=True))
+
     def packed(lin: nn.Linear) -> nn.Module:
         if amx and lin.weight.dtype == torch.bfloat16:
             return amx_linear.AmxLinear.from_linear(lin)
         if avx and lin.weight.dtype == torch.bfloat16:
-            return avx512_bf16_linear.Avx512Bf16Linear.from_linear(lin)
+            return avx512_bf16_linear.Avx512Bf16Linear.from_linear(lin, avx_packed[key(lin.weight)])
         return PackedLinear(lin, batch_hint, rows(lin.weight.dtype))
 
     for module in model.modules():  # already packed (a model shared by engines): re-set
