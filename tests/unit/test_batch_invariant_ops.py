@@ -125,8 +125,8 @@ def test_packed_linear_rows_are_invariant(dtype, shape):
     model = nn.Sequential(nn.Linear(k, n, bias=bias).to(dtype))
     pack_linears(model, batch_invariant=True)
     lin = model[0]
-    # bf16 on a CPU with AMX: the AMX kernel (test_amx_linear.py), oneDNN is not invariant
-    # there; with AVX512-BF16 and no AMX: the AVX512-BF16 kernel (test_avx512_bf16_linear.py)
+    # bf16 on a CPU with AMX: the AMX kernel (test_amx_linear.py); with AVX512-BF16 and no
+    # AMX: the AVX512-BF16 kernel (test_avx512_bf16_linear.py); oneDNN is not invariant on either
     expected: type[nn.Module] = PackedLinear
     if dtype == torch.bfloat16 and amx_available():
         expected = AmxLinear

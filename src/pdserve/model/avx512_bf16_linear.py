@@ -1,21 +1,30 @@
 """A batch-invariant bf16 linear for CPUs with AVX512-BF16 and no AMX
 (csrc/avx512_bf16_linear.cpp) and its loader.
 
-Why it exists: on such a CPU (the AMD EPYC this repository is benchmarked on) oneDNN's packed
-bf16 linear is row-invariant as measured, but a batch-1 decode step spends ~77 % of its time in
-it, streaming the weights at ~40-60 % of the read bandwidth. This kernel streams a one-row
-product's weight front to back (prefetched), and is invariant by construction rather than by
-observation: each output element is one fp32 accumulator fed k pair by k pair in order
+Why it exists: on such a CPU oneDNN's packed bf16 linear is NOT reliably row-invariant: on
+this repository's AMD EPYC (Zen 4, 2026-12-02) a 2048 x 512 packed linear (bench50m's MLP down
+projection) gives row 0 other bits alone than among 2-300 rows, and 25 of 300 rows of a call
+other bits than alone (tests/unit/test_avx512_bf16_linear.py probes it); 512-input shapes were
+invariant. It is also slow for decode: a batch-1 decode step spends ~77 % of its time in it,
+streaming the weights at ~40-60 % of the read bandwidth. This kernel is invariant by
+construction: each output element is one fp32 accumulator fed k pair by k pair in order
 (VDPBF16PS), then bias in fp32 and one rounding to bf16, so a row's bits do not depend on the
-row count, its position or the thread count (threads split the output columns). The many-row
-path blocks 6 rows x 64 columns in registers, which changes no element's k order.
+row count, its position or the thread count (threads split the output columns). The one-row
+path streams the weight front to back; the many-row path blocks 6 rows x 64 columns in
+registers, which changes no element's k order.
 
 `Avx512Bf16Linear` holds the weight in the kernel's panel layout (packed once at load; the
-plain weight is dropped). On a CPU with AMX `pdserve.model.amx_linear` is used instead.
+plain weight is dropped; `pack_all` packs a model's weights back to back). On a CPU with AMX
+`pdserve.model.amx_linear` is used instead.
+
+Serving it: `pack_linears(batch_invariant=True)` puts bf16 linears on it when `enabled()`:
+`PDSERVE_AVX512_BF16_LINEAR=0` turns it off (oneDNN then, with a warning: not invariant
+here), `=1` on, else DEFAULT_ON (True). Against oneDNN in bench50m's engine: decode 1.2-2.3x
+faster, prefill at parity at 1 and 32 prompts and 3-9 % slower at 8 in the last three runs
+(docs/BENCHMARKS.md "Batch invariance on AVX512-BF16 without AMX").
 
 Build: `pdserve.model.cpp_ext`, once per process on first use. `load()` returns None (and
-logs why) when the CPU has no AVX512-BF16, the compiler cannot build it, or
-`PDSERVE_AVX512_BF16_LINEAR=0`. Whether `pack_linears` serves it by default: cpu_linear.
+logs why) when the CPU has no AVX512-BF16 or the compiler cannot build it.
 """
 
 from __future__ import annotations
@@ -42,12 +51,18 @@ def cpu_has_avx512_bf16() -> bool:
     return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
+DEFAULT_ON = True  # served unless PDSERVE_AVX512_BF16_LINEAR=0 (module doc)
+
+
+def enabled() -> bool:
+    """Whether an invariant engine should serve bf16 on this kernel (env, else DEFAULT_ON)."""
+    value = os.environ.get(ENV)
+    return DEFAULT_ON if value is None else value != "0"
+
+
 @functools.cache
 def load() -> Any | None:
     """The compiled module, or None (reason logged once)."""
-    if os.environ.get(ENV, "1") == "0":
-        _log.info(f"AVX512-BF16 linear off ({ENV}=0)")
-        return None
     if not cpu_has_avx512_bf16():
         return None
     try:

@@ -29,10 +29,14 @@ On a CPU with AMX none of this holds in bf16: oneDNN picks its bf16 kernel by th
 there (`pdserve.model.amx_linear`), so `pack_linears(batch_invariant=True)` puts every bf16
 linear on the AMX kernel of that module instead, which is invariant by construction;
 `batch_invariant=False` keeps oneDNN. On a CPU with AVX512-BF16 and no AMX (AMD Zen 4),
-oneDNN's bf16 linear is invariant as measured, but an invariant engine serves bf16 on
-`pdserve.model.avx512_bf16_linear` (invariant by construction, and faster: it streams a
-decode's weights at ~2x oneDNN's GB/s, and is at parity from 128 rows; docs/BENCHMARKS.md
-"Batch invariance on AVX512-BF16 without AMX"); `PDSERVE_AVX512_BF16_LINEAR=0` keeps oneDNN. A tied lm_head gets a packed copy of the embedding
+oneDNN's bf16 linear is not reliably invariant either (measured on this repository's EPYC: a
+2048-input packed linear gives row 0 other bits alone than among 2+ rows; the table above was
+measured on an earlier EPYC), so an invariant engine serves bf16 on
+`pdserve.model.avx512_bf16_linear` there: invariant by construction, its weights packed back
+to back in model order, and faster for decode (it streams a one-row product's weights at
+~2-2.5x oneDNN's GB/s; near parity from 128 rows; docs/BENCHMARKS.md "Batch invariance on
+AVX512-BF16 without AMX"). `PDSERVE_AVX512_BF16_LINEAR=0` keeps oneDNN (with a warning).
+A tied lm_head gets a packed copy of the embedding
 (`model.tied_head`) when invariant: on a Xeon even fp32 MKL has more row classes than
 `linear_rows` pads away (measured: 64 rows differ from 1-5).
 """
@@ -151,8 +155,15 @@ def pack_linears(
             "bf16 is not batch-invariant on this CPU: it has AMX and the AMX linear "
             "kernel is off or could not be built (see the log above)"
         )
-    # AVX512-BF16 without AMX: oneDNN is invariant there too, the kernel is faster (module doc)
-    avx = bf16 and not amx_linear.cpu_has_amx() and avx512_bf16_linear.available()
+    # AVX512-BF16 without AMX: the AVX512-BF16 kernel (oneDNN is not reliably invariant there)
+    avx_cpu = bf16 and not amx_linear.cpu_has_amx() and avx512_bf16_linear.cpu_has_avx512_bf16()
+    avx = avx_cpu and avx512_bf16_linear.enabled() and avx512_bf16_linear.available()
+    if avx_cpu and not avx:
+        _log.warning(
+            "bf16 may not be batch-invariant on this CPU: the AVX512-BF16 linear kernel is off "
+            "or could not be built, and oneDNN's bf16 linear was measured batch-variant on "
+            "such a CPU (in_features 2048)"
+        )
 
     # AVX512-BF16: the bf16 weights packed back to back in model order (one stream per step),
     # found again by their memory (the head's nn.Linear wraps the embedding in a new Parameter)
