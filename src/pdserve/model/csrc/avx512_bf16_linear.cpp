@@ -1,9 +1,10 @@
 // A batch-invariant bf16 linear on AVX512-BF16 (no AMX): y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
 //
-// Why: oneDNN's packed bf16 linear is row-invariant on such a CPU (as measured), but its
-// few-row products stream the weight at ~40-60 % of the read bandwidth, and a batch-1 decode
-// step spends most of its time there. Here a row's bits are fixed by construction, and the
-// one-row path streams the weight once, front to back.
+// Why: oneDNN's packed bf16 linear is not reliably row-invariant on such a CPU (on an AMD EPYC,
+// Zen 4: a 2048-input layer gives row 0 other bits alone than among >= 2 rows), and its
+// few-row products stream the weight at well under the read bandwidth, where a batch-1 decode
+// step spends most of its time. Here a row's bits are fixed by construction, and the one-row
+// path streams the weight once, front to back.
 //
 // Invariant: every output element has ONE fp32 accumulator (a lane of a zmm register), zeroed,
 // then fed pair by pair over k = (0, 1), (2, 3), ... in order by VDPBF16PS (acc += x[2i] w[2i] +
@@ -24,8 +25,8 @@
 // whole K; the panel (K x 128 bytes: 64 KiB at K = 512, 256 KiB at 2048) stays in L2 from the
 // first row block to the last, the rows' x in L1/L2. Many rows run in chunks of ~256 KiB of x
 // (252 rows at K = 512), each chunk against all of a thread's panels, so that x stays in L2
-// (at 4,096 rows: 0.91-0.99x oneDNN's time where unchunked was 1.00-1.13x, on 4 of 5 shapes). A block of 1-2 rows (decode) is bound by
-// memory and streams the weight at what the hardware prefetcher gives (software prefetch of
+// (at 4,096 rows: within a few % of unchunked, noisy). A block of 1-2 rows (decode) is bound
+// by memory and streams the weight at what the hardware prefetcher gives (software prefetch of
 // 1-4 lines, 0.5-8 KiB ahead, was 15-35 % slower; two panels streamed side by side: no gain).
 // What helped it: packed weights in transparent huge pages (packed_storage; +15-25 % GB/s at
 // one row on 4-16 MiB weights), and a model's weights packed back to back in model order into
@@ -50,7 +51,7 @@ namespace {
 constexpr int kVec = 16;                   // fp32 lanes per zmm (columns per vector)
 constexpr int kCols = 4 * kVec;            // columns per panel
 constexpr int64_t kPairBytes = kCols * 4;  // one k pair of a panel: 256 bytes
-constexpr size_t kHuge = 2 << 20;         // a transparent huge page
+constexpr size_t kHuge = 2 << 20;          // a transparent huge page
 constexpr int kRows = 6;                   // rows per register block
 constexpr int64_t kChunkBytes = 256 << 10;  // x per row chunk (many rows: L2 blocking)
 
