@@ -54,6 +54,7 @@ constexpr int64_t kPairBytes = kCols * 4;  // one k pair of a panel: 256 bytes
 constexpr size_t kHuge = 2 << 20;          // a transparent huge page
 constexpr int kRows = 6;                   // rows per register block
 constexpr int64_t kChunkBytes = 256 << 10;  // x per row chunk (many rows: L2 blocking)
+constexpr int64_t kUnchunkedBytes = 2 << 20;  // up to this much x: one chunk
 
 // x's pair (x[2i], x[2i+1]) as one 32-bit value broadcast to all lanes.
 inline __m512bh pair_at(const uint16_t* x) {
@@ -197,7 +198,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, const std::optional<
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   // Threads split the panels only: a row's bits never depend on the thread count.
   // rows per chunk: a chunk's x (~kChunkBytes) stays in L2 while it runs against every panel
-  const int64_t chunk = std::max<int64_t>(kRows, kChunkBytes / (2 * k) / kRows * kRows);
+  const int64_t chunk = 2 * m * k <= kUnchunkedBytes
+                            ? m
+                            : std::max<int64_t>(kRows, kChunkBytes / (2 * k) / kRows * kRows);
   at::parallel_for(0, np, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t m1 = 0; m1 < m; m1 += chunk) {
       const int64_t m_end = std::min(m, m1 + chunk);
