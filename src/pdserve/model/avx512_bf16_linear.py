@@ -19,9 +19,8 @@ plain weight is dropped; `pack_all` packs a model's weights back to back). On a 
 
 Serving it: `pack_linears(batch_invariant=True)` puts bf16 linears on it when `enabled()`:
 `PDSERVE_AVX512_BF16_LINEAR=0` turns it off (oneDNN then, with a warning: not invariant
-here), `=1` on, else DEFAULT_ON (True). Against oneDNN in bench50m's engine: decode 1.2-2.3x
-faster, prefill at parity at 1 and 32 prompts and 3-9 % slower at 8 in the last three runs
-(docs/BENCHMARKS.md "Batch invariance on AVX512-BF16 without AMX").
+here), `=1` on, else DEFAULT_ON (True). Against oneDNN in bench50m's engine: decode 1.1-2.1x
+faster, prefill at parity (docs/BENCHMARKS.md "Batch invariance on AVX512-BF16 without AMX").
 
 Build: `pdserve.model.cpp_ext`, once per process on first use. `load()` returns None (and
 logs why) when the CPU has no AVX512-BF16 or the compiler cannot build it.

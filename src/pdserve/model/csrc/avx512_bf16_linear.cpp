@@ -23,9 +23,10 @@
 // Blocking (speed only). Threads split the panels. Per panel, the rows run in blocks of
 // kRows (6: 24 accumulators + 4 weight vectors + 1 broadcast of the 32 zmm registers) over the
 // whole K; the panel (K x 128 bytes: 64 KiB at K = 512, 256 KiB at 2048) stays in L2 from the
-// first row block to the last, the rows' x in L1/L2. Many rows run in chunks of ~256 KiB of x
-// (252 rows at K = 512), each chunk against all of a thread's panels, so that x stays in L2
-// (at 4,096 rows: within a few % of unchunked, noisy). A block of 1-2 rows (decode) is bound
+// first row block to the last, the rows' x in L1/L2. Above 2 MiB of x, rows run in chunks of
+// ~256 KiB of x (252 rows at K = 512), each chunk against all of a thread's panels, so that x
+// stays in L2 (at 4,096 rows: within a few % of unchunked, noisy; chunking from 252 rows made
+// bench50m's 8 x 128 prefill 1-6 % slower). A block of 1-2 rows (decode) is bound
 // by memory and streams the weight at what the hardware prefetcher gives (software prefetch of
 // 1-4 lines, 0.5-8 KiB ahead, was 15-35 % slower; two panels streamed side by side: no gain).
 // What helped it: packed weights in transparent huge pages (packed_storage; +15-25 % GB/s at
