@@ -17,16 +17,18 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model import pointwise
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, select_backend
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_linear import linear_rows
+from pdserve.model.pointwise import TorchPointwise, rms_norm_torch, rope_torch
 
 
 class RMSNorm(nn.Module):
-    """HF numerics: normalise in float32, cast back, then scale by the weight."""
+    """HF numerics: normalise in float32, cast back, then scale by the weight (the layers call
+    it through `pointwise`, which may fuse it with the residual add)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -34,10 +36,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * y.to(x.dtype)
+        return rms_norm_torch(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -80,9 +79,10 @@ class RotaryCache:
         return cos, self.sin_signed.index_select(0, positions)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos/sin_signed: [T, 1, D]
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+apply_rope = rope_torch  # x [T, heads, D]; cos / sin_signed [T, 1, D]
+
+
+MLP_CHUNK_ROWS = 512  # rows per MLP chunk on the fused path (DecoderLayer.mlp)
 
 
 class DecoderLayer(nn.Module):
@@ -104,15 +104,20 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor,  # [T, hidden], the residual stream before the previous layer's delta
+        delta: torch.Tensor | None,  # [T, hidden], the previous layer's MLP output (None: first)
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
         backend: AttentionBackend,
         plan: object,
-    ) -> torch.Tensor:
+        ops: TorchPointwise,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (x, delta): the residual stream and this layer's MLP output, which the next norm
+        adds (ops.add_norm: x + delta is rounded exactly as a separate add would round it)."""
         t = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, (H + 2*Hkv) * D]
+        x, h = ops.add_norm(x, delta, self.input_layernorm)
+        qkv = self.qkv_proj(h)  # [T, (H + 2*Hkv) * D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # qwen3: per-head norms first
             q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
@@ -120,15 +125,28 @@ class DecoderLayer(nn.Module):
                 qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             )
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:  # one RoPE over q and k together: [T, H + Hkv, D]
-            qk = apply_rope(
-                qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin
-            )
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:  # one RoPE over q and k together
+            q, k = ops.rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         o = backend.forward(plan, q, k, v, kv_cache, self.window)  # [T, H, D]
-        x = x + self.o_proj(o.reshape(t, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x, h = ops.add_norm(
+            x, self.o_proj(o.reshape(t, self.q_size)), self.post_attention_layernorm
+        )
+        return x, self.mlp(h, ops)
+
+    def mlp(self, h: torch.Tensor, ops: TorchPointwise) -> torch.Tensor:
+        """down(silu(gate) * up) of h [T, hidden]. With the fused kernels, a long step runs in
+        chunks of MLP_CHUNK_ROWS rows: [T, 2I] and [T, I] temporaries of a 4,096-token step
+        (32 + 16 MiB in bench50m) fall out of the cache and are mmapped and page-faulted
+        afresh at every call; chunks of rows stay in L2/L3 and in reused heap memory. Every op
+        here is row by row, so chunking changes no bit."""
+        t = h.shape[0]
+        if not ops.fused or t <= MLP_CHUNK_ROWS:
+            return self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
+        out = h.new_empty(t, self.down_proj.out_features)
+        for r in range(0, t, MLP_CHUNK_ROWS):
+            rows = slice(r, r + MLP_CHUNK_ROWS)
+            out[rows] = self.down_proj(ops.silu_mul(self.gate_up_proj(h[rows])))
+        return out
 
 
 class LlamaModel(nn.Module):
@@ -153,6 +171,7 @@ class LlamaModel(nn.Module):
         self.tied_head: nn.Module | None = None  # a packed copy of the tied head (cpu_linear)
         device = torch.device(device)
         self.rope = RotaryCache(config, device, dtype)
+        self.pointwise = pointwise.for_model(dtype, device)  # fused bf16 kernels or torch ops
         self.attn_backend = backend or select_backend(
             device, config.num_heads, config.num_kv_heads, config.head_dim
         )
@@ -173,11 +192,14 @@ class LlamaModel(nn.Module):
         plan = self.attn_backend.prepare(meta)  # once per step, shared by all layers
         cos, sin = self.rope.lookup(positions)
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_caches[i], self.attn_backend, plan)
+            x, delta = layer(
+                x, delta, cos, sin, kv_caches[i], self.attn_backend, plan, self.pointwise
+            )
             if layer_callback is not None:
                 layer_callback(i)  # layer i's K/V for this step are in kv_caches[i]
-        return self.norm(x)
+        return self.pointwise.add_norm(x, delta, self.norm)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] float32
