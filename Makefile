@@ -30,6 +30,8 @@ test: setup
 	-$(PY) -c "from pdserve.model import amx_linear as k; k.available()"
 	# and, on a CPU with AVX512-BF16 and no AMX, its bf16 linear (pdserve.model.avx512_bf16_linear)
 	-$(PY) -c "from pdserve.model import amx_linear as a, avx512_bf16_linear as k; a.cpu_has_amx() or k.available()"
+	# and, on a CPU with AVX-512, the fused bf16 pointwise ops (pdserve.model.pointwise)
+	-$(PY) -c "from pdserve.model import pointwise as k; k.load()"
 	$(PY) -m pytest -q
 
 lint: setup
