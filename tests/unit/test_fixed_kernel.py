@@ -5,6 +5,7 @@ SDPA in fp32 (and the torch `fixed` path) within tolerance, for bf16 and fp32 ca
 ratios 1/2/4, head_dim 16/64/80/128 (80: the any-width path), with and without a window.
 Invariance, bitwise: a sequence's rows alone vs inside batches of other sequences (other block
 placements, longer neighbours), its prompt whole vs chunked vs as decode rows, 1 vs 2 threads.
+The tiled path (runs of tokens) and the per-token path give every row the same bits.
 The scalar build (no AVX-512) passes this file too: `PDSERVE_ATTN_KERNEL=scalar pytest ...`.
 """
 
@@ -54,8 +55,9 @@ class Paged:
             self.tables.append(table)
         self.seqs = seqs
 
-    def call(self, parts, window, scale=0.25):
-        """parts: (seq, a, e): queries a .. e-1 of seq, its context = e keys."""
+    def call(self, parts, window, scale=0.25, path=0):
+        """parts: (seq, a, e): queries a .. e-1 of seq, its context = e keys. path: 0 auto,
+        1 every token alone (per-task), 2 every run of tokens tiled."""
         qs, tseq, tpos, ctx = [], [], [], []
         width = max(len(t) for t in self.tables)
         tables = []
@@ -75,6 +77,7 @@ class Paged:
             torch.tensor(ctx, dtype=i32),
             window,
             scale,
+            path,
         )
         return list(out.split([e - a for _, a, e in parts]))
 
@@ -144,6 +147,35 @@ def test_kernel_rows_are_invariant(dtype, window):
             assert torch.equal(alone.call([(0, 0, n)], window)[0], full), f"{t} threads"
             out = crowd.call([(0, 0, 300), (2, 0, n)], window)[1]
             assert torch.equal(out, full), f"{t} threads in a batch"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtypes", [(t, t) for t in DTYPES] + [(torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "heads",  # GQA groups 1, 2, 4, 8; head_dim 16, 64, 80 and 72 (any-width), 128, 256
+    [(2, 2, 64), (4, 2, 80), (8, 2, 64), (8, 1, 128), (4, 1, 16), (2, 1, 72), (4, 2, 256)],
+)
+def test_tiled_rows_are_the_per_token_rows(dtypes, heads):
+    """The tiled path (runs of tokens x G heads sharing each K/V row) gives every row the bits
+    of the per-token path: a prompt's rows at every position equal those rows as decodes; a
+    prefill, a chunk and decodes, with and without a window, 1 and 2 threads."""
+    qdt, cdt = dtypes
+    h, hkv, d = heads
+    seqs = [_seq(s, h, hkv, d, qdt, seed) for seed, s in enumerate((150, 37, 70))]
+    paged = Paged(seqs, hkv, d, cdt, seed=4)
+    parts = [(0, 0, 150), (1, 20, 37), (2, 69, 70), (2, 40, 41)]
+    threads = torch.get_num_threads()
+    try:
+        for window in (None, 24, 1):
+            alone = torch.cat(paged.call(parts, window, path=1))
+            decodes = paged.call([(0, p, p + 1) for p in range(150)], window)  # auto path
+            assert torch.equal(torch.cat(decodes), alone[:150]), f"decodes, window {window}"
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                for path in (0, 2):
+                    got = torch.cat(paged.call(parts, window, path=path))
+                    assert torch.equal(got, alone), f"window {window}, path {path}, {t} threads"
     finally:
         torch.set_num_threads(threads)
 

@@ -127,10 +127,11 @@ def attend_paged(
     ctx_lens: torch.Tensor,  # [B] int32
     window: int | None,
     scale: float,
+    path: int = 0,  # 1: every token alone, 2: every run of tokens tiled (tests; same bits)
 ) -> torch.Tensor:  # [T, H, D] in q's dtype
     ext = load()
     if ext is None:
         raise RuntimeError("the attention kernel is not available (see the log)")
     return ext.attend_paged(
-        q.contiguous(), kv_cache, tables, tok_seq, tok_pos, ctx_lens, window or 0, scale
+        q.contiguous(), kv_cache, tables, tok_seq, tok_pos, ctx_lens, window or 0, scale, path
     )

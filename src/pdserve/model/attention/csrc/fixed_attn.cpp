@@ -3,9 +3,12 @@
 // One call per layer attends every query token of a step (prefill chunks and decodes alike)
 // against its sequence's keys, read straight from the paged cache
 // [num_blocks, 2, block_size, Hkv, D] through the block table (bf16 or fp32, converted to
-// fp32 in registers). A task is one (query token, kv head): its G = H / Hkv query heads are
-// computed together (each K/V row is loaded once for the G rows). Tasks are split across
-// threads; a task never is, so no row's reduction is ever split.
+// fp32 in registers). A tile is a run of up to kTileRows / G consecutive tokens of one
+// sequence (consecutive positions) x one kv head, i.e. its G = H / Hkv query heads: each K/V
+// row is converted once for all the tile's rows (fixed_attn_math.h, attend_tile). A single
+// token (a decode) goes through attend_task, one (token, kv head) at a time. The two paths
+// give every row the same bits (tests/unit/test_fixed_kernel.py compares them). Tiles are
+// split across threads; a tile never is, so no row's reduction is ever split.
 //
 // The order of every reduction of a row depends only on the row's own position p, the
 // window and head_dim, never on the batch, the chunking, the other rows or the thread count:
@@ -37,10 +40,16 @@ namespace {
 
 using namespace pdserve_attn;
 
+// Tokens per tile: runs of consecutive tokens of one sequence at consecutive positions are
+// cut into tiles of up to kTileRows / G tokens (x G heads = the tile's rows).
+constexpr int64_t kTileRows = 64;
+
+// path: 0 auto (tiles of >= 2 tokens tiled, single tokens per task), 1 every token per task,
+// 2 every tile tiled (the paths give the same bits; 1 and 2 exist for tests and benchmarks).
 template <typename QT, typename CT>
 void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
          const at::Tensor& tok_seq, const at::Tensor& tok_pos, const at::Tensor& ctx,
-         int64_t window, double scale, at::Tensor& out) {
+         int64_t window, double scale, int64_t path, at::Tensor& out) {
   const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
   Shape sh{cache.size(3), h / cache.size(3), d, cache.size(2), tables.size(1), cache.size(3) * d};
   const int64_t w = (d + kLanes - 1) / kLanes * kLanes;
@@ -52,23 +61,61 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
   const int32_t* pos = tok_pos.data_ptr<int32_t>();
   const int32_t* cl = ctx.data_ptr<int32_t>();
   const float sc = (float)scale;
-  // grain: tasks of a few hundred keys each are ~10 us; keep decode batches on one thread
-  at::parallel_for(0, t * sh.hkv, 16, [&](int64_t begin, int64_t end) {
+  const int64_t tile_tok = (kVector && path != 1) ? std::max<int64_t>(1, kTileRows / sh.g) : 1;
+  std::vector<int64_t> starts;  // first token of each tile, then t
+  for (int64_t i = 0; i < t; ++i)
+    if (i == 0 || seq[i] != seq[i - 1] || pos[i] != pos[i - 1] + 1 || i - starts.back() >= tile_tok)
+      starts.push_back(i);
+  starts.push_back(t);
+  const int64_t ntiles = (int64_t)(starts.size() - 1) * sh.hkv;
+  auto bounds = [&](int64_t ti, int64_t& lo, int64_t& hi) {
+    const int64_t p = pos[ti];
+    hi = std::min<int64_t>(p, (int64_t)cl[seq[ti]] - 1);
+    lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+  };
+  // grain: ~16 tokens' tasks (tasks of a few hundred keys are ~10 us; decode batches stay on
+  // one thread)
+  const int64_t grain = std::max<int64_t>(1, 16 * ntiles / std::max<int64_t>(1, t * sh.hkv));
+  at::parallel_for(0, ntiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(sh.g * w), of(sh.g * w), l(sh.g), kf(kLanes * w), s;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t ti = task / sh.hkv, hk = task % sh.hkv, b = seq[ti], p = pos[ti];
-      const int64_t hi = std::min<int64_t>(p, (int64_t)cl[b] - 1);
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      const QT* qt = qp + (ti * h + hk * sh.g) * d;
-      QT* ot = op + (ti * h + hk * sh.g) * d;
-      for (int64_t g = 0; g < sh.g; ++g)
-        for (int64_t i = 0; i < w; ++i) qf[g * w + i] = i < d ? (float)qt[g * d + i] * sc : 0.0f;
-      const int64_t n = hi - lo + 1;
-      if ((int64_t)s.size() < sh.g * n) s.resize(sh.g * n);
-      attend_task<CT>(qf.data(), cp + hk * d, tb + b * sh.width, sh, lo, hi, s.data(), l.data(),
-                      kf.data(), of.data());
-      for (int64_t g = 0; g < sh.g; ++g)
-        for (int64_t i = 0; i < d; ++i) ot[g * d + i] = (QT)of[g * w + i];
+#if PD_AVX512
+    TileScratch ws;
+    std::vector<float> tq, to;
+    std::vector<int64_t> tlo, thi;
+#endif
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t t0 = starts[tile / sh.hkv], t1 = starts[tile / sh.hkv + 1];
+      const int64_t hk = tile % sh.hkv, b = seq[t0];
+#if PD_AVX512
+      if (path == 2 || (path == 0 && t1 - t0 >= 2)) {
+        const int64_t nt = t1 - t0, rows = nt * sh.g;
+        tq.resize(rows * w), to.resize(rows * w), tlo.resize(nt), thi.resize(nt);
+        for (int64_t i = 0; i < nt; ++i) {
+          bounds(t0 + i, tlo[i], thi[i]);
+          const QT* qt = qp + ((t0 + i) * h + hk * sh.g) * d;
+          for (int64_t g = 0; g < sh.g; ++g) load_q(qt + g * d, d, sc, tq.data() + (i * sh.g + g) * w);
+        }
+        attend_tile<CT>(tq.data(), cp + hk * d, tb + b * sh.width, sh, nt, tlo.data(), thi.data(),
+                        ws, to.data());
+        for (int64_t i = 0; i < nt; ++i) {
+          QT* ot = op + ((t0 + i) * h + hk * sh.g) * d;
+          for (int64_t g = 0; g < sh.g; ++g) store_out(to.data() + (i * sh.g + g) * w, d, ot + g * d);
+        }
+        continue;
+      }
+#endif
+      for (int64_t ti = t0; ti < t1; ++ti) {
+        int64_t lo, hi;
+        bounds(ti, lo, hi);
+        const QT* qt = qp + (ti * h + hk * sh.g) * d;
+        QT* ot = op + (ti * h + hk * sh.g) * d;
+        for (int64_t g = 0; g < sh.g; ++g) load_q(qt + g * d, d, sc, qf.data() + g * w);
+        const int64_t n = hi - lo + 1;
+        if ((int64_t)s.size() < sh.g * n) s.resize(sh.g * n);
+        attend_task<CT>(qf.data(), cp + hk * d, tb + b * sh.width, sh, lo, hi, s.data(), l.data(),
+                        kf.data(), of.data());
+        for (int64_t g = 0; g < sh.g; ++g) store_out(of.data() + g * w, d, ot + g * d);
+      }
     }
   });
 }
@@ -108,8 +155,8 @@ void check_tables(const at::Tensor& cache, const at::Tensor& tables, const at::T
 // ctx_lens [B] int32 (keys 0 .. ctx - 1 are in the cache), window <= 0: none.
 // Returns [T, H, D] in q's dtype: query at position p sees keys max(0, p - window + 1) .. p.
 at::Tensor attend_paged(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
-                           at::Tensor tok_seq, at::Tensor tok_pos, at::Tensor ctx_lens,
-                           int64_t window, double scale) {
+                        at::Tensor tok_seq, at::Tensor tok_pos, at::Tensor ctx_lens,
+                        int64_t window, double scale, int64_t path) {
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && cache.size(1) == 2, "bad shapes");
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "q and cache must be contiguous");
@@ -118,17 +165,18 @@ at::Tensor attend_paged(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
     TORCH_CHECK(x->scalar_type() == at::kInt && x->is_contiguous(), "int32 index tensors");
   TORCH_CHECK(tok_seq.size(0) == q.size(0) && tok_pos.size(0) == q.size(0), "one seq/pos per token");
   TORCH_CHECK(ctx_lens.size(0) == block_tables.size(0), "one context length per table row");
+  TORCH_CHECK(path >= 0 && path <= 2, "path: 0, 1 or 2");
   check_tables(cache, block_tables, tok_seq, tok_pos, ctx_lens, window);
   auto out = at::empty_like(q);
   const auto qt = q.scalar_type(), ct = cache.scalar_type();
   if (qt == at::kBFloat16 && ct == at::kBFloat16)
-    run<bf16, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
+    run<bf16, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, path, out);
   else if (qt == at::kFloat && ct == at::kFloat)
-    run<float, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
+    run<float, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, path, out);
   else if (qt == at::kFloat && ct == at::kBFloat16)
-    run<float, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
+    run<float, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, path, out);
   else if (qt == at::kBFloat16 && ct == at::kFloat)
-    run<bf16, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, out);
+    run<bf16, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, path, out);
   else
     TORCH_CHECK(false, "dtypes: bf16 or fp32 only");
   return out;
@@ -137,6 +185,9 @@ at::Tensor attend_paged(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
 bool vectorized() { return kVector; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend_paged", &attend_paged, "batch-invariant paged attention (CPU)");
+  m.def("attend_paged", &attend_paged, "batch-invariant paged attention (CPU)",
+        pybind11::arg("q"), pybind11::arg("cache"), pybind11::arg("block_tables"),
+        pybind11::arg("tok_seq"), pybind11::arg("tok_pos"), pybind11::arg("ctx_lens"),
+        pybind11::arg("window"), pybind11::arg("scale"), pybind11::arg("path") = 0);
   m.def("vectorized", &vectorized, "true when built with AVX-512");
 }

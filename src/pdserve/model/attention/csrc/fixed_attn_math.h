@@ -1,5 +1,6 @@
-// The per-task math of fixed_attn.cpp: one (token, kv head) task attends its G query rows
-// over keys lo .. hi of the paged cache (see the order in fixed_attn.cpp's header).
+// The math of fixed_attn.cpp: attend_task, one (token, kv head) attends its G query rows over
+// keys lo .. hi of the paged cache (see the order in fixed_attn.cpp's header); attend_tile,
+// the same for several tokens of one sequence at once, with the same bits per row.
 // AVX-512 intrinsics when compiled with AVX-512 flags, else a scalar version of the same
 // order. Included once, by fixed_attn.cpp (ninja tracks it as a dependency).
 #pragma once
@@ -38,6 +39,30 @@ inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps
 inline __m512 load16(const bf16* p, __mmask16 m) {
   __m256i h = _mm256_maskz_loadu_epi16(m, p);  // bf16 -> fp32 is exact: bits << 16
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Row i/o, exactly as the scalar casts: q -> (float)q * scale, zero-padded to w; fp32 -> QT
+// (bf16 by c10's rounding: nearest even, NaN -> 0x7FC0).
+template <typename QT>
+inline void load_q(const QT* src, int64_t d, float sc, float* dst) {
+  for (int64_t c = 0; c < d; c += kLanes) {
+    const __mmask16 m = tail_mask(d - c);
+    _mm512_storeu_ps(dst + c, _mm512_maskz_mul_ps(m, load16(src + c, m), _mm512_set1_ps(sc)));
+  }
+}
+inline void store16(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
+inline void store16(bf16* p, __m512 x, __mmask16 m) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i bias = _mm512_add_epi32(
+      _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+}
+template <typename QT>
+inline void store_out(const float* src, int64_t d, QT* dst) {
+  for (int64_t c = 0; c < d; c += kLanes)
+    store16(dst + c, _mm512_loadu_ps(src + c), tail_mask(d - c));
 }
 
 // exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial, 2^n by
@@ -234,10 +259,276 @@ void attend_task(const float* q, const CT* cache, const int32_t* table, const Sh
 }
 constexpr bool kVector = true;
 
+// ---- Tiled path: several query tokens of one sequence x G heads, the same bits per row ----
+// A row's score for key j is a perfect binary tree of additions over the 16 lane partials
+// P_l = q[l] * k_j[l] (+ FMA over the chunks c = 1 .. NV-1 of q[16c + l] * k_j[16c + l]),
+// the leaves taken in a fixed lane order: sum16's tree for NV = 1, 2, 4, 8 and GCC's
+// _mm512_reduce_add_ps tree otherwise (the trees scores_fixed / scores_any apply). Here the
+// keys are the lanes instead: K is transposed per group of 16 keys (kt[d][key]) and each P_l
+// is a vector over 16 keys, so the tree is 15 vertical adds and the transpose is shared by all
+// the tile's rows. Every add and FMA is the same operation on the same operands as before.
+constexpr int kSum16Leaves[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+constexpr int kReduceLeaves[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+// r[i] (key i, 16 dims) -> r[l] (dim l, 16 keys)
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int k = 0; k < 16; k += 4) {
+    const __m512d a = _mm512_castps_pd(t[k]), b = _mm512_castps_pd(t[k + 2]);
+    const __m512d c = _mm512_castps_pd(t[k + 1]), d = _mm512_castps_pd(t[k + 3]);
+    r[k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  // r[4k + e], 128-bit quarter Q: element 4Q + e of keys 4k .. 4k + 3
+  for (int e = 0; e < 4; ++e) {
+    const __m512 a = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88);
+    const __m512 b = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
+    const __m512 d = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xDD);
+    t[e] = _mm512_shuffle_f32x4(a, c, 0x88);
+    t[4 + e] = _mm512_shuffle_f32x4(b, d, 0x88);
+    t[8 + e] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    t[12 + e] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// Scores of RR rows for one group of 16 keys: kt [NV*16][16] (transposed K), q[r] the row's
+// scaled padded q, s[r] receives the 16 scores. NV = 0: nv chunks at run time.
+template <int RR, int NV, bool S16>
+inline void score_block(const float* kt, int64_t nv, const float* const* q, float* const* s) {
+  const int64_t n = NV > 0 ? NV : nv;
+  __m512 part[RR][4];  // pending complete subtrees of 1, 2, 4, 8 leaves
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    const int l = S16 ? kSum16Leaves[i] : kReduceLeaves[i];
+    __m512 acc[RR];
+    {
+      const __m512 kv = _mm512_loadu_ps(kt + l * kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r) acc[r] = _mm512_mul_ps(_mm512_set1_ps(q[r][l]), kv);
+    }
+    for (int64_t c = 1; c < n; ++c) {
+      const __m512 kv = _mm512_loadu_ps(kt + (c * kLanes + l) * kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][c * kLanes + l]), kv, acc[r]);
+    }
+    int k = 0;  // binary counter: leaf i completes the subtrees of its trailing one bits
+#pragma GCC unroll 4
+    for (; k < 4 && ((i >> k) & 1); ++k)
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r) acc[r] = _mm512_add_ps(part[r][k], acc[r]);
+    if (i == 15) {
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r) _mm512_storeu_ps(s[r], acc[r]);
+    } else {
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r) part[r][k] = acc[r];
+    }
+  }
+}
+
+// o[r] (CB chunks) += e[r][j] * v_j over j = j0 .. j1 in order, for RB rows; rows outside
+// their own key range [lo[r], hi[r]] skip the key. vf: V rows of keys from `kc` (fp32, stride w).
+template <int RB, int CB>
+inline void pv_tile_block(const float* vf, int64_t w, int64_t kc, int64_t j0, int64_t j1,
+                          const int64_t* lo, const int64_t* hi, const float* const* e,
+                          float* const* o) {
+  __m512 acc[RB][CB];
+  int64_t cl = j0, ch = j1;  // keys every row of the block uses
+  for (int r = 0; r < RB; ++r) {
+    cl = std::max(cl, lo[r]);
+    ch = std::min(ch, hi[r]);
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_loadu_ps(o[r] + c * kLanes);
+  }
+  auto some = [&](int64_t a, int64_t b) {
+    for (int64_t j = a; j <= b; ++j) {
+      const float* vp = vf + (j - kc) * w;
+      for (int r = 0; r < RB; ++r) {
+        if (j < lo[r] || j > hi[r]) continue;
+        const __m512 wt = _mm512_set1_ps(e[r][j]);
+        for (int c = 0; c < CB; ++c)
+          acc[r][c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(vp + c * kLanes), acc[r][c]);
+      }
+    }
+  };
+  if (cl > ch) {
+    some(j0, j1);
+  } else {
+    some(j0, cl - 1);
+    for (int64_t j = cl; j <= ch; ++j) {
+      const float* vp = vf + (j - kc) * w;
+      __m512 vv[CB];
+      for (int c = 0; c < CB; ++c) vv[c] = _mm512_loadu_ps(vp + c * kLanes);
+      for (int r = 0; r < RB; ++r) {
+        const __m512 wt = _mm512_set1_ps(e[r][j]);
+        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(wt, vv[c], acc[r][c]);
+      }
+    }
+    some(ch + 1, j1);
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(o[r] + c * kLanes, acc[r][c]);
+}
+
+template <int RB>
+inline void pv_tile_rows(const float* vf, int64_t w, int64_t nv, int64_t kc, int64_t j0,
+                         int64_t j1, const int64_t* lo, const int64_t* hi, const float* const* e,
+                         float* const* o) {
+  constexpr int CB = 4;
+  float* oc[RB];
+  int64_t c = 0;
+  for (; c < nv; c += CB) {
+    for (int r = 0; r < RB; ++r) oc[r] = o[r] + c * kLanes;
+    switch (std::min<int64_t>(CB, nv - c)) {
+      case 4: pv_tile_block<RB, 4>(vf + c * kLanes, w, kc, j0, j1, lo, hi, e, oc); break;
+      case 3: pv_tile_block<RB, 3>(vf + c * kLanes, w, kc, j0, j1, lo, hi, e, oc); break;
+      case 2: pv_tile_block<RB, 2>(vf + c * kLanes, w, kc, j0, j1, lo, hi, e, oc); break;
+      default: pv_tile_block<RB, 1>(vf + c * kLanes, w, kc, j0, j1, lo, hi, e, oc); break;
+    }
+  }
+}
+
+struct TileScratch {
+  std::vector<float> kt, vf, s, l, o;
+  std::vector<int64_t> rlo, rhi, krow;
+  std::vector<const float*> qp, ep;
+  std::vector<float*> sp, op;
+};
+
+constexpr int64_t kPvKeys = 64;  // V rows converted to fp32 at a time
+
+// A tile: rows r = i * G + g (token i of `ntok`, head g), token i attends keys lo[i] .. hi[i].
+// qf [rows][w] scaled padded q; writes out [rows][w] (the rows' results, bit for bit those of
+// attend_task).
+template <typename CT, int NV, bool S16>
+void attend_tile_nv(const float* qf, const CT* cache, const int32_t* table, const Shape& sh,
+                    int64_t ntok, const int64_t* lo, const int64_t* hi, TileScratch& ws,
+                    float* out) {
+  const int64_t nv = (sh.d + kLanes - 1) / kLanes, w = nv * kLanes, rows = ntok * sh.g;
+  int64_t klo = lo[0], khi = hi[0];
+  for (int64_t i = 1; i < ntok; ++i) klo = std::min(klo, lo[i]), khi = std::max(khi, hi[i]);
+  const int64_t spad = (khi - klo + kLanes) / kLanes * kLanes;
+  ws.kt.resize(w * kLanes);
+  ws.vf.resize(kPvKeys * w);
+  if ((int64_t)ws.s.size() < rows * spad) ws.s.resize(rows * spad);
+  ws.l.resize(rows), ws.rlo.resize(rows), ws.rhi.resize(rows);
+  ws.qp.resize(rows), ws.ep.resize(rows), ws.sp.resize(rows), ws.op.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) ws.rlo[r] = lo[r / sh.g], ws.rhi[r] = hi[r / sh.g];
+  ws.krow.resize(khi - klo + 1);  // K row offset of key klo + i (its V row: + bs * row)
+  for (int64_t j = klo, b = klo / sh.bs, o = klo % sh.bs; j <= khi; ++j) {
+    ws.krow[j - klo] = ((int64_t)table[b] * 2 * sh.bs + o) * sh.row;
+    if (++o == sh.bs) o = 0, ++b;
+  }
+  float* s = ws.s.data();
+  float* kt = ws.kt.data();
+  auto row_ptr = [&](const CT* base, int64_t j) { return base + ws.krow[j - klo]; };
+  // scores, one group of 16 keys (from klo) at a time, for the rows that use the group
+  for (int64_t base = klo; base <= khi; base += kLanes) {
+    const int64_t cnt = std::min<int64_t>(kLanes, khi - base + 1);
+    const CT* kp[kLanes];
+    for (int64_t i = 0; i < cnt; ++i) kp[i] = row_ptr(cache, base + i);
+    for (int64_t c = 0; c < nv; ++c) {
+      const __mmask16 m = tail_mask(sh.d - c * kLanes);
+      __m512 x[kLanes];
+      for (int64_t i = 0; i < kLanes; ++i)
+        x[i] = i < cnt ? load16(kp[i] + c * kLanes, m) : _mm512_setzero_ps();
+      transpose16(x);
+      for (int i = 0; i < kLanes; ++i) _mm512_storeu_ps(kt + (c * kLanes + i) * kLanes, x[i]);
+    }
+    int64_t m = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (ws.rhi[r] < base || ws.rlo[r] > base + cnt - 1) continue;
+      ws.qp[m] = qf + r * w;
+      ws.sp[m++] = s + r * spad + (base - klo);
+    }
+    const float* const* qp = ws.qp.data();
+    float* const* sp = ws.sp.data();
+    int64_t k = 0;
+    for (; k + 4 <= m; k += 4) score_block<4, NV, S16>(kt, nv, qp + k, sp + k);
+    switch (m - k) {
+      case 3: score_block<3, NV, S16>(kt, nv, qp + k, sp + k); break;
+      case 2: score_block<2, NV, S16>(kt, nv, qp + k, sp + k); break;
+      case 1: score_block<1, NV, S16>(kt, nv, qp + k, sp + k); break;
+      default: break;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // each row over its own keys, as attend_task
+    softmax_rows(s + r * spad + (ws.rlo[r] - klo), 1, ws.rhi[r] - ws.rlo[r] + 1, &ws.l[r]);
+    ws.ep[r] = s + r * spad - klo;  // ep[r][j]: e of key j
+    ws.op[r] = out + r * w;
+  }
+  std::fill(out, out + rows * w, 0.0f);
+  const CT* vbase = cache + sh.bs * sh.row;
+  for (int64_t kc = klo; kc <= khi; kc += kPvKeys) {
+    const int64_t ke = std::min(khi, kc + kPvKeys - 1);
+    for (int64_t j = kc; j <= ke; ++j) {
+      const CT* vp = row_ptr(vbase, j);
+      for (int64_t c = 0; c < nv; ++c)
+        _mm512_storeu_ps(ws.vf.data() + (j - kc) * w + c * kLanes,
+                         load16(vp + c * kLanes, tail_mask(sh.d - c * kLanes)));
+    }
+    int64_t r = 0;
+    const int64_t* rl = ws.rlo.data();
+    const int64_t* rh = ws.rhi.data();
+    const float* const* ep = ws.ep.data();
+    float* const* op = ws.op.data();
+    for (; r < rows; r += 4) {
+      const int64_t nb = std::min<int64_t>(4, rows - r);
+      int64_t j0 = ke + 1, j1 = kc - 1;
+      for (int64_t i = r; i < r + nb; ++i) j0 = std::min(j0, rl[i]), j1 = std::max(j1, rh[i]);
+      j0 = std::max(j0, kc), j1 = std::min(j1, ke);
+      if (j0 > j1) continue;
+      switch (nb) {
+        case 4: pv_tile_rows<4>(ws.vf.data(), w, nv, kc, j0, j1, rl + r, rh + r, ep + r, op + r); break;
+        case 3: pv_tile_rows<3>(ws.vf.data(), w, nv, kc, j0, j1, rl + r, rh + r, ep + r, op + r); break;
+        case 2: pv_tile_rows<2>(ws.vf.data(), w, nv, kc, j0, j1, rl + r, rh + r, ep + r, op + r); break;
+        default: pv_tile_rows<1>(ws.vf.data(), w, nv, kc, j0, j1, rl + r, rh + r, ep + r, op + r); break;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 den = _mm512_set1_ps(ws.l[r]);
+    for (int64_t c = 0; c < nv; ++c) {
+      float* o = out + r * w + c * kLanes;
+      _mm512_storeu_ps(o, _mm512_div_ps(_mm512_loadu_ps(o), den));
+    }
+  }
+}
+
+template <typename CT>
+void attend_tile(const float* qf, const CT* cache, const int32_t* table, const Shape& sh,
+                 int64_t ntok, const int64_t* lo, const int64_t* hi, TileScratch& ws, float* out) {
+  switch ((sh.d + kLanes - 1) / kLanes) {  // the same split as attend_task
+    case 1: return attend_tile_nv<CT, 1, true>(qf, cache, table, sh, ntok, lo, hi, ws, out);
+    case 2: return attend_tile_nv<CT, 2, true>(qf, cache, table, sh, ntok, lo, hi, ws, out);
+    case 4: return attend_tile_nv<CT, 4, true>(qf, cache, table, sh, ntok, lo, hi, ws, out);
+    case 8: return attend_tile_nv<CT, 8, true>(qf, cache, table, sh, ntok, lo, hi, ws, out);
+    default: return attend_tile_nv<CT, 0, false>(qf, cache, table, sh, ntok, lo, hi, ws, out);
+  }
+}
+
 #else  // scalar fallback: the same order, one lane
 
 constexpr int kLanes = 16;  // only pads the q/out rows
 constexpr bool kVector = false;
+
+template <typename QT>
+inline void load_q(const QT* src, int64_t d, float sc, float* dst) {
+  const int64_t w = (d + kLanes - 1) / kLanes * kLanes;
+  for (int64_t i = 0; i < w; ++i) dst[i] = i < d ? (float)src[i] * sc : 0.0f;
+}
+template <typename QT>
+inline void store_out(const float* src, int64_t d, QT* dst) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = (QT)src[i];
+}
 
 inline float exp_nonpos(float x) {
   x = std::max(x, -103.0f);
