@@ -151,7 +151,10 @@ def test_kernel_rows_are_invariant(dtype, window):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("dtypes", [(t, t) for t in DTYPES] + [(torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtypes",
+    [(t, t) for t in DTYPES] + [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)
 @pytest.mark.parametrize(
     "heads",  # GQA groups 1, 2, 4, 8; head_dim 16, 64, 80 and 72 (any-width), 128, 256
     [(2, 2, 64), (4, 2, 80), (8, 2, 64), (8, 1, 128), (4, 1, 16), (2, 1, 72), (4, 2, 256)],

@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", default="8,2,64", help="H,Hkv,D (default: bench50m)")
     p.add_argument("--window", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kinds", default="prefill,decode")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     h, hkv, d = (int(x) for x in args.heads.split(","))
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = d**-0.5
     cases = [("prefill", b, 128) for b in (1, 8, 32)]
     cases += [("decode", b, c) for c in (128, 1024) for b in (1, 8, 32)]
+    cases = [c for c in cases if c[0] in args.kinds.split(",")]
     print(f"H={h} Hkv={hkv} D={d} window={args.window} threads={args.threads}, one layer call")
     cols = "".join(f" {n + ' ms':>9s} {n + ' GF/s':>9s}" for n in arms)
     print(f"dtype     case                 {cols}  speedup  bit-equal")
