@@ -3,7 +3,8 @@ its sources at another git revision, on bench50m's attention shapes by default.
 
     python -m pdserve.bench.attention_kernel [--baseline REV] [--dtype bfloat16] [--threads 1]
 
-Cases: prefill (B prompts of P tokens, one call) and decode (B rows at context C). Per case
+Cases: prefill (B prompts of P tokens, one call), chunk (B chunks of 128 tokens ending at
+context C) and decode (B rows at context C). Per case
 and arm: process CPU time of one layer call, best of --repeats (arms alternate repeat by
 repeat), GFLOP/s = 4 * H * D * (visible keys summed over rows) / time, and whether the
 outputs of the two arms are bitwise equal. The baseline (`git show REV:` of fixed_attn.cpp and
@@ -53,14 +54,15 @@ def build_baseline(rev: str) -> Any:
 
 
 def make_case(kind: str, batch: int, length: int, h: int, hkv: int, d: int, dtype, seed=0):
-    """Kernel arguments: `batch` prompts of `length` tokens (prefill) or `batch` decode rows
-    at context `length`, shuffled blocks."""
+    """Kernel arguments: `batch` prompts of `length` tokens (prefill), `batch` last chunks of
+    128 tokens at context `length` (chunk) or `batch` decode rows at context `length`,
+    shuffled blocks."""
     g = torch.Generator().manual_seed(seed)
     nb = -(-length // BS)
     cache = torch.randn(batch * nb + 1, 2, BS, hkv, d, generator=g).to(dtype)
     perm = torch.randperm(batch * nb, generator=g) + 1
     tables = perm.view(batch, nb).to(torch.int32)
-    qlen = length if kind == "prefill" else 1
+    qlen = {"prefill": length, "chunk": 128, "decode": 1}[kind]
     tok_seq = torch.arange(batch).repeat_interleave(qlen).to(torch.int32)
     tok_pos = torch.arange(length - qlen, length).repeat(batch).to(torch.int32)
     ctx = torch.full((batch,), length, dtype=torch.int32)
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", default="8,2,64", help="H,Hkv,D (default: bench50m)")
     p.add_argument("--window", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--kinds", default="prefill,decode")
+    p.add_argument("--kinds", default="prefill,chunk,decode")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     h, hkv, d = (int(x) for x in args.heads.split(","))
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     arms["new"] = ext
     scale = d**-0.5
     cases = [("prefill", b, 128) for b in (1, 8, 32)]
+    cases += [("chunk", b, 1024) for b in (1, 8)]
     cases += [("decode", b, c) for c in (128, 1024) for b in (1, 8, 32)]
     cases = [c for c in cases if c[0] in args.kinds.split(",")]
     print(f"H={h} Hkv={hkv} D={d} window={args.window} threads={args.threads}, one layer call")

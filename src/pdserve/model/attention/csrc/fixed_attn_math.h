@@ -403,7 +403,7 @@ struct TileScratch {
   std::vector<float*> sp, op;
 };
 
-constexpr int64_t kPvKeys = 64;  // V rows converted to fp32 at a time
+constexpr int64_t kPvKeys = 256;  // V rows converted to fp32 at a time
 
 // A tile: rows r = i * G + g (token i of `ntok`, head g), token i attends keys lo[i] .. hi[i].
 // qf [rows][w] scaled padded q; writes out [rows][w] (the rows' results, bit for bit those of
