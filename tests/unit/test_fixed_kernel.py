@@ -162,12 +162,13 @@ def test_kernel_rows_are_invariant(dtype, window):
 def test_tiled_rows_are_the_per_token_rows(dtypes, heads):
     """The tiled path (runs of tokens x G heads sharing each K/V row) gives every row the bits
     of the per-token path: a prompt's rows at every position equal those rows as decodes; a
-    prefill, a chunk and decodes, with and without a window, 1 and 2 threads."""
+    prefill, chunks (one at 600 keys: V in several pieces) and decodes, with and without a
+    window, 1 and 2 threads."""
     qdt, cdt = dtypes
     h, hkv, d = heads
-    seqs = [_seq(s, h, hkv, d, qdt, seed) for seed, s in enumerate((150, 37, 70))]
+    seqs = [_seq(s, h, hkv, d, qdt, seed) for seed, s in enumerate((150, 37, 70, 600))]
     paged = Paged(seqs, hkv, d, cdt, seed=4)
-    parts = [(0, 0, 150), (1, 20, 37), (2, 69, 70), (2, 40, 41)]
+    parts = [(0, 0, 150), (1, 20, 37), (2, 69, 70), (2, 40, 41), (3, 530, 600)]
     threads = torch.get_num_threads()
     try:
         for window in (None, 24, 1):
