@@ -53,11 +53,11 @@ def build_baseline(rev: str) -> Any:
     return cpp_ext.build("pdserve_fixed_attn_base", sha, src / "fixed_attn.cpp", flags)
 
 
-def make_case(kind: str, batch: int, length: int, h: int, hkv: int, d: int, dtype, seed=0):
+def make_case(kind: str, batch: int, length: int, h: int, hkv: int, d: int, dtype, window=0):
     """Kernel arguments: `batch` prompts of `length` tokens (prefill), `batch` last chunks of
     128 tokens at context `length` (chunk) or `batch` decode rows at context `length`,
-    shuffled blocks."""
-    g = torch.Generator().manual_seed(seed)
+    shuffled blocks; the FLOPs count the keys each row sees (its window)."""
+    g = torch.Generator().manual_seed(0)
     nb = -(-length // BS)
     cache = torch.randn(batch * nb + 1, 2, BS, hkv, d, generator=g).to(dtype)
     perm = torch.randperm(batch * nb, generator=g) + 1
@@ -67,7 +67,8 @@ def make_case(kind: str, batch: int, length: int, h: int, hkv: int, d: int, dtyp
     tok_pos = torch.arange(length - qlen, length).repeat(batch).to(torch.int32)
     ctx = torch.full((batch,), length, dtype=torch.int32)
     q = torch.randn(batch * qlen, h, d, generator=g).to(dtype)
-    keys = int((tok_pos.long() + 1).sum())
+    seen = tok_pos.long() + 1
+    keys = int((seen.clamp(max=window) if window > 0 else seen).sum())
     return (q, cache, tables, tok_seq, tok_pos, ctx), 4 * h * d * keys
 
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         for dt in args.dtype.split(","):
             dtype = getattr(torch, dt)
             for kind, b, n in cases:
-                a, flops = make_case(kind, b, n, h, hkv, d, dtype)
+                a, flops = make_case(kind, b, n, h, hkv, d, dtype, args.window)
                 inner = max(1, int(2e8 // flops))
                 best = dict.fromkeys(arms, float("inf"))
                 outs = {}
