@@ -7,8 +7,8 @@ Cases: prefill (B prompts of P tokens, one call), chunk (B chunks of 128 tokens 
 context C) and decode (B rows at context C). Per case
 and arm: process CPU time of one layer call, best of --repeats (arms alternate repeat by
 repeat), GFLOP/s = 4 * H * D * (visible keys summed over rows) / time, and whether the
-outputs of the two arms are bitwise equal. The baseline (`git show REV:` of fixed_attn.cpp and
-fixed_attn_math.h) is built once under its own extension name in $TORCH_EXTENSIONS_DIR.
+outputs of the two arms are bitwise equal. The baseline (`git show REV:` of fixed_attn.cpp,
+fixed_attn_math.h and, where it exists, model/csrc/avx512_math.h) is built once under its own extension name in $TORCH_EXTENSIONS_DIR.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pdserve.model.attention import fixed_kernel
 
 BS = 16
 _CSRC = "src/pdserve/model/attention/csrc"
+_SHARED_HEADER = "src/pdserve/model/csrc/avx512_math.h"
 
 
 def build_baseline(rev: str) -> Any:
@@ -37,18 +38,22 @@ def build_baseline(rev: str) -> Any:
         capture_output=True,
         text=True,
     ).stdout.strip()
-    src = cpp_ext.build_dir("pdserve_fixed_attn_base", sha) / "src"
-    src.mkdir(parents=True, exist_ok=True)
-    for name in ("fixed_attn.cpp", "fixed_attn_math.h"):
-        text = subprocess.run(
-            ["git", "-C", str(root), "show", f"{rev}:{_CSRC}/{name}"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        path = src / name
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
+    # the repository's layout under src/, so that relative includes resolve as in the tree
+    # (fixed_attn_math.h includes ../../csrc/avx512_math.h from the shared helpers)
+    tree = cpp_ext.build_dir("pdserve_fixed_attn_base", sha) / "src"
+    for rel in (f"{_CSRC}/fixed_attn.cpp", f"{_CSRC}/fixed_attn_math.h", _SHARED_HEADER):
+        shown = subprocess.run(
+            ["git", "-C", str(root), "show", f"{rev}:{rel}"], capture_output=True, text=True
+        )
+        if shown.returncode != 0:
+            if rel == _SHARED_HEADER:  # revisions before the shared header
+                continue
+            raise RuntimeError(f"git show {rev}:{rel}: {shown.stderr.strip()}")
+        path = tree / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != shown.stdout:
+            path.write_text(shown.stdout)
+    src = tree / _CSRC
     flags = fixed_kernel._BASE_FLAGS + fixed_kernel._AVX512_FLAGS
     return cpp_ext.build("pdserve_fixed_attn_base", sha, src / "fixed_attn.cpp", flags)
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from pdserve.logging import get_logger
 from pdserve.model import cpp_ext
+from pdserve.model.avx512_bf16_linear import cpu_has_avx512_bf16
 
 _log = get_logger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "bf16_pointwise.cpp"
@@ -98,7 +99,7 @@ class FusedBf16Pointwise(TorchPointwise):
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h: int, hkv: int, d: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k = self._ext.rope_qk(qkv, cos.view(-1, d), sin.view(-1, d), h, hkv, d)
-        return q, k
+        return q, k  # contiguous, unlike the torch chain's views
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._ext.silu_mul(gate_up)
@@ -114,7 +115,7 @@ def load() -> Any | None:
     if not cpu_has_avx512():
         return None
     try:
-        bf16 = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+        bf16 = cpu_has_avx512_bf16()
         variant, flags = ("avx512bf16", _FLAGS + _BF16_FLAGS) if bf16 else ("avx512", _FLAGS)
         ext = cpp_ext.build("pdserve_bf16_pointwise", variant, _SOURCE, flags)
     except Exception as exc:  # no compiler

@@ -22,8 +22,9 @@
 #include <ATen/Parallel.h>
 #include <torch/python.h>
 
-#include <immintrin.h>
+#include "avx512_math.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -32,30 +33,17 @@ namespace {
 
 constexpr int kVec = 16;  // fp32 lanes per zmm
 
-inline __mmask16 tail_mask(int64_t n) {
-  return n >= kVec ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-}
-
-// 16 bf16 (masked) -> 16 fp32: the bf16 bits are the fp32 value's upper half.
-inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using pdserve_simd::load_bf16;
+using pdserve_simd::tail_mask;
 
 // fp32 -> bf16 bits, round to nearest even. With AVX512-BF16: VCVTNEPS2BF16 (one instruction;
-// it reads a denormal input as zero). Without: c10::round_to_nearest_even in integer code
-// (denormals kept, NaN -> 0x7fc0). The two builds differ only for denormals and NaN payloads.
+// it reads a denormal input as zero). Without: c10's rule in integer code. The two builds
+// differ only for denormals and NaN payloads.
 inline __m256i rne_bits(__m512 x) {
 #ifdef __AVX512BF16__
   return (__m256i)_mm512_cvtneps_pbh(x);
 #else
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-  __m512i b = _mm512_srli_epi32(r, 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  b = _mm512_mask_mov_epi32(b, nan, _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(b);
+  return pdserve_simd::bf16_bits_c10(x);
 #endif
 }
 
@@ -68,22 +56,10 @@ inline void store_bf16(uint16_t* p, __mmask16 m, __m512 x) {
   _mm256_mask_storeu_epi16(p, m, rne_bits(x));
 }
 
-// exp(x) in fp32: x = n ln2 + f (|f| <= ln2/2, ln2 split in two parts), a degree-6
-// polynomial for e^f, times 2^n through the exponent; clamped to [-87.3, 88.7].
+// exp(x) in fp32, x clamped to [-87.3, 88.7] (2^n finite): the shared Cephes polynomial.
 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+  return pdserve_simd::exp_clamped(
+      _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f)));
 }
 
 inline const uint16_t* bits(const at::Tensor& t) {
@@ -93,7 +69,7 @@ inline uint16_t* bits_mut(at::Tensor& t) {
   return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
-// Rows per parallel task: ~64 KiB of a row's type, so a small batch stays on one thread.
+// Rows per parallel task: ~32 Ki elements (64 KiB of bf16), so a small batch stays on one thread.
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, (32 << 10) / row_elems); }
 
 // One row: y = rne(x * r), out = rne(w * y).

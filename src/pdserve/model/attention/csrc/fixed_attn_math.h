@@ -15,7 +15,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PD_AVX512 1
-#include <immintrin.h>
+#include "../../csrc/avx512_math.h"
 #else
 #define PD_AVX512 0
 #endif
@@ -32,13 +32,10 @@ struct Shape {
 #if PD_AVX512
 constexpr int kLanes = 16;
 
-inline __mmask16 tail_mask(int64_t n) {
-  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
-}
+using pdserve_simd::tail_mask;
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const bf16* p, __mmask16 m) {
-  __m256i h = _mm256_maskz_loadu_epi16(m, p);  // bf16 -> fp32 is exact: bits << 16
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return pdserve_simd::load_bf16(reinterpret_cast<const uint16_t*>(p), m);
 }
 
 // Row i/o, exactly as the scalar casts: q -> (float)q * scale, zero-padded to w; fp32 -> QT
@@ -52,12 +49,7 @@ inline void load_q(const QT* src, int64_t d, float sc, float* dst) {
 }
 inline void store16(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
 inline void store16(bf16* p, __m512 x, __mmask16 m) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i bias = _mm512_add_epi32(
-      _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+  _mm256_mask_storeu_epi16(p, m, pdserve_simd::bf16_bits_c10(x));
 }
 template <typename QT>
 inline void store_out(const float* src, int64_t d, QT* dst) {
@@ -68,19 +60,7 @@ inline void store_out(const float* src, int64_t d, QT* dst) {
 // exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial, 2^n by
 // scalef). exp(0) == 1 exactly; x < -103 gives 0.
 inline __m512 exp_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+  return pdserve_simd::exp_clamped(_mm512_max_ps(x, _mm512_set1_ps(-103.0f)));
 }
 
 // Lane i of the result = the sum of the 16 lanes of p[i], by one fixed tree for every i:
