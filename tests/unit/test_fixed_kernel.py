@@ -302,3 +302,23 @@ def test_engine_paths_are_each_invariant(tmp_path, use_kernel):
     alone = {i: solo(engine(lm, "bfloat16"), [ps[i]], params_of(i))[0] for i in SUBSET}
     assert be.use_kernel is use_kernel
     assert run(engine(lm, "bfloat16", max_num_batched_tokens=64), SUBSET) == alone
+
+
+def test_plan_addresses_every_token_of_a_mixed_batch():
+    """The step plan's per-token arrays, against a token-by-token reference: decodes, a whole
+    prompt and a chunk after cached context, at shuffled blocks (block size 4)."""
+    bs = 4
+    query_lens, seq_lens = [1, 7, 3, 1], [9, 7, 12, 1]
+    tables = [[5, 2, 9], [11, 0], [3, 8, 1], [6]]
+    p = fixed_kernel.plan(AttentionMetadata.build(query_lens, seq_lens, tables, bs))
+    seq, pos, k_rows = [], [], []
+    for i, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        for j in range(s - q, s):
+            seq.append(i)
+            pos.append(j)
+            k_rows.append(tables[i][j // bs] * 2 * bs + j % bs)  # [blocks, 2, bs] flattened
+    assert p.tok_seq.tolist() == seq and p.tok_pos.tolist() == pos
+    assert p.k_rows.tolist() == k_rows and p.v_rows.tolist() == [r + bs for r in k_rows]
+    assert p.ctx_lens.tolist() == seq_lens
+    assert p.tok_seq.dtype == p.tok_pos.dtype == p.ctx_lens.dtype == torch.int32
+    assert p.tables.dtype == torch.int32 and p.tables.shape == (4, 3)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.logging import get_logger
@@ -95,25 +96,28 @@ class KernelPlan:
 
 
 def plan(meta: Any) -> KernelPlan:
-    """KernelPlan from AttentionMetadata (pdserve.model.attention.metadata)."""
+    """KernelPlan from AttentionMetadata (pdserve.model.attention.metadata). Once per step,
+    on the decode hot path: the per-token arrays come from the host copies through numpy
+    (microseconds per op, where a chain of small torch ops cost ~50 us per step)."""
     bs = meta.block_size
     device = meta.slot_mapping.device
     slots = meta.slot_mapping.to(torch.int64)
-    k_rows = (slots // bs) * (2 * bs) + slots % bs
-    qlens = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
-    ctx = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
-    seq = torch.repeat_interleave(torch.arange(len(qlens)), qlens)  # [T]
-    starts = torch.cumsum(qlens, 0) - qlens
-    pos = torch.arange(int(qlens.sum())) - starts[seq] + (ctx - qlens)[seq]
-    i32 = torch.int32
+    # slot = block * bs + offset -> flat cache row block * 2bs + offset = slot + block * bs
+    k_rows = slots + (slots // bs) * bs
+    qlens = np.asarray(meta.query_lens_cpu, dtype=np.int32)  # [B]
+    ctx = np.asarray(meta.seq_lens_cpu, dtype=np.int32)  # [B]
+    seq = np.repeat(np.arange(len(qlens), dtype=np.int32), qlens)  # [T] table row of a token
+    # a sequence's new tokens end at its context length: pos = t - (first token - first pos)
+    shift = np.repeat(np.cumsum(qlens, dtype=np.int32) - ctx, qlens)
+    pos = np.arange(len(seq), dtype=np.int32) - shift  # [T]
     return KernelPlan(
         k_rows,
         k_rows + bs,
         bs,
-        meta.block_tables.to(device=device, dtype=i32).contiguous(),
-        seq.to(device=device, dtype=i32),
-        pos.to(device=device, dtype=i32),
-        ctx.to(device=device, dtype=i32),
+        meta.block_tables.to(device=device, dtype=torch.int32).contiguous(),
+        torch.from_numpy(seq).to(device),
+        torch.from_numpy(pos).to(device),
+        torch.from_numpy(ctx).to(device),
         meta,
     )
 
