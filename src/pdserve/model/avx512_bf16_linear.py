@@ -113,6 +113,8 @@ def linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor:
     """x [..., K] bf16 @ W.T (+ bias) -> [..., n] bf16, W packed by `pack`."""
+    if x.dim() == 2:  # the model's case: no reshape / view per call (decode hot path)
+        return _loaded().linear(x, packed, bias, n)
     lead = x.shape[:-1]
     y = _loaded().linear(x.reshape(-1, x.shape[-1]), packed, bias, n)
     return y.view(*lead, n)
