@@ -101,9 +101,7 @@ def plan(meta: Any) -> KernelPlan:
     (microseconds per op, where a chain of small torch ops cost ~50 us per step)."""
     bs = meta.block_size
     device = meta.slot_mapping.device
-    slots = meta.slot_mapping.to(torch.int64)
-    # slot = block * bs + offset -> flat cache row block * 2bs + offset = slot + block * bs
-    k_rows = slots + (slots // bs) * bs
+    k_rows = meta.k_rows()
     qlens = np.asarray(meta.query_lens_cpu, dtype=np.int32)  # [B]
     ctx = np.asarray(meta.seq_lens_cpu, dtype=np.int32)  # [B]
     seq = np.repeat(np.arange(len(qlens), dtype=np.int32), qlens)  # [T] table row of a token

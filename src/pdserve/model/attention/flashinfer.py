@@ -77,13 +77,12 @@ class FlashInferBackend(AttentionBackend):
             indices.extend(table[:n])
             indptr.append(indptr[-1] + n)
             last.append(s - (n - 1) * bs)
-        slots = meta.slot_mapping.to(torch.int64)
 
         def dev(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int32, device=self.device)
 
         return FlashInferPlan(
-            k_rows=(slots // bs) * (2 * bs) + slots % bs,
+            k_rows=meta.k_rows(),
             block_size=bs,
             decode_only=all(q == 1 for q in meta.query_lens_cpu),
             qo_indptr=meta.query_start_loc.to(device=self.device, dtype=torch.int32),

@@ -38,6 +38,13 @@ class AttentionMetadata:
     extras: dict[str, Any] = field(default_factory=dict)  # backend-specific, optional
     window: AttentionMetadata | None = None  # the sliding group's tables (see module doc)
 
+    def k_rows(self) -> torch.Tensor:
+        """[T] int64: each new token's K row in a paged cache [num_blocks, 2, bs, ...] viewed
+        flat as [num_blocks * 2 * bs, ...]; its V row is this + block_size. (A slot is
+        block * bs + offset, its K row block * 2bs + offset.)"""
+        slots = self.slot_mapping.to(torch.int64)
+        return slots + (slots // self.block_size) * self.block_size
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)

@@ -95,8 +95,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _prepare_torch(self, meta: AttentionMetadata) -> TorchPlan:
         bs = meta.block_size
         device = meta.slot_mapping.device
-        slots = meta.slot_mapping.to(torch.int64)
-        k_rows = (slots // bs) * (2 * bs) + slots % bs
+        k_rows = meta.k_rows()
         dec_idx, dec_tok, prefills = [], [], []
         start = 0
         for i, (q, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
