@@ -31,11 +31,13 @@ import torch
 
 from pdserve.logging import get_logger
 from pdserve.model import cpp_ext
+from pdserve.model.avx512_bf16_linear import cpu_has_avx512_bf16
 
 _log = get_logger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "fixed_attn.cpp"
 _BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math"]
 _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+_BF16_FLAGS = ["-mavx512bf16"]  # q.k of a bf16 q and cache by VDPBF16PS (csrc: attend_*_dp)
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "ext": the module or None once tried; "build_s": seconds
 
@@ -56,6 +58,8 @@ def load() -> Any | None:
             return None
         variant = "avx512" if _avx512() and setting != "scalar" else "scalar"
         flags = _BASE_FLAGS + (_AVX512_FLAGS if variant == "avx512" else [])
+        if variant == "avx512" and cpu_has_avx512_bf16():
+            variant, flags = "avx512bf16", flags + _BF16_FLAGS
         t0 = time.perf_counter()
         try:
             ext = cpp_ext.build("pdserve_fixed_attn", variant, _SOURCE, flags)

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "fixed_attn_math.h"
@@ -61,6 +62,9 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
   const int32_t* pos = tok_pos.data_ptr<int32_t>();
   const int32_t* cl = ctx.data_ptr<int32_t>();
   const float sc = (float)scale;
+  // bf16 q and cache (and an even head_dim): q.k by bf16 dot products (fixed_attn_math.h)
+  constexpr bool kBothBf16 = std::is_same_v<QT, bf16> && std::is_same_v<CT, bf16>;
+  [[maybe_unused]] const bool dot = kDotBf16 && kBothBf16 && d % 2 == 0;
   const int64_t tile_tok = (kVector && path != 1) ? std::max<int64_t>(1, kTileRows / sh.g) : 1;
   std::vector<int64_t> starts;  // first token of each tile, then t
   for (int64_t i = 0; i < t; ++i)
@@ -81,22 +85,43 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
 #if PD_AVX512
     TileScratch ws;
     std::vector<float> tq, to;
+#if defined(__AVX512BF16__)
+    const int64_t nc = (d / 2 + kPairs - 1) / kPairs;  // q pairs per row: nc chunks of 16
+    std::vector<uint32_t> tqp;
+#endif
     std::vector<int64_t> tlo, thi;
 #endif
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t t0 = starts[tile / sh.hkv], t1 = starts[tile / sh.hkv + 1];
       const int64_t hk = tile % sh.hkv, b = seq[t0];
 #if PD_AVX512
-      if (path == 2 || (path == 0 && t1 - t0 >= 2)) {
+      if (dot || path == 2 || (path == 0 && t1 - t0 >= 2)) {  // (bf16 q.k: always tiled)
         const int64_t nt = t1 - t0, rows = nt * sh.g;
         tq.resize(rows * w), to.resize(rows * w), tlo.resize(nt), thi.resize(nt);
-        for (int64_t i = 0; i < nt; ++i) {
-          bounds(t0 + i, tlo[i], thi[i]);
-          const QT* qt = qp + ((t0 + i) * h + hk * sh.g) * d;
-          for (int64_t g = 0; g < sh.g; ++g) load_q(qt + g * d, d, sc, tq.data() + (i * sh.g + g) * w);
+        for (int64_t i = 0; i < nt; ++i) bounds(t0 + i, tlo[i], thi[i]);
+        bool done = false;
+#if defined(__AVX512BF16__)
+        if constexpr (kBothBf16) if (dot) {
+          tqp.resize(rows * nc * kPairs);
+          for (int64_t i = 0; i < nt; ++i) {
+            const QT* qt = qp + ((t0 + i) * h + hk * sh.g) * d;
+            for (int64_t g = 0; g < sh.g; ++g)
+              load_q_pairs(qt + g * d, d, nc, tqp.data() + (i * sh.g + g) * nc * kPairs);
+          }
+          attend_tile_dp(tqp.data(), cp + hk * d, tb + b * sh.width, sh, nt, tlo.data(),
+                         thi.data(), sc, ws, to.data());
+          done = true;
         }
-        attend_tile<CT>(tq.data(), cp + hk * d, tb + b * sh.width, sh, nt, tlo.data(), thi.data(),
-                        ws, to.data());
+#endif
+        if (!done) {
+          for (int64_t i = 0; i < nt; ++i) {
+            const QT* qt = qp + ((t0 + i) * h + hk * sh.g) * d;
+            for (int64_t g = 0; g < sh.g; ++g)
+              load_q(qt + g * d, d, sc, tq.data() + (i * sh.g + g) * w);
+          }
+          attend_tile<CT>(tq.data(), cp + hk * d, tb + b * sh.width, sh, nt, tlo.data(),
+                          thi.data(), ws, to.data());
+        }
         for (int64_t i = 0; i < nt; ++i) {
           QT* ot = op + ((t0 + i) * h + hk * sh.g) * d;
           for (int64_t g = 0; g < sh.g; ++g) store_out(to.data() + (i * sh.g + g) * w, d, ot + g * d);
@@ -109,9 +134,9 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
         bounds(ti, lo, hi);
         const QT* qt = qp + (ti * h + hk * sh.g) * d;
         QT* ot = op + (ti * h + hk * sh.g) * d;
-        for (int64_t g = 0; g < sh.g; ++g) load_q(qt + g * d, d, sc, qf.data() + g * w);
         const int64_t n = hi - lo + 1;
         if ((int64_t)s.size() < sh.g * n) s.resize(sh.g * n);
+        for (int64_t g = 0; g < sh.g; ++g) load_q(qt + g * d, d, sc, qf.data() + g * w);
         attend_task<CT>(qf.data(), cp + hk * d, tb + b * sh.width, sh, lo, hi, s.data(), l.data(),
                         kf.data(), of.data());
         for (int64_t g = 0; g < sh.g; ++g) store_out(of.data() + g * w, d, ot + g * d);

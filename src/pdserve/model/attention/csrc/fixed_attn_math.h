@@ -237,6 +237,13 @@ void attend_task(const float* q, const CT* cache, const int32_t* table, const Sh
       pv_any<CT>(s, l, vbase, table, sh, lo, hi, n, out);
   }
 }
+
+#if defined(__AVX512BF16__)
+constexpr bool kDotBf16 = true;  // bf16 q and cache: attend_tile_bf16 (below), every token
+#else
+constexpr bool kDotBf16 = false;
+#endif
+constexpr int64_t kPairs = 16;  // bf16 pairs per zmm (32 bf16)
 constexpr bool kVector = true;
 
 // ---- Tiled path: several query tokens of one sequence x G heads, the same bits per row ----
@@ -378,6 +385,10 @@ inline void pv_tile_rows(const float* vf, int64_t w, int64_t nv, int64_t kc, int
 
 struct TileScratch {
   std::vector<float> kt, vf, s, l, o;
+  std::vector<uint32_t> ktp, vpair;     // the bf16 path: transposed k pairs, v pairs
+  std::vector<uint16_t> eb;             // its e rows in bf16
+  std::vector<const uint32_t*> qpp, epp;  // its q rows, e pair rows
+  std::vector<int64_t> plo, phi;        // each row's first and last pair
   std::vector<int64_t> rlo, rhi, krow;
   std::vector<const float*> qp, ep;
   std::vector<float*> sp, op;
@@ -386,60 +397,49 @@ struct TileScratch {
 constexpr int64_t kPvKeys = 256;  // V rows converted to fp32 at a time
 
 // A tile: rows r = i * G + g (token i of `ntok`, head g), token i attends keys lo[i] .. hi[i].
-// qf [rows][w] scaled padded q; writes out [rows][w] (the rows' results, bit for bit those of
-// attend_task).
-template <typename CT, int NV, bool S16>
-void attend_tile_nv(const float* qf, const CT* cache, const int32_t* table, const Shape& sh,
-                    int64_t ntok, const int64_t* lo, const int64_t* hi, TileScratch& ws,
-                    float* out) {
+// tile_setup fills the per-row key ranges and the K row offsets of keys klo .. khi; the scores
+// go to ws.s (row r at s + r * spad, key j at column j - klo); tile_softmax_pv then turns them
+// into out [rows][w] (w = 16-lane-padded head_dim), bit for bit attend_task's rows.
+template <typename CT>
+void tile_setup(const int32_t* table, const Shape& sh, int64_t ntok, const int64_t* lo,
+                const int64_t* hi, TileScratch& ws, int64_t& klo, int64_t& khi, int64_t& spad) {
   const int64_t nv = (sh.d + kLanes - 1) / kLanes, w = nv * kLanes, rows = ntok * sh.g;
-  int64_t klo = lo[0], khi = hi[0];
+  klo = lo[0], khi = hi[0];
   for (int64_t i = 1; i < ntok; ++i) klo = std::min(klo, lo[i]), khi = std::max(khi, hi[i]);
-  const int64_t spad = (khi - klo + kLanes) / kLanes * kLanes;
+  spad = (khi - klo + kLanes) / kLanes * kLanes;
   ws.kt.resize(w * kLanes);
   ws.vf.resize(kPvKeys * w);
   if ((int64_t)ws.s.size() < rows * spad) ws.s.resize(rows * spad);
   ws.l.resize(rows), ws.rlo.resize(rows), ws.rhi.resize(rows);
-  ws.qp.resize(rows), ws.ep.resize(rows), ws.sp.resize(rows), ws.op.resize(rows);
+  ws.qp.resize(rows), ws.qpp.resize(rows), ws.ep.resize(rows), ws.sp.resize(rows);
+  ws.op.resize(rows);
   for (int64_t r = 0; r < rows; ++r) ws.rlo[r] = lo[r / sh.g], ws.rhi[r] = hi[r / sh.g];
   ws.krow.resize(khi - klo + 1);  // K row offset of key klo + i (its V row: + bs * row)
   for (int64_t j = klo, b = klo / sh.bs, o = klo % sh.bs; j <= khi; ++j) {
     ws.krow[j - klo] = ((int64_t)table[b] * 2 * sh.bs + o) * sh.row;
     if (++o == sh.bs) o = 0, ++b;
   }
-  float* s = ws.s.data();
-  float* kt = ws.kt.data();
-  auto row_ptr = [&](const CT* base, int64_t j) { return base + ws.krow[j - klo]; };
-  // scores, one group of 16 keys (from klo) at a time, for the rows that use the group
-  for (int64_t base = klo; base <= khi; base += kLanes) {
-    const int64_t cnt = std::min<int64_t>(kLanes, khi - base + 1);
-    const CT* kp[kLanes];
-    for (int64_t i = 0; i < cnt; ++i) kp[i] = row_ptr(cache, base + i);
-    for (int64_t c = 0; c < nv; ++c) {
-      const __mmask16 m = tail_mask(sh.d - c * kLanes);
-      __m512 x[kLanes];
-      for (int64_t i = 0; i < kLanes; ++i)
-        x[i] = i < cnt ? load16(kp[i] + c * kLanes, m) : _mm512_setzero_ps();
-      transpose16(x);
-      for (int i = 0; i < kLanes; ++i) _mm512_storeu_ps(kt + (c * kLanes + i) * kLanes, x[i]);
-    }
-    int64_t m = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      if (ws.rhi[r] < base || ws.rlo[r] > base + cnt - 1) continue;
-      ws.qp[m] = qf + r * w;
-      ws.sp[m++] = s + r * spad + (base - klo);
-    }
-    const float* const* qp = ws.qp.data();
-    float* const* sp = ws.sp.data();
-    int64_t k = 0;
-    for (; k + 4 <= m; k += 4) score_block<4, NV, S16>(kt, nv, qp + k, sp + k);
-    switch (m - k) {
-      case 3: score_block<3, NV, S16>(kt, nv, qp + k, sp + k); break;
-      case 2: score_block<2, NV, S16>(kt, nv, qp + k, sp + k); break;
-      case 1: score_block<1, NV, S16>(kt, nv, qp + k, sp + k); break;
-      default: break;
-    }
+}
+
+// The rows (pointers into ws.qp / ws.sp from `q` with row stride `qstride`) that use keys
+// base .. base + cnt - 1; returns their count.
+template <typename QE>
+int64_t rows_using(const QE* q, int64_t qstride, int64_t rows, int64_t base, int64_t cnt,
+                   int64_t klo, int64_t spad, TileScratch& ws, std::vector<const QE*>& qp) {
+  int64_t m = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (ws.rhi[r] < base || ws.rlo[r] > base + cnt - 1) continue;
+    qp[m] = q + r * qstride;
+    ws.sp[m++] = ws.s.data() + r * spad + (base - klo);
   }
+  return m;
+}
+
+template <typename CT>
+void tile_softmax_pv(const CT* cache, const Shape& sh, int64_t rows, int64_t klo, int64_t khi,
+                     int64_t spad, TileScratch& ws, float* out) {
+  const int64_t nv = (sh.d + kLanes - 1) / kLanes, w = nv * kLanes;
+  float* s = ws.s.data();
   for (int64_t r = 0; r < rows; ++r) {  // each row over its own keys, as attend_task
     softmax_rows(s + r * spad + (ws.rlo[r] - klo), 1, ws.rhi[r] - ws.rlo[r] + 1, &ws.l[r]);
     ws.ep[r] = s + r * spad - klo;  // ep[r][j]: e of key j
@@ -450,7 +450,7 @@ void attend_tile_nv(const float* qf, const CT* cache, const int32_t* table, cons
   for (int64_t kc = klo; kc <= khi; kc += kPvKeys) {
     const int64_t ke = std::min(khi, kc + kPvKeys - 1);
     for (int64_t j = kc; j <= ke; ++j) {
-      const CT* vp = row_ptr(vbase, j);
+      const CT* vp = vbase + ws.krow[j - klo];
       for (int64_t c = 0; c < nv; ++c)
         _mm512_storeu_ps(ws.vf.data() + (j - kc) * w + c * kLanes,
                          load16(vp + c * kLanes, tail_mask(sh.d - c * kLanes)));
@@ -483,6 +483,273 @@ void attend_tile_nv(const float* qf, const CT* cache, const int32_t* table, cons
   }
 }
 
+// qf [rows][w] scaled padded q (fp32); writes out [rows][w] (the rows' results, bit for bit
+// those of attend_task).
+template <typename CT, int NV, bool S16>
+void attend_tile_nv(const float* qf, const CT* cache, const int32_t* table, const Shape& sh,
+                    int64_t ntok, const int64_t* lo, const int64_t* hi, TileScratch& ws,
+                    float* out) {
+  const int64_t nv = (sh.d + kLanes - 1) / kLanes, w = nv * kLanes, rows = ntok * sh.g;
+  int64_t klo, khi, spad;
+  tile_setup<CT>(table, sh, ntok, lo, hi, ws, klo, khi, spad);
+  float* kt = ws.kt.data();
+  // scores, one group of 16 keys (from klo) at a time, for the rows that use the group
+  for (int64_t base = klo; base <= khi; base += kLanes) {
+    const int64_t cnt = std::min<int64_t>(kLanes, khi - base + 1);
+    const CT* kp[kLanes];
+    for (int64_t i = 0; i < cnt; ++i) kp[i] = cache + ws.krow[base + i - klo];
+    for (int64_t c = 0; c < nv; ++c) {
+      const __mmask16 m = tail_mask(sh.d - c * kLanes);
+      __m512 x[kLanes];
+      for (int64_t i = 0; i < kLanes; ++i)
+        x[i] = i < cnt ? load16(kp[i] + c * kLanes, m) : _mm512_setzero_ps();
+      transpose16(x);
+      for (int i = 0; i < kLanes; ++i) _mm512_storeu_ps(kt + (c * kLanes + i) * kLanes, x[i]);
+    }
+    const int64_t m = rows_using(qf, w, rows, base, cnt, klo, spad, ws, ws.qp);
+    const float* const* qp = ws.qp.data();
+    float* const* sp = ws.sp.data();
+    int64_t k = 0;
+    for (; k + 4 <= m; k += 4) score_block<4, NV, S16>(kt, nv, qp + k, sp + k);
+    switch (m - k) {
+      case 3: score_block<3, NV, S16>(kt, nv, qp + k, sp + k); break;
+      case 2: score_block<2, NV, S16>(kt, nv, qp + k, sp + k); break;
+      case 1: score_block<1, NV, S16>(kt, nv, qp + k, sp + k); break;
+      default: break;
+    }
+  }
+  tile_softmax_pv<CT>(cache, sh, rows, klo, khi, spad, ws, out);
+}
+
+#if defined(__AVX512BF16__)
+// Scores of RR rows against NG groups of 16 keys, bf16 dot products: ktp [np][4][16] the keys'
+// k pairs transposed (pair p of key 16 g + i at (p * 4 + g) * 16 + i), q[r] the row's pairs;
+// s[r] receives the 16 * NG scores. A score is ONE accumulator: VDPBF16PS over the pairs
+// p = 0 .. np - 1 in order from +0, then one multiply by `scale` (register blocking as the
+// linear kernel's: RR rows x NG key vectors, each q pair broadcast once for NG products).
+template <int RR, int NG>
+inline void score_rows_dp(const uint32_t* ktp, int64_t np, const uint32_t* const* q,
+                          __m512 scale, float* const* s) {
+  __m512 acc[RR][NG];
+  for (int r = 0; r < RR; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < np; ++p) {
+    __m512bh kv[NG];
+    for (int g = 0; g < NG; ++g) kv[g] = (__m512bh)_mm512_loadu_si512(ktp + (p * 4 + g) * kLanes);
+    for (int r = 0; r < RR; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q[r][p]);
+      for (int g = 0; g < NG; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], qb, kv[g]);
+    }
+  }
+  for (int r = 0; r < RR; ++r)
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(s[r] + g * kLanes, _mm512_mul_ps(acc[r][g], scale));
+}
+
+template <int NG>
+inline void score_block_dp(const uint32_t* ktp, int64_t np, int64_t m, const uint32_t* const* q,
+                           __m512 scale, float* const* s) {
+  int64_t k = 0;
+  for (; k + 6 <= m; k += 6) score_rows_dp<6, NG>(ktp, np, q + k, scale, s + k);
+  switch (m - k) {
+    case 5: return score_rows_dp<5, NG>(ktp, np, q + k, scale, s + k);
+    case 4: return score_rows_dp<4, NG>(ktp, np, q + k, scale, s + k);
+    case 3: return score_rows_dp<3, NG>(ktp, np, q + k, scale, s + k);
+    case 2: return score_rows_dp<2, NG>(ktp, np, q + k, scale, s + k);
+    case 1: return score_rows_dp<1, NG>(ktp, np, q + k, scale, s + k);
+    default: return;
+  }
+}
+
+// o[r] (CB chunks of 16 dims) += VDPBF16PS(e pair m of row r, v pair m) over pairs m = m0 .. m1
+// in order, for RB rows; a row skips the pairs outside its own range [plo[r], phi[r]].
+// vp: pairs from `mc` ([pair][w] dwords: lane d = (v_2m[d], v_2m+1[d])); e[r][m]: the row's
+// bf16 e pair m as one dword.
+template <int RB, int CB>
+inline void pv_pairs_block(const uint32_t* vp, int64_t w, int64_t mc, int64_t m0, int64_t m1,
+                           const int64_t* plo, const int64_t* phi, const uint32_t* const* e,
+                           float* const* o) {
+  __m512 acc[RB][CB];
+  int64_t cl = m0, ch = m1;  // pairs every row of the block uses
+  for (int r = 0; r < RB; ++r) {
+    cl = std::max(cl, plo[r]);
+    ch = std::min(ch, phi[r]);
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_loadu_ps(o[r] + c * kLanes);
+  }
+  auto some = [&](int64_t a, int64_t b) {  // pairs some rows skip
+    for (int64_t m = a; m <= b; ++m) {
+      const uint32_t* v = vp + (m - mc) * w;
+      for (int r = 0; r < RB; ++r) {
+        if (m < plo[r] || m > phi[r]) continue;
+        const __m512bh wt = (__m512bh)_mm512_set1_epi32((int)e[r][m]);
+        for (int c = 0; c < CB; ++c)
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wt, (__m512bh)_mm512_loadu_si512(v + c * kLanes));
+      }
+    }
+  };
+  if (cl > ch) {
+    some(m0, m1);
+  } else {
+    some(m0, cl - 1);
+    for (int64_t m = cl; m <= ch; ++m) {
+      const uint32_t* v = vp + (m - mc) * w;
+      __m512bh vv[CB];
+      for (int c = 0; c < CB; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v + c * kLanes);
+      for (int r = 0; r < RB; ++r) {
+        const __m512bh wt = (__m512bh)_mm512_set1_epi32((int)e[r][m]);
+        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wt, vv[c]);
+      }
+    }
+    some(ch + 1, m1);
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(o[r] + c * kLanes, acc[r][c]);
+}
+
+template <int RB>
+inline void pv_pairs_rows(const uint32_t* vp, int64_t w, int64_t nv, int64_t mc, int64_t m0,
+                          int64_t m1, const int64_t* plo, const int64_t* phi,
+                          const uint32_t* const* e, float* const* o) {
+  constexpr int CB = 4;
+  float* oc[RB];
+  for (int64_t c = 0; c < nv; c += CB) {
+    for (int r = 0; r < RB; ++r) oc[r] = o[r] + c * kLanes;
+    const uint32_t* v = vp + c * kLanes;
+    switch (std::min<int64_t>(CB, nv - c)) {
+      case 4: pv_pairs_block<RB, 4>(v, w, mc, m0, m1, plo, phi, e, oc); break;
+      case 3: pv_pairs_block<RB, 3>(v, w, mc, m0, m1, plo, phi, e, oc); break;
+      case 2: pv_pairs_block<RB, 2>(v, w, mc, m0, m1, plo, phi, e, oc); break;
+      default: pv_pairs_block<RB, 1>(v, w, mc, m0, m1, plo, phi, e, oc); break;
+    }
+  }
+}
+
+constexpr int64_t kPvPairs = kPvKeys / 2;  // V pairs built at a time
+
+// The bf16 path's softmax and P.V. e = exp(s - max) in fp32 and l = its fp32 sum, as
+// softmax_rows; then e is rounded to bf16 (VCVTNEPS2BF16) and paired by absolute key index,
+// pair m = keys (2m, 2m + 1); out[d] = (VDPBF16PS chain over the row's pairs m = lo/2 .. hi/2 in
+// order, from +0) / l. The half of a pair outside the row's keys has e = +0: its product is a
+// zero, which leaves the sum's bits as they are (the sum starts at +0 and is never -0), so the
+// row's bits do not depend on which other keys the tile holds (a key's V is finite: the cache
+// only holds computed K/V; keys outside the tile's range are zero).
+inline void tile_softmax_pv_dp(const bf16* cache, const Shape& sh, int64_t rows, int64_t klo,
+                               int64_t khi, int64_t spad, TileScratch& ws, float* out) {
+  const int64_t nv = (sh.d + kLanes - 1) / kLanes, w = nv * kLanes;
+  const int64_t pa = klo / 2, pb = khi / 2, npairs = pb - pa + 1;  // the tile's pairs
+  float* s = ws.s.data();
+  ws.eb.assign(rows * npairs * 2, 0);
+  ws.plo.resize(rows), ws.phi.resize(rows), ws.epp.resize(rows), ws.vpair.resize(kPvPairs * w);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t lo = ws.rlo[r], n = ws.rhi[r] - lo + 1;
+    float* e = s + r * spad + (lo - klo);
+    softmax_rows(e, 1, n, &ws.l[r]);
+    uint16_t* eb = ws.eb.data() + r * npairs * 2 + (lo - 2 * pa);
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const __mmask16 m = tail_mask(n - i);
+      _mm256_mask_storeu_epi16(eb + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, e + i)));
+    }
+    ws.plo[r] = lo / 2, ws.phi[r] = ws.rhi[r] / 2;
+    ws.epp[r] = reinterpret_cast<const uint32_t*>(ws.eb.data() + r * npairs * 2) - pa;
+    ws.op[r] = out + r * w;
+  }
+  std::fill(out, out + rows * w, 0.0f);
+  const bf16* vbase = cache + sh.bs * sh.row;
+  for (int64_t mc = pa; mc <= pb; mc += kPvPairs) {
+    const int64_t me = std::min(pb, mc + kPvPairs - 1);
+    for (int64_t m = mc; m <= me; ++m) {  // lane d: (v_2m[d], v_2m+1[d]), a key outside klo..khi as 0
+      const int64_t a = 2 * m, b = a + 1;
+      const uint16_t* va = a >= klo ? reinterpret_cast<const uint16_t*>(vbase + ws.krow[a - klo]) : nullptr;
+      const uint16_t* vb = b <= khi ? reinterpret_cast<const uint16_t*>(vbase + ws.krow[b - klo]) : nullptr;
+      uint32_t* dst = ws.vpair.data() + (m - mc) * w;
+      for (int64_t c = 0; c < nv; ++c) {
+        const __mmask16 k = tail_mask(sh.d - c * kLanes);
+        const __m512i lo16 = va ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, va + c * kLanes)) : _mm512_setzero_si512();
+        const __m512i hi16 = vb ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, vb + c * kLanes)), 16) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + c * kLanes, _mm512_or_si512(lo16, hi16));
+      }
+    }
+    const int64_t* pl = ws.plo.data();
+    const int64_t* ph = ws.phi.data();
+    const uint32_t* const* ep = ws.epp.data();
+    float* const* op = ws.op.data();
+    for (int64_t r = 0; r < rows; r += 6) {
+      const int64_t nb = std::min<int64_t>(6, rows - r);
+      int64_t m0 = me + 1, m1 = mc - 1;
+      for (int64_t i = r; i < r + nb; ++i) m0 = std::min(m0, pl[i]), m1 = std::max(m1, ph[i]);
+      m0 = std::max(m0, mc), m1 = std::min(m1, me);
+      if (m0 > m1) continue;
+      const uint32_t* vp = ws.vpair.data();
+      switch (nb) {
+        case 6: pv_pairs_rows<6>(vp, w, nv, mc, m0, m1, pl + r, ph + r, ep + r, op + r); break;
+        case 5: pv_pairs_rows<5>(vp, w, nv, mc, m0, m1, pl + r, ph + r, ep + r, op + r); break;
+        case 4: pv_pairs_rows<4>(vp, w, nv, mc, m0, m1, pl + r, ph + r, ep + r, op + r); break;
+        case 3: pv_pairs_rows<3>(vp, w, nv, mc, m0, m1, pl + r, ph + r, ep + r, op + r); break;
+        case 2: pv_pairs_rows<2>(vp, w, nv, mc, m0, m1, pl + r, ph + r, ep + r, op + r); break;
+        default: pv_pairs_rows<1>(vp, w, nv, mc, m0, m1, pl + r, ph + r, ep + r, op + r); break;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 den = _mm512_set1_ps(ws.l[r]);
+    for (int64_t c = 0; c < nv; ++c) {
+      float* o = out + r * w + c * kLanes;
+      _mm512_storeu_ps(o, _mm512_div_ps(_mm512_loadu_ps(o), den));
+    }
+  }
+}
+
+// q row (d bf16, d even) -> nc * 16 pairs, zero-padded.
+inline void load_q_pairs(const bf16* src, int64_t d, int64_t nc, uint32_t* dst) {
+  for (int64_t c = 0; c < nc; ++c)
+    _mm512_storeu_si512(dst + c * kPairs, _mm512_maskz_loadu_epi32(tail_mask(d / 2 - c * kPairs),
+                                                                   src + 2 * c * kPairs));
+}
+
+// The tiled path for bf16 q and cache: qp [rows][nc*16] q pairs (load_q_pairs).
+// The tiled path for bf16 q and cache: q [rows][nc * 16] the rows' q pairs (load_q_pairs).
+// Scores in blocks of up to 64 keys (4 groups of 16, from klo) for the rows that use the block.
+inline void attend_tile_dp(const uint32_t* q, const bf16* cache, const int32_t* table,
+                           const Shape& sh, int64_t ntok, const int64_t* lo, const int64_t* hi,
+                           float sc, TileScratch& ws, float* out) {
+  const int64_t np = sh.d / 2, nc = (np + kPairs - 1) / kPairs, rows = ntok * sh.g;
+  int64_t klo, khi, spad;
+  tile_setup<bf16>(table, sh, ntok, lo, hi, ws, klo, khi, spad);
+  ws.ktp.resize(nc * kPairs * 4 * kLanes);
+  uint32_t* kt = ws.ktp.data();
+  const __m512 scale = _mm512_set1_ps(sc);
+  for (int64_t base = klo; base <= khi; base += 4 * kLanes) {
+    const int64_t ng = std::min<int64_t>(4, (khi - base) / kLanes + 1);
+    for (int64_t g = 0; g < ng; ++g) {  // 16 keys x 16 pairs -> 16 pairs x 16 keys (bits)
+      const int64_t kb = base + g * kLanes, cnt = std::min<int64_t>(kLanes, khi - kb + 1);
+      const bf16* kp[kLanes];
+      for (int64_t i = 0; i < cnt; ++i) kp[i] = cache + ws.krow[kb + i - klo];
+      for (int64_t c = 0; c < nc; ++c) {
+        const __mmask16 m = tail_mask(np - c * kPairs);
+        __m512 x[kLanes];
+        for (int64_t i = 0; i < kLanes; ++i)
+          x[i] = i < cnt ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(m, kp[i] + 2 * c * kPairs))
+                         : _mm512_setzero_ps();
+        transpose16(x);
+        for (int i = 0; i < kLanes; ++i)
+          _mm512_storeu_si512(kt + ((c * kPairs + i) * 4 + g) * kLanes, _mm512_castps_si512(x[i]));
+      }
+    }
+    const int64_t cnt = std::min<int64_t>(ng * kLanes, khi - base + 1);
+    const int64_t m = rows_using(q, nc * kPairs, rows, base, cnt, klo, spad, ws, ws.qpp);
+    const uint32_t* const* qp = ws.qpp.data();
+    float* const* sp = ws.sp.data();
+    switch (ng) {
+      case 4: score_block_dp<4>(kt, np, m, qp, scale, sp); break;
+      case 3: score_block_dp<3>(kt, np, m, qp, scale, sp); break;
+      case 2: score_block_dp<2>(kt, np, m, qp, scale, sp); break;
+      default: score_block_dp<1>(kt, np, m, qp, scale, sp); break;
+    }
+  }
+  tile_softmax_pv_dp(cache, sh, rows, klo, khi, spad, ws, out);
+}
+
+#endif
+
 template <typename CT>
 void attend_tile(const float* qf, const CT* cache, const int32_t* table, const Shape& sh,
                  int64_t ntok, const int64_t* lo, const int64_t* hi, TileScratch& ws, float* out) {
@@ -499,6 +766,7 @@ void attend_tile(const float* qf, const CT* cache, const int32_t* table, const S
 
 constexpr int kLanes = 16;  // only pads the q/out rows
 constexpr bool kVector = false;
+constexpr bool kDotBf16 = false;
 
 template <typename QT>
 inline void load_q(const QT* src, int64_t d, float sc, float* dst) {
