@@ -145,15 +145,26 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   const uint16_t* gp = bits(gu);
   uint16_t* op = bits_mut(out);
   const __m512 one = _mm512_set1_ps(1.0f);
+  // rne(silu(g)) of 16 lanes (masked lanes: g = 0)
+  auto silu = [&](__m512 gv) {
+    return rne(_mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
+  };
   at::parallel_for(0, t, grain(2 * n), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const uint16_t* g = gp + r * ld;
-      for (int64_t i = 0; i < n; i += kVec) {
+      uint16_t* o = op + r * n;
+      int64_t i = 0;
+      // 4 vectors per step: independent exp chains side by side (the same lanes' math)
+      for (; i + 4 * kVec <= n; i += 4 * kVec) {
+        __m512 s[4];
+        for (int u = 0; u < 4; ++u) s[u] = silu(load_bf16(g + i + u * kVec, 0xFFFF));
+        for (int u = 0; u < 4; ++u)
+          store_bf16(o + i + u * kVec, 0xFFFF,
+                     _mm512_mul_ps(s[u], load_bf16(g + n + i + u * kVec, 0xFFFF)));
+      }
+      for (; i < n; i += kVec) {
         const __mmask16 m = tail_mask(n - i);
-        const __m512 gv = load_bf16(g + i, m);
-        const __m512 s = rne(_mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(
-                                                                   _mm512_setzero_ps(), gv)))));
-        store_bf16(op + r * n + i, m, _mm512_mul_ps(s, load_bf16(g + n + i, m)));
+        store_bf16(o + i, m, _mm512_mul_ps(silu(load_bf16(g + i, m)), load_bf16(g + n + i, m)));
       }
     }
   });
