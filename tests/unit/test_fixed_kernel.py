@@ -6,11 +6,15 @@ ratios 1/2/4, head_dim 16/64/80/128 (80: the any-width path), with and without a
 Invariance, bitwise: a sequence's rows alone vs inside batches of other sequences (other block
 placements, longer neighbours), its prompt whole vs chunked vs as decode rows, 1 vs 2 threads.
 The tiled path (runs of tokens) and the per-token path give every row the same bits.
-The scalar build (no AVX-512) passes this file too: `PDSERVE_ATTN_KERNEL=scalar pytest ...`.
+On a CPU with AVX512-BF16 the served build takes bf16 q and cache through bf16 dot products;
+the math, invariance and path tests also run on the AVX-512 build with fp32 math (what a CPU
+without BF16 serves). The scalar build (no AVX-512) passes this file too:
+`PDSERVE_ATTN_KERNEL=scalar pytest ...`.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -29,6 +33,26 @@ def kernel():
         if shutil.which("c++") is None and shutil.which("g++") is None:
             pytest.skip("no C++ compiler: the kernel cannot build (torch fixed path is used)")
         pytest.fail("the attention kernel did not build (see the log)")
+
+
+@pytest.fixture(params=["served", "avx512"])
+def variant(request, monkeypatch):
+    """The served build; and, where that build uses bf16 dot products, the AVX-512 build with
+    fp32 math (swapped in for the test)."""
+    setting = os.environ.get("PDSERVE_ATTN_KERNEL", "1")
+    if request.param == "served":
+        return fixed_kernel.variant_for(setting)
+    if fixed_kernel.variant_for(setting) != "avx512bf16":
+        pytest.skip("the served build already has fp32 math")
+    monkeypatch.setitem(fixed_kernel._state, "ext", fixed_kernel.build("avx512"))
+    return "avx512"
+
+
+def test_served_build_reports_its_math():
+    ext = fixed_kernel.load()
+    variant = fixed_kernel.variant_for(os.environ.get("PDSERVE_ATTN_KERNEL", "1"))
+    assert ext.dot_bf16() == (variant == "avx512bf16")
+    assert ext.vectorized() == (variant != "scalar")
 
 
 def _seq(s, h, hkv, d, dtype, seed):
@@ -99,7 +123,7 @@ def _sdpa(q, k, v, window, scale=0.25):
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 2, 64), (8, 2, 16), (2, 2, 80), (8, 1, 128)])
-def test_kernel_matches_sdpa(dtype, window, heads):
+def test_kernel_matches_sdpa(dtype, window, heads, variant):
     h, hkv, d = heads
     seqs = [_seq(s, h, hkv, d, dtype, seed) for seed, s in enumerate((150, 37, 1, 70))]
     paged = Paged(seqs, hkv, d, dtype)
@@ -115,7 +139,7 @@ def test_kernel_matches_sdpa(dtype, window, heads):
 
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernel_rows_are_invariant(dtype, window):
+def test_kernel_rows_are_invariant(dtype, window, variant):
     h, hkv, d = 4, 2, 64
     seqs = [_seq(s, h, hkv, d, dtype, seed) for seed, s in enumerate((150, 300, 7, 129))]
     n = 150
@@ -159,7 +183,7 @@ def test_kernel_rows_are_invariant(dtype, window):
     "heads",  # GQA groups 1, 2, 4, 8; head_dim 16, 64, 80 and 72 (any-width), 128, 256
     [(2, 2, 64), (4, 2, 80), (8, 2, 64), (8, 1, 128), (4, 1, 16), (2, 1, 72), (4, 2, 256)],
 )
-def test_tiled_rows_are_the_per_token_rows(dtypes, heads):
+def test_tiled_rows_are_the_per_token_rows(dtypes, heads, variant):
     """The tiled path (runs of tokens x G heads sharing each K/V row) gives every row the bits
     of the per-token path: a prompt's rows at every position equal those rows as decodes; a
     prefill, chunks (one at 600 keys: V in several pieces) and decodes, with and without a

@@ -10,8 +10,15 @@ chunking, decode vs prefill or the thread count. The interface only needs "q, th
 block-table rows, query positions, context lengths, window, scale": it does not care how the
 block table was built.
 
-Build: `pdserve.model.cpp_ext`, once, cached per ISA variant (AVX-512 when the CPU has it, else
-scalar; `PDSERVE_ATTN_KERNEL=scalar` forces scalar). `load()` tries once per process; if the
+The math: fp32 (scores as FMA chains, P.V in fp32), except for a bf16 q and cache on a CPU with
+AVX512-BF16, where q.k and P.V are bf16 dot products with fp32 accumulation (P rounded to bf16
+for P.V, as flash attention does): 1.3-1.7x the fp32 kernel (docs/BENCHMARKS.md). Either way a
+row's bits depend only on the row. The bits differ between the builds, so every instance of a
+deployment must run on CPUs of one kind (as for the linear kernels).
+
+Build: `pdserve.model.cpp_ext`, once, cached per ISA variant: "avx512bf16" (AVX-512 with
+AVX512-BF16), "avx512" (without BF16; `PDSERVE_ATTN_KERNEL=avx512` forces it) or "scalar" (no
+AVX-512; `PDSERVE_ATTN_KERNEL=scalar` forces it). `load()` tries once per process; if the
 build fails (no compiler) or `PDSERVE_ATTN_KERNEL=0`, it returns None, logs why, and the torch
 `fixed` path is used: the attention backend resolves this once and keeps the same path for its
 whole life.
@@ -46,6 +53,24 @@ def _avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
+def variant_for(setting: str) -> str:
+    """The build for this CPU and PDSERVE_ATTN_KERNEL: "avx512bf16" (bf16 q.k and P.V by
+    VDPBF16PS), "avx512" (fp32 math; `=avx512` forces it on a BF16 CPU) or "scalar"."""
+    if setting == "scalar" or not _avx512():
+        return "scalar"
+    return "avx512bf16" if cpu_has_avx512_bf16() and setting != "avx512" else "avx512"
+
+
+def build(variant: str) -> Any:
+    """The compiled module of one variant (cached per variant; raises when it cannot build)."""
+    flags = _BASE_FLAGS + {
+        "scalar": [],
+        "avx512": _AVX512_FLAGS,
+        "avx512bf16": _AVX512_FLAGS + _BF16_FLAGS,
+    }[variant]
+    return cpp_ext.build("pdserve_fixed_attn", variant, _SOURCE, flags)
+
+
 def load() -> Any | None:
     """The compiled module, or None when it cannot be used (reason logged once)."""
     with _lock:
@@ -56,13 +81,10 @@ def load() -> Any | None:
         if setting == "0":
             _log.info("attention kernel off (PDSERVE_ATTN_KERNEL=0): torch fixed path")
             return None
-        variant = "avx512" if _avx512() and setting != "scalar" else "scalar"
-        flags = _BASE_FLAGS + (_AVX512_FLAGS if variant == "avx512" else [])
-        if variant == "avx512" and cpu_has_avx512_bf16():
-            variant, flags = "avx512bf16", flags + _BF16_FLAGS
+        variant = variant_for(setting)
         t0 = time.perf_counter()
         try:
-            ext = cpp_ext.build("pdserve_fixed_attn", variant, _SOURCE, flags)
+            ext = build(variant)
         except Exception as exc:  # no compiler, no ninja, headers missing: fall back
             _log.warning(
                 "attention kernel unavailable: using the torch fixed path",
@@ -75,6 +97,7 @@ def load() -> Any | None:
             "attention kernel loaded",
             variant=variant,
             vectorized=bool(ext.vectorized()),
+            bf16_dot_products=bool(ext.dot_bf16()),
             load_s=round(_state["build_s"], 2),
         )
         return ext

@@ -2,8 +2,8 @@
 //
 // One call per layer attends every query token of a step (prefill chunks and decodes alike)
 // against its sequence's keys, read straight from the paged cache
-// [num_blocks, 2, block_size, Hkv, D] through the block table (bf16 or fp32, converted to
-// fp32 in registers). A tile is a run of up to kTileRows / G consecutive tokens of one
+// [num_blocks, 2, block_size, Hkv, D] through the block table (bf16 or fp32; fp32 math in
+// registers, or bf16 dot products for a bf16 q and cache, below). A tile is a run of up to kTileRows / G consecutive tokens of one
 // sequence (consecutive positions) x one kv head, i.e. its G = H / Hkv query heads: each K/V
 // row is converted once for all the tile's rows (fixed_attn_math.h, attend_tile). A single
 // token (a decode) goes through attend_task, one (token, kv head) at a time. The two paths
@@ -11,7 +11,8 @@
 // split across threads; a tile never is, so no row's reduction is ever split.
 //
 // The order of every reduction of a row depends only on the row's own position p, the
-// window and head_dim, never on the batch, the chunking, the other rows or the thread count:
+// window and head_dim, never on the batch, the chunking, the other rows or the thread count.
+// fp32 math (fp32 q or cache, or a build without AVX512-BF16):
 //   keys: lo = max(0, p - window + 1) (0 without window) .. hi = p; no key outside is read
 //         into any sum (a masked key never contributes, not even an exact zero);
 //   score_j = (sum over d of q[d] * k_j[d], 16-lane FMA chains over d-chunks in order, then a
@@ -19,8 +20,19 @@
 //   m = max_j score_j (exact, any order); e_j = exp(score_j - m) by one polynomial;
 //   l = sum of e_j in 16-lane partial sums over j - lo in order, then a fixed reduction;
 //   out[d] = (sum over j = lo .. hi in order of e_j * v_j[d], one FMA per key) / l.
+// bf16 q and cache on a CPU with AVX512-BF16 (the served bf16 path; always tiled, a decode is
+// a tile of one token): both products by VDPBF16PS (acc += a0 b0 + a1 b1, exact bf16
+// products, fp32 accumulation), as the linear kernel:
+//   score_j = (VDPBF16PS over the d pairs (2i, 2i + 1) in order, ONE accumulator from +0)
+//             * scale, q unscaled;
+//   m, e_j and l as above (fp32); e_j then rounded to bf16 (nearest even);
+//   out[d] = (VDPBF16PS over the key pairs (2m, 2m + 1) with m = lo / 2 .. hi / 2 in order,
+//            one accumulator from +0) / l; the half of a pair outside lo .. hi has e = 0
+//            (a zero product leaves the sum's bits unchanged: see tile_softmax_pv_dp).
+// Rounding P to bf16 for P.V is what flash attention does on GPUs and what torch's CPU SDPA
+// does for bf16; scores keep exact products and an fp32 sum.
 // The build has no -ffast-math and no FP contraction outside the explicit FMA intrinsics.
-// Without AVX-512 the same algorithm runs in scalar code (other bits, equally invariant).
+// Without AVX-512 the fp32 algorithm runs in scalar code (other bits, equally invariant).
 // The per-task math is in fixed_attn_math.h; this file splits tasks, checks inputs, binds.
 
 // ATen + the pybind bridge only (not torch/extension.h: a much shorter first-use build)
@@ -208,6 +220,7 @@ at::Tensor attend_paged(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
 }
 
 bool vectorized() { return kVector; }
+bool dot_bf16() { return kDotBf16; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_paged", &attend_paged, "batch-invariant paged attention (CPU)",
@@ -215,4 +228,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("tok_seq"), pybind11::arg("tok_pos"), pybind11::arg("ctx_lens"),
         pybind11::arg("window"), pybind11::arg("scale"), pybind11::arg("path") = 0);
   m.def("vectorized", &vectorized, "true when built with AVX-512");
+  m.def("dot_bf16", &dot_bf16, "true when bf16 q and cache use bf16 dot products (AVX512-BF16)");
 }
