@@ -623,6 +623,56 @@ inline void pv_pairs_rows(const uint32_t* vp, int64_t w, int64_t nv, int64_t mc,
   }
 }
 
+// The same products for a tile of few rows (a decode: one token's G heads), without the pair
+// buffer: v pairs are built in registers from the cache rows as they stream in (the buffer
+// would only be read once). Chunks c0 .. c0 + CB - 1 of the output; the same VDPBF16PS
+// sequence per output element as pv_pairs_block, so the same bits.
+template <int RB, int CB>
+inline void pv_pairs_direct(const bf16* vbase, const int64_t* krow, int64_t klo, int64_t khi,
+                            int64_t d, int64_t c0, int64_t m0, int64_t m1, const int64_t* plo,
+                            const int64_t* phi, const uint32_t* const* e, float* const* o) {
+  __m512 acc[RB][CB];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_loadu_ps(o[r] + (c0 + c) * kLanes);
+  __mmask16 mk[CB];
+  for (int c = 0; c < CB; ++c) mk[c] = tail_mask(d - (c0 + c) * kLanes);
+  for (int64_t m = m0; m <= m1; ++m) {
+    const int64_t a = 2 * m, b = a + 1;
+    const uint16_t* va = a >= klo ? reinterpret_cast<const uint16_t*>(vbase + krow[a - klo]) : nullptr;
+    const uint16_t* vb = b <= khi ? reinterpret_cast<const uint16_t*>(vbase + krow[b - klo]) : nullptr;
+    __m512bh vv[CB];
+    for (int c = 0; c < CB; ++c) {
+      const int64_t off = (c0 + c) * kLanes;
+      const __m512i x = va ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk[c], va + off)) : _mm512_setzero_si512();
+      const __m512i y = vb ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk[c], vb + off)), 16) : _mm512_setzero_si512();
+      vv[c] = (__m512bh)_mm512_or_si512(x, y);
+    }
+    for (int r = 0; r < RB; ++r) {
+      if (m < plo[r] || m > phi[r]) continue;
+      const __m512bh wt = (__m512bh)_mm512_set1_epi32((int)e[r][m]);
+      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wt, vv[c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(o[r] + (c0 + c) * kLanes, acc[r][c]);
+}
+
+template <int RB>
+inline void pv_direct_rows(const bf16* vbase, const int64_t* krow, int64_t klo, int64_t khi,
+                           int64_t d, int64_t nv, int64_t m0, int64_t m1, const int64_t* plo,
+                           const int64_t* phi, const uint32_t* const* e, float* const* o) {
+  for (int64_t c = 0; c < nv; c += 4) {
+    switch (std::min<int64_t>(4, nv - c)) {
+      case 4: pv_pairs_direct<RB, 4>(vbase, krow, klo, khi, d, c, m0, m1, plo, phi, e, o); break;
+      case 3: pv_pairs_direct<RB, 3>(vbase, krow, klo, khi, d, c, m0, m1, plo, phi, e, o); break;
+      case 2: pv_pairs_direct<RB, 2>(vbase, krow, klo, khi, d, c, m0, m1, plo, phi, e, o); break;
+      default: pv_pairs_direct<RB, 1>(vbase, krow, klo, khi, d, c, m0, m1, plo, phi, e, o); break;
+    }
+  }
+}
+
+constexpr int64_t kDirectRows = 8;  // tiles of up to this many rows: pv_pairs_direct
+
 constexpr int64_t kPvPairs = kPvKeys / 2;  // V pairs built at a time
 
 // The bf16 path's softmax and P.V. e = exp(s - max) in fp32 and l = its fp32 sum, as
@@ -654,7 +704,25 @@ inline void tile_softmax_pv_dp(const bf16* cache, const Shape& sh, int64_t rows,
   }
   std::fill(out, out + rows * w, 0.0f);
   const bf16* vbase = cache + sh.bs * sh.row;
-  for (int64_t mc = pa; mc <= pb; mc += kPvPairs) {
+  if (rows <= kDirectRows) {
+    for (int64_t r = 0; r < rows; r += 4) {
+      const int64_t nb = std::min<int64_t>(4, rows - r);
+      int64_t m0 = pb, m1 = pa;
+      for (int64_t i = r; i < r + nb; ++i) m0 = std::min(m0, ws.plo[i]), m1 = std::max(m1, ws.phi[i]);
+      const int64_t* pl = ws.plo.data() + r;
+      const int64_t* ph = ws.phi.data() + r;
+      const uint32_t* const* ep = ws.epp.data() + r;
+      float* const* op = ws.op.data() + r;
+      const int64_t* kr = ws.krow.data();
+      switch (nb) {
+        case 4: pv_direct_rows<4>(vbase, kr, klo, khi, sh.d, nv, m0, m1, pl, ph, ep, op); break;
+        case 3: pv_direct_rows<3>(vbase, kr, klo, khi, sh.d, nv, m0, m1, pl, ph, ep, op); break;
+        case 2: pv_direct_rows<2>(vbase, kr, klo, khi, sh.d, nv, m0, m1, pl, ph, ep, op); break;
+        default: pv_direct_rows<1>(vbase, kr, klo, khi, sh.d, nv, m0, m1, pl, ph, ep, op); break;
+      }
+    }
+  }
+  for (int64_t mc = pa; rows > kDirectRows && mc <= pb; mc += kPvPairs) {
     const int64_t me = std::min(pb, mc + kPvPairs - 1);
     for (int64_t m = mc; m <= me; ++m) {  // lane d: (v_2m[d], v_2m+1[d]), a key outside klo..khi as 0
       const int64_t a = 2 * m, b = a + 1;
