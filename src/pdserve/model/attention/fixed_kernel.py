@@ -63,11 +63,14 @@ def variant_for(setting: str) -> str:
 
 def build(variant: str) -> Any:
     """The compiled module of one variant (cached per variant; raises when it cannot build)."""
-    flags = _BASE_FLAGS + {
-        "scalar": [],
-        "avx512": _AVX512_FLAGS,
-        "avx512bf16": _AVX512_FLAGS + _BF16_FLAGS,
-    }[variant]
+    flags = (
+        _BASE_FLAGS
+        + {
+            "scalar": [],
+            "avx512": _AVX512_FLAGS,
+            "avx512bf16": _AVX512_FLAGS + _BF16_FLAGS,
+        }[variant]
+    )
     return cpp_ext.build("pdserve_fixed_attn", variant, _SOURCE, flags)
 
 
