@@ -5,9 +5,10 @@
 // [num_blocks, 2, block_size, Hkv, D] through the block table (bf16 or fp32; fp32 math in
 // registers, or bf16 dot products for a bf16 q and cache, below). A tile is a run of up to kTileRows / G consecutive tokens of one
 // sequence (consecutive positions) x one kv head, i.e. its G = H / Hkv query heads: each K/V
-// row is converted once for all the tile's rows (fixed_attn_math.h, attend_tile). A single
-// token (a decode) goes through attend_task, one (token, kv head) at a time. The two paths
-// give every row the same bits (tests/unit/test_fixed_kernel.py compares them). Tiles are
+// row is converted once for all the tile's rows (fixed_attn_math.h, attend_tile). With fp32
+// math a single token (a decode) goes through attend_task, one (token, kv head) at a time, and
+// the two paths give every row the same bits (tests/unit/test_fixed_kernel.py compares them);
+// the bf16 dot-product path (below) tiles every token. Tiles are
 // split across threads; a tile never is, so no row's reduction is ever split.
 //
 // The order of every reduction of a row depends only on the row's own position p, the
