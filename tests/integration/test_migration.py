@@ -84,6 +84,18 @@ def _migrations(port: int, reason: str = "") -> float:
     )
 
 
+def _migration_reasons(port: int) -> dict[str, float]:
+    """pdserve_router_migrations_total by reason (for failure messages)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    prefix = 'pdserve_router_migrations_total{reason="'
+    return {
+        line[len(prefix) :].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
 def _registered_ids(addr: str) -> set[str]:
     import grpc
 
@@ -233,7 +245,8 @@ def test_streams_leave_a_frozen_decode(supervised, long_reference):
     lost0 = _migrations(metrics_port, reason="lost")
     _wave(cluster, metrics_port, requests, expected, signal.SIGSTOP, "freeze")
     assert sum(supervisor.restarts.values()) == restarts0 + 1
-    assert _migrations(metrics_port, reason="lost") > lost0  # the watchdog, not a socket error
+    # the watchdog, not a socket error
+    assert _migrations(metrics_port, reason="lost") > lost0, _migration_reasons(metrics_port)
 
 
 def test_colocated_streams_survive_a_killed_worker(long_model_dir, long_reference):
