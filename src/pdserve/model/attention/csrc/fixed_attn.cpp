@@ -110,7 +110,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
 #if PD_AVX512
       if (dot || path == 2 || (path == 0 && t1 - t0 >= 2)) {  // (bf16 q.k: always tiled)
         const int64_t nt = t1 - t0, rows = nt * sh.g;
-        tq.resize(rows * w), to.resize(rows * w), tlo.resize(nt), thi.resize(nt);
+        to.resize(rows * w), tlo.resize(nt), thi.resize(nt);
         for (int64_t i = 0; i < nt; ++i) bounds(t0 + i, tlo[i], thi[i]);
         bool done = false;
 #if defined(__AVX512BF16__)
@@ -127,6 +127,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
         }
 #endif
         if (!done) {
+          tq.resize(rows * w);
           for (int64_t i = 0; i < nt; ++i) {
             const QT* qt = qp + ((t0 + i) * h + hk * sh.g) * d;
             for (int64_t g = 0; g < sh.g; ++g)

@@ -322,12 +322,36 @@ inline void score_block(const float* kt, int64_t nv, const float* const* q, floa
   }
 }
 
-// o[r] (CB chunks) += e[r][j] * v_j over j = j0 .. j1 in order, for RB rows; rows outside
-// their own key range [lo[r], hi[r]] skip the key. vf: V rows of keys from `kc` (fp32, stride w).
-template <int RB, int CB>
-inline void pv_tile_block(const float* vf, int64_t w, int64_t kc, int64_t j0, int64_t j1,
-                          const int64_t* lo, const int64_t* hi, const float* const* e,
-                          float* const* o) {
+// The P.V step of the tiled paths, per output element one accumulator over the keys in order:
+// PvFma (fp32: acc += e_j * v_j, one FMA per key; V rows fp32) and PvDot (bf16: acc +=
+// VDPBF16PS(e pair, v pair), one per key pair; V pairs as dwords, lane d = (v_2m[d], v_2m+1[d]),
+// e pairs as one dword). `E` is a row's weight of one key (pair), `V` a V buffer element.
+struct PvFma {
+  using E = float;
+  using V = float;
+  using Vec = __m512;
+  static Vec load(const V* p) { return _mm512_loadu_ps(p); }
+  static Vec weight(E e) { return _mm512_set1_ps(e); }
+  static __m512 step(__m512 acc, Vec w, Vec v) { return _mm512_fmadd_ps(w, v, acc); }
+};
+#if defined(__AVX512BF16__)
+struct PvDot {
+  using E = uint32_t;
+  using V = uint32_t;
+  using Vec = __m512bh;
+  static Vec load(const V* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Vec weight(E e) { return (__m512bh)_mm512_set1_epi32((int)e); }
+  static __m512 step(__m512 acc, Vec w, Vec v) { return _mm512_dpbf16_ps(acc, w, v); }
+};
+#endif
+
+// o[r] (CB chunks of 16 dims) += the steps of keys (pairs) j = j0 .. j1 in order, for RB rows;
+// a row skips the keys outside its own range [lo[r], hi[r]]. vf: the V buffer from key `kc`
+// (row stride w).
+template <class Op, int RB, int CB>
+inline void pv_tile_block(const typename Op::V* vf, int64_t w, int64_t kc, int64_t j0,
+                          int64_t j1, const int64_t* lo, const int64_t* hi,
+                          const typename Op::E* const* e, float* const* o) {
   __m512 acc[RB][CB];
   int64_t cl = j0, ch = j1;  // keys every row of the block uses
   for (int r = 0; r < RB; ++r) {
@@ -335,14 +359,13 @@ inline void pv_tile_block(const float* vf, int64_t w, int64_t kc, int64_t j0, in
     ch = std::min(ch, hi[r]);
     for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_loadu_ps(o[r] + c * kLanes);
   }
-  auto some = [&](int64_t a, int64_t b) {
+  auto some = [&](int64_t a, int64_t b) {  // keys some rows skip
     for (int64_t j = a; j <= b; ++j) {
-      const float* vp = vf + (j - kc) * w;
+      const typename Op::V* vp = vf + (j - kc) * w;
       for (int r = 0; r < RB; ++r) {
         if (j < lo[r] || j > hi[r]) continue;
-        const __m512 wt = _mm512_set1_ps(e[r][j]);
-        for (int c = 0; c < CB; ++c)
-          acc[r][c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(vp + c * kLanes), acc[r][c]);
+        const typename Op::Vec wt = Op::weight(e[r][j]);
+        for (int c = 0; c < CB; ++c) acc[r][c] = Op::step(acc[r][c], wt, Op::load(vp + c * kLanes));
       }
     }
   };
@@ -351,12 +374,12 @@ inline void pv_tile_block(const float* vf, int64_t w, int64_t kc, int64_t j0, in
   } else {
     some(j0, cl - 1);
     for (int64_t j = cl; j <= ch; ++j) {
-      const float* vp = vf + (j - kc) * w;
-      __m512 vv[CB];
-      for (int c = 0; c < CB; ++c) vv[c] = _mm512_loadu_ps(vp + c * kLanes);
+      const typename Op::V* vp = vf + (j - kc) * w;
+      typename Op::Vec vv[CB];
+      for (int c = 0; c < CB; ++c) vv[c] = Op::load(vp + c * kLanes);
       for (int r = 0; r < RB; ++r) {
-        const __m512 wt = _mm512_set1_ps(e[r][j]);
-        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(wt, vv[c], acc[r][c]);
+        const typename Op::Vec wt = Op::weight(e[r][j]);
+        for (int c = 0; c < CB; ++c) acc[r][c] = Op::step(acc[r][c], wt, vv[c]);
       }
     }
     some(ch + 1, j1);
@@ -365,20 +388,45 @@ inline void pv_tile_block(const float* vf, int64_t w, int64_t kc, int64_t j0, in
     for (int c = 0; c < CB; ++c) _mm512_storeu_ps(o[r] + c * kLanes, acc[r][c]);
 }
 
-template <int RB>
-inline void pv_tile_rows(const float* vf, int64_t w, int64_t nv, int64_t kc, int64_t j0,
-                         int64_t j1, const int64_t* lo, const int64_t* hi, const float* const* e,
-                         float* const* o) {
+template <class Op, int RB>
+inline void pv_tile_rows(const typename Op::V* vf, int64_t w, int64_t nv, int64_t kc, int64_t j0,
+                         int64_t j1, const int64_t* lo, const int64_t* hi,
+                         const typename Op::E* const* e, float* const* o) {
   constexpr int CB = 4;
   float* oc[RB];
-  int64_t c = 0;
-  for (; c < nv; c += CB) {
+  for (int64_t c = 0; c < nv; c += CB) {
     for (int r = 0; r < RB; ++r) oc[r] = o[r] + c * kLanes;
+    const typename Op::V* v = vf + c * kLanes;
     switch (std::min<int64_t>(CB, nv - c)) {
-      case 4: pv_tile_block<RB, 4>(vf + c * kLanes, w, kc, j0, j1, lo, hi, e, oc); break;
-      case 3: pv_tile_block<RB, 3>(vf + c * kLanes, w, kc, j0, j1, lo, hi, e, oc); break;
-      case 2: pv_tile_block<RB, 2>(vf + c * kLanes, w, kc, j0, j1, lo, hi, e, oc); break;
-      default: pv_tile_block<RB, 1>(vf + c * kLanes, w, kc, j0, j1, lo, hi, e, oc); break;
+      case 4: pv_tile_block<Op, RB, 4>(v, w, kc, j0, j1, lo, hi, e, oc); break;
+      case 3: pv_tile_block<Op, RB, 3>(v, w, kc, j0, j1, lo, hi, e, oc); break;
+      case 2: pv_tile_block<Op, RB, 2>(v, w, kc, j0, j1, lo, hi, e, oc); break;
+      default: pv_tile_block<Op, RB, 1>(v, w, kc, j0, j1, lo, hi, e, oc); break;
+    }
+  }
+}
+
+// Every row of a tile against the V buffer's keys (pairs) kc .. ke: rows in blocks of RB over
+// the keys their block uses (the union of the rows' ranges, within kc .. ke).
+template <class Op, int RB>
+inline void pv_tile_all(const typename Op::V* vf, int64_t w, int64_t nv, int64_t kc, int64_t ke,
+                        int64_t rows, const int64_t* lo, const int64_t* hi,
+                        const typename Op::E* const* e, float* const* o) {
+  static_assert(RB <= 6, "row blocks of up to 6");
+  for (int64_t r = 0; r < rows; r += RB) {
+    const int64_t nb = std::min<int64_t>(RB, rows - r);
+    int64_t j0 = ke + 1, j1 = kc - 1;
+    for (int64_t i = r; i < r + nb; ++i) j0 = std::min(j0, lo[i]), j1 = std::max(j1, hi[i]);
+    j0 = std::max(j0, kc), j1 = std::min(j1, ke);
+    if (j0 > j1) continue;
+    const int64_t *l = lo + r, *h = hi + r;
+    switch (nb) {
+      case 6: pv_tile_rows<Op, 6>(vf, w, nv, kc, j0, j1, l, h, e + r, o + r); break;
+      case 5: pv_tile_rows<Op, 5>(vf, w, nv, kc, j0, j1, l, h, e + r, o + r); break;
+      case 4: pv_tile_rows<Op, 4>(vf, w, nv, kc, j0, j1, l, h, e + r, o + r); break;
+      case 3: pv_tile_rows<Op, 3>(vf, w, nv, kc, j0, j1, l, h, e + r, o + r); break;
+      case 2: pv_tile_rows<Op, 2>(vf, w, nv, kc, j0, j1, l, h, e + r, o + r); break;
+      default: pv_tile_rows<Op, 1>(vf, w, nv, kc, j0, j1, l, h, e + r, o + r); break;
     }
   }
 }
@@ -455,24 +503,8 @@ void tile_softmax_pv(const CT* cache, const Shape& sh, int64_t rows, int64_t klo
         _mm512_storeu_ps(ws.vf.data() + (j - kc) * w + c * kLanes,
                          load16(vp + c * kLanes, tail_mask(sh.d - c * kLanes)));
     }
-    int64_t r = 0;
-    const int64_t* rl = ws.rlo.data();
-    const int64_t* rh = ws.rhi.data();
-    const float* const* ep = ws.ep.data();
-    float* const* op = ws.op.data();
-    for (; r < rows; r += 4) {
-      const int64_t nb = std::min<int64_t>(4, rows - r);
-      int64_t j0 = ke + 1, j1 = kc - 1;
-      for (int64_t i = r; i < r + nb; ++i) j0 = std::min(j0, rl[i]), j1 = std::max(j1, rh[i]);
-      j0 = std::max(j0, kc), j1 = std::min(j1, ke);
-      if (j0 > j1) continue;
-      switch (nb) {
-        case 4: pv_tile_rows<4>(ws.vf.data(), w, nv, kc, j0, j1, rl + r, rh + r, ep + r, op + r); break;
-        case 3: pv_tile_rows<3>(ws.vf.data(), w, nv, kc, j0, j1, rl + r, rh + r, ep + r, op + r); break;
-        case 2: pv_tile_rows<2>(ws.vf.data(), w, nv, kc, j0, j1, rl + r, rh + r, ep + r, op + r); break;
-        default: pv_tile_rows<1>(ws.vf.data(), w, nv, kc, j0, j1, rl + r, rh + r, ep + r, op + r); break;
-      }
-    }
+    pv_tile_all<PvFma, 4>(ws.vf.data(), w, nv, kc, ke, rows, ws.rlo.data(), ws.rhi.data(),
+                          ws.ep.data(), ws.op.data());
   }
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 den = _mm512_set1_ps(ws.l[r]);
@@ -560,73 +592,10 @@ inline void score_block_dp(const uint32_t* ktp, int64_t np, int64_t m, const uin
   }
 }
 
-// o[r] (CB chunks of 16 dims) += VDPBF16PS(e pair m of row r, v pair m) over pairs m = m0 .. m1
-// in order, for RB rows; a row skips the pairs outside its own range [plo[r], phi[r]].
-// vp: pairs from `mc` ([pair][w] dwords: lane d = (v_2m[d], v_2m+1[d])); e[r][m]: the row's
-// bf16 e pair m as one dword.
-template <int RB, int CB>
-inline void pv_pairs_block(const uint32_t* vp, int64_t w, int64_t mc, int64_t m0, int64_t m1,
-                           const int64_t* plo, const int64_t* phi, const uint32_t* const* e,
-                           float* const* o) {
-  __m512 acc[RB][CB];
-  int64_t cl = m0, ch = m1;  // pairs every row of the block uses
-  for (int r = 0; r < RB; ++r) {
-    cl = std::max(cl, plo[r]);
-    ch = std::min(ch, phi[r]);
-    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_loadu_ps(o[r] + c * kLanes);
-  }
-  auto some = [&](int64_t a, int64_t b) {  // pairs some rows skip
-    for (int64_t m = a; m <= b; ++m) {
-      const uint32_t* v = vp + (m - mc) * w;
-      for (int r = 0; r < RB; ++r) {
-        if (m < plo[r] || m > phi[r]) continue;
-        const __m512bh wt = (__m512bh)_mm512_set1_epi32((int)e[r][m]);
-        for (int c = 0; c < CB; ++c)
-          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wt, (__m512bh)_mm512_loadu_si512(v + c * kLanes));
-      }
-    }
-  };
-  if (cl > ch) {
-    some(m0, m1);
-  } else {
-    some(m0, cl - 1);
-    for (int64_t m = cl; m <= ch; ++m) {
-      const uint32_t* v = vp + (m - mc) * w;
-      __m512bh vv[CB];
-      for (int c = 0; c < CB; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v + c * kLanes);
-      for (int r = 0; r < RB; ++r) {
-        const __m512bh wt = (__m512bh)_mm512_set1_epi32((int)e[r][m]);
-        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wt, vv[c]);
-      }
-    }
-    some(ch + 1, m1);
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(o[r] + c * kLanes, acc[r][c]);
-}
-
-template <int RB>
-inline void pv_pairs_rows(const uint32_t* vp, int64_t w, int64_t nv, int64_t mc, int64_t m0,
-                          int64_t m1, const int64_t* plo, const int64_t* phi,
-                          const uint32_t* const* e, float* const* o) {
-  constexpr int CB = 4;
-  float* oc[RB];
-  for (int64_t c = 0; c < nv; c += CB) {
-    for (int r = 0; r < RB; ++r) oc[r] = o[r] + c * kLanes;
-    const uint32_t* v = vp + c * kLanes;
-    switch (std::min<int64_t>(CB, nv - c)) {
-      case 4: pv_pairs_block<RB, 4>(v, w, mc, m0, m1, plo, phi, e, oc); break;
-      case 3: pv_pairs_block<RB, 3>(v, w, mc, m0, m1, plo, phi, e, oc); break;
-      case 2: pv_pairs_block<RB, 2>(v, w, mc, m0, m1, plo, phi, e, oc); break;
-      default: pv_pairs_block<RB, 1>(v, w, mc, m0, m1, plo, phi, e, oc); break;
-    }
-  }
-}
-
 // The same products for a tile of few rows (a decode: one token's G heads), without the pair
 // buffer: v pairs are built in registers from the cache rows as they stream in (the buffer
 // would only be read once). Chunks c0 .. c0 + CB - 1 of the output; the same VDPBF16PS
-// sequence per output element as pv_pairs_block, so the same bits.
+// sequence per output element as pv_tile_block<PvDot>, so the same bits.
 template <int RB, int CB>
 inline void pv_pairs_direct(const bf16* vbase, const int64_t* krow, int64_t klo, int64_t khi,
                             int64_t d, int64_t c0, int64_t m0, int64_t m1, const int64_t* plo,
@@ -736,26 +705,8 @@ inline void tile_softmax_pv_dp(const bf16* cache, const Shape& sh, int64_t rows,
         _mm512_storeu_si512(dst + c * kLanes, _mm512_or_si512(lo16, hi16));
       }
     }
-    const int64_t* pl = ws.plo.data();
-    const int64_t* ph = ws.phi.data();
-    const uint32_t* const* ep = ws.epp.data();
-    float* const* op = ws.op.data();
-    for (int64_t r = 0; r < rows; r += 6) {
-      const int64_t nb = std::min<int64_t>(6, rows - r);
-      int64_t m0 = me + 1, m1 = mc - 1;
-      for (int64_t i = r; i < r + nb; ++i) m0 = std::min(m0, pl[i]), m1 = std::max(m1, ph[i]);
-      m0 = std::max(m0, mc), m1 = std::min(m1, me);
-      if (m0 > m1) continue;
-      const uint32_t* vp = ws.vpair.data();
-      switch (nb) {
-        case 6: pv_pairs_rows<6>(vp, w, nv, mc, m0, m1, pl + r, ph + r, ep + r, op + r); break;
-        case 5: pv_pairs_rows<5>(vp, w, nv, mc, m0, m1, pl + r, ph + r, ep + r, op + r); break;
-        case 4: pv_pairs_rows<4>(vp, w, nv, mc, m0, m1, pl + r, ph + r, ep + r, op + r); break;
-        case 3: pv_pairs_rows<3>(vp, w, nv, mc, m0, m1, pl + r, ph + r, ep + r, op + r); break;
-        case 2: pv_pairs_rows<2>(vp, w, nv, mc, m0, m1, pl + r, ph + r, ep + r, op + r); break;
-        default: pv_pairs_rows<1>(vp, w, nv, mc, m0, m1, pl + r, ph + r, ep + r, op + r); break;
-      }
-    }
+    pv_tile_all<PvDot, 6>(ws.vpair.data(), w, nv, mc, me, rows, ws.plo.data(), ws.phi.data(),
+                          ws.epp.data(), ws.op.data());
   }
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 den = _mm512_set1_ps(ws.l[r]);
