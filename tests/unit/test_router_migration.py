@@ -364,6 +364,35 @@ def test_relay_watchdog_turns_a_silent_lost_stream_into_stream_lost(monkeypatch)
     asyncio.run(scenario())
 
 
+def test_relay_cut_by_the_sweep_before_the_watchdog_ticks_is_stream_lost(monkeypatch):
+    """The router's sweep expires a silent instance and closes its channel, which cancels the
+    call, possibly before the watchdog's next tick has flagged the stream: still StreamLost
+    (migration reason "lost"), not an UNAVAILABLE failure. (A CI run once counted a frozen
+    decode's migrations under another reason: this race.)"""
+    now = [100.0]
+    orch_mod, orch, inst = _relay_setup(now)
+    monkeypatch.setattr(orch_mod, "DECODE_WATCH_S", 3600.0)  # the watchdog never ticks here
+    call = SilentCall(2)
+
+    async def scenario():
+        got = []
+
+        async def consume():
+            async for chunk in orch._relay(call, inst, make_job(max_tokens=10), None, "decode"):
+                got.append(chunk)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        assert len(got) == 2
+        now[0] += 10.0
+        assert orch.registry.expire() == ["d1"]  # the sweep: expired ...
+        call.cancel()  # ... and its channel dropped, under the relay
+        with pytest.raises(StreamLost, match="decode instance d1 stopped heartbeating"):
+            await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+
+
 def test_relay_cancelled_by_its_consumer_is_not_stream_lost(monkeypatch):
     now = [100.0]
     orch_mod, orch, inst = _relay_setup(now)

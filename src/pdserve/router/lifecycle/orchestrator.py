@@ -462,11 +462,19 @@ class Orchestrator:
         heartbeat timeout: a hung or partitioned worker keeps its stream open and silent), so
         the read turns that into `StreamLost` at once instead of waiting for `decode_idle_s`
         (before the first message: a retryable `CallLost`, like any failure there), and when
-        the stream stays silent past its read deadline (`DeadlineError`)."""
+        the stream stays silent past its read deadline (`DeadlineError`). The router's sweep
+        may expire the instance and close its channel first: a call cut so is `StreamLost`
+        too, by the registry's word (`lost()`)."""
         first, finished = True, False
         # the watchdog flags `watch.lost` / `watch.expired` before it cancels the call
         limit_s = math.inf if RELAY_WAIT_FOR else self.deadlines.first_token_s
         watch = self.streams.watch(call, inst.instance_id, limit_s)
+
+        def lost() -> bool:
+            # The router's sweep may expire the instance and close its channel (cancelling
+            # this call) before the watchdog's next tick flags the stream: ask the registry.
+            return watch.lost or self.registry.lost(inst.instance_id)
+
         try:
             while True:
                 wait = self.deadlines.first_token_s if first else self.deadlines.decode_idle_s
@@ -490,9 +498,9 @@ class Orchestrator:
                         raise DeadlineError(
                             f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
                         ) from None
-                    if watch.lost and first:
+                    if first and lost():
                         raise CallLost(what, "the instance stopped heartbeating") from None
-                    if watch.lost:
+                    if lost():
                         raise self._stream_lost(inst, what) from None
                     if first:
                         raise CallLost(what) from None  # retryable, like an RpcError
@@ -500,13 +508,13 @@ class Orchestrator:
                 except grpc.RpcError as err:
                     if first:
                         raise
-                    if watch.lost:
+                    if lost():
                         raise self._stream_lost(inst, what) from None
                     raise self._failure(err, inst, what) from None
                 if msg is grpc.aio.EOF:
                     if first:
                         raise CallLost(what, "the stream ended before its first message")
-                    if watch.lost:
+                    if lost():
                         raise self._stream_lost(inst, what)
                     raise UnavailableError(
                         f"{what} instance {inst.instance_id} ended the stream without finishing"
