@@ -136,6 +136,81 @@ def test_weights_packed_back_to_back_are_packed_alike():
     assert together[1].data_ptr() == together[0].data_ptr() + 2 * together[0].numel()
 
 
+# (I, K, bias): I a multiple of 32 or not (a part-filled last panel), K odd / even;
+# bench50m's gate_up (I = 2048, K = 512)
+GATE_UP_SHAPES = [
+    (2048, 512, False),
+    (100, 64, True),
+    (32, 7, False),
+    (48, 130, True),
+    (1, 3, True),
+]
+
+
+@pytest.mark.parametrize("shape", GATE_UP_SHAPES)
+def test_the_fused_silu_mul_has_the_bits_of_gate_up_then_silu_mul(shape):
+    """Avx512Bf16SiluMulLinear = silu_mul(Avx512Bf16Linear(W)(x)) bit for bit, for every row
+    count (1-2: the decode blocks, 3-6, and several blocks), so the fused path serves the same
+    tokens; and a row's bits alone are its bits in a batch."""
+    from pdserve.model import pointwise
+
+    i, k, bias = shape
+    torch.manual_seed(i + k)
+    lin = nn.Linear(k, 2 * i, bias=bias).to(BF16)
+    plain = Avx512Bf16Linear.from_linear(lin)
+    fused = avx512_bf16_linear.Avx512Bf16SiluMulLinear.from_linear(lin)
+    ops = pointwise.for_model(BF16, torch.device("cpu"))
+    x = (3 * torch.randn(300, k)).to(BF16)  # gate values out to the exp's clamp
+    with torch.inference_mode():
+        for m in ROWS:
+            want = ops.silu_mul(plain(x[:m]))
+            got = fused(x[:m])
+            assert got.shape == (m, i)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{m} rows"
+        alone = torch.cat([fused(x[r : r + 1]) for r in range(17)])
+        assert torch.equal(alone, fused(x[:17]))
+        assert fused(x[:4].view(2, 2, k)).shape == (2, 2, i)
+
+
+def test_gate_up_order_puts_a_columns_gate_and_up_in_one_panel():
+    w = torch.arange(2 * 40).float()[:, None].expand(80, 3)  # row r holds r
+    out = avx512_bf16_linear.gate_up_order(w)
+    assert out.shape == (128, 3)  # 2 panels of 64 rows
+    col = out[:, 0].tolist()
+    assert col[:32] == list(range(32)) and col[32:64] == list(range(40, 72))  # gate | up
+    assert col[64:72] == list(range(32, 40)) and col[96:104] == list(range(72, 80))
+    assert col[72:96] == [0.0] * 24 and col[104:] == [0.0] * 24  # past I: zeros
+
+
+def test_pack_linears_fuses_silu_mul_into_a_llama_gate_up_with_the_same_bits(tmp_path, monkeypatch):
+    """The served path: pack_linears gives a llama model's gate_up the fused kernel, and the
+    model's hidden states are bit-equal to the unfused packing's."""
+    from pdserve.model.attention import AttentionMetadata
+    from pdserve.model.loader import load_model
+    from pdserve.model.tiny import TinySpec, make_tiny
+
+    if amx_linear.cpu_has_amx():
+        pytest.skip("a CPU with AMX gets the AMX kernel (test_amx_linear.py)")
+    monkeypatch.setenv(avx512_bf16_linear.ENV, "1")
+    spec = TinySpec(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=200, vocab=600)
+    path = make_tiny(tmp_path / "m", spec)
+    fused, plain = (load_model(path, "bfloat16").model for _ in range(2))
+    pack_linears(fused, batch_invariant=True)
+    pack_linears(plain, batch_invariant=True, fuse_silu_mul=False)
+    for m, silu in ((fused, avx512_bf16_linear.Avx512Bf16SiluMulLinear), (plain, Avx512Bf16Linear)):
+        assert all(type(layer.gate_up_proj) is silu for layer in m.layers)
+    bs, t = 16, 37
+    meta = AttentionMetadata.build([t], [t], [list(range(3))], bs, torch.device("cpu"))
+    ids = torch.randint(3, 600, (t,))
+    pos = torch.arange(t)
+    outs = []
+    for m in (fused, plain):
+        caches = [torch.zeros(4, 2, bs, 2, 32, dtype=BF16) for _ in m.layers]
+        with torch.inference_mode():
+            outs.append(m(ids, pos, caches, meta))
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
 def test_onednn_bf16_is_batch_variant_on_this_cpu():
     """The reason for the kernel (a probe, not a requirement): the packed oneDNN bf16 linear
     gives some row other bits inside a batch. Skips on a CPU where oneDNN happens not to."""

@@ -127,6 +127,7 @@ def test_a_chunked_mlp_gives_the_unchunked_bits(monkeypatch):
     from pdserve.model.cpu_linear import pack_linears
 
     pack_linears(layer, batch_invariant=True)  # the row-invariant linears a bf16 engine runs
+    layer.silu_gate_up = lambda h, ops: llama.DecoderLayer.silu_gate_up(layer, h, ops)
     h = _rand(50, 64, seed=14)
     fused = _ops()[1]
     mlp = llama.DecoderLayer.mlp

@@ -109,6 +109,23 @@ def pack_all(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+GATE_UP_HALF = 32  # gate (or up) columns per 64-column panel of a fused gate_up weight
+
+
+def gate_up_order(t: torch.Tensor) -> torch.Tensor:
+    """A gate_up weight [2I, K] (or bias [2I]) -> [64 Np, K] ([64 Np]), Np = ceil(I/32): panel p
+    holds gate rows 32p..32p+31, then the same up rows (zeros past I), so that one panel's
+    epilogue has the gate and the up of the same 32 columns (`linear_silu_mul`)."""
+    i, rest = t.shape[0] // 2, tuple(t.shape[1:])
+    np_ = -(-i // GATE_UP_HALF)
+    out = t.new_zeros((np_, 2, GATE_UP_HALF, *rest))
+    for half, part in enumerate((t[:i], t[i:])):
+        padded = t.new_zeros((np_ * GATE_UP_HALF, *rest))
+        padded[:i] = part
+        out[:, half] = padded.view((np_, GATE_UP_HALF, *rest))
+    return out.view((np_ * 2 * GATE_UP_HALF, *rest))
+
+
 def linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor:
@@ -145,3 +162,50 @@ class Avx512Bf16Linear(nn.Module):
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+class Avx512Bf16SiluMulLinear(nn.Module):
+    """silu(x @ W_gate.T + b_gate) * (x @ W_up.T + b_up) [..., I] of a gate_up layer (W [2I, K],
+    gate rows first), in one kernel call: the silu_mul runs in the product's epilogue, on the
+    gate and up values the plain linear would have stored, so a row's bits equal
+    `silu_mul(Avx512Bf16Linear(W)(x))`. Saves the [T, 2I] intermediate and a pass over it.
+    bf16, inference only."""
+
+    fuses_silu_mul = True  # its output is already silu(gate) * up (DecoderLayer.mlp)
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
+    ) -> None:
+        """packed: `gate_up_order(weight)` already packed (`pack_all`), else it is packed here."""
+        super().__init__()
+        two_i, self.in_features = weight.shape
+        if two_i % 2:
+            raise ValueError(f"a gate_up weight has 2I rows, got {two_i}")
+        self.out_features = two_i // 2
+        self.packed = pack(gate_up_order(weight)) if packed is None else packed
+        self.bias = None if bias is None else gate_up_order(bias.detach().float()).contiguous()
+
+    @classmethod
+    def from_linear(
+        cls, lin: nn.Linear, packed: torch.Tensor | None = None
+    ) -> Avx512Bf16SiluMulLinear:
+        return cls(lin.weight, lin.bias, packed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ext = _loaded()
+        if x.dim() == 2:
+            return ext.linear_silu_mul(x, self.packed, self.bias, self.out_features)
+        y = ext.linear_silu_mul(
+            x.reshape(-1, x.shape[-1]), self.packed, self.bias, self.out_features
+        )
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(silu(gate) * up), bias={bias}"
+        )

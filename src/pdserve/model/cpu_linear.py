@@ -125,11 +125,17 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(
-    model: nn.Module, batch_hint: int = BATCH_HINT, batch_invariant: bool = True
+    model: nn.Module,
+    batch_hint: int = BATCH_HINT,
+    batch_invariant: bool = True,
+    fuse_silu_mul: bool = True,
 ) -> int:
     """Replace every CPU `nn.Linear` of `model` (in a dtype oneDNN packs) by a PackedLinear, in
     place. Returns how many were packed; 0 when unsupported (the model is left as it was).
     batch_invariant: fp32 layers run 1-3 rows padded to FP32_MIN_ROWS (see the module doc).
+    fuse_silu_mul: on the AVX512-BF16 kernel, the layers the model lists in
+    `silu_mul_linears()` (gate_up projections whose output always goes through silu_mul) get
+    the silu_mul in their epilogue (Avx512Bf16SiluMulLinear: the same bits, one pass less).
     Idempotent."""
     targets = [
         (parent, name, child)
@@ -170,15 +176,27 @@ def pack_linears(
     def key(w: torch.Tensor) -> tuple[int, tuple[int, ...]]:
         return w.data_ptr(), tuple(w.shape)
 
+    lists = avx and fuse_silu_mul and hasattr(model, "silu_mul_linears")
+    silu_mul = model.silu_mul_linears() if lists else []
+    fused = {id(lin) for lin in silu_mul if type(lin) is nn.Linear}
+    fused_keys = {key(lin.weight) for lin in silu_mul if id(lin) in fused}
     avx_weights = [w for w in weights if w.dtype == torch.bfloat16] if avx else []
-    avx_all = avx512_bf16_linear.pack_all(avx_weights) if avx_weights else []
+    order = avx512_bf16_linear.gate_up_order  # a fused layer's rows in its panel order
+    avx_all = (
+        avx512_bf16_linear.pack_all([order(w) if key(w) in fused_keys else w for w in avx_weights])
+        if avx_weights
+        else []
+    )
     avx_packed = dict(zip(map(key, avx_weights), avx_all, strict=True))
 
     def packed(lin: nn.Linear) -> nn.Module:
         if amx and lin.weight.dtype == torch.bfloat16:
             return amx_linear.AmxLinear.from_linear(lin)
         if avx and lin.weight.dtype == torch.bfloat16:
-            return avx512_bf16_linear.Avx512Bf16Linear.from_linear(lin, avx_packed[key(lin.weight)])
+            cls = avx512_bf16_linear.Avx512Bf16Linear
+            if id(lin) in fused:
+                cls = avx512_bf16_linear.Avx512Bf16SiluMulLinear
+            return cls.from_linear(lin, avx_packed[key(lin.weight)])
         return PackedLinear(lin, batch_hint, rows(lin.weight.dtype))
 
     for module in model.modules():  # already packed (a model shared by engines): re-set

@@ -141,12 +141,19 @@ class DecoderLayer(nn.Module):
         here is row by row, so chunking changes no bit."""
         t = h.shape[0]
         if not ops.fused or t <= MLP_CHUNK_ROWS:
-            return self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
+            return self.down_proj(self.silu_gate_up(h, ops))
         out = h.new_empty(t, self.down_proj.out_features)
         for r in range(0, t, MLP_CHUNK_ROWS):
             rows = slice(r, r + MLP_CHUNK_ROWS)
-            out[rows] = self.down_proj(ops.silu_mul(self.gate_up_proj(h[rows])))
+            out[rows] = self.down_proj(self.silu_gate_up(h[rows], ops))
         return out
+
+    def silu_gate_up(self, h: torch.Tensor, ops: TorchPointwise) -> torch.Tensor:
+        """silu(gate) * up [T, I] of h: in the gate_up kernel's epilogue when it fuses it
+        (cpu_linear.pack_linears; the same bits), else gate_up then silu_mul."""
+        if getattr(self.gate_up_proj, "fuses_silu_mul", False):
+            return self.gate_up_proj(h)
+        return ops.silu_mul(self.gate_up_proj(h))
 
 
 class LlamaModel(nn.Module):
@@ -175,6 +182,11 @@ class LlamaModel(nn.Module):
         self.attn_backend = backend or select_backend(
             device, config.num_heads, config.num_kv_heads, config.head_dim
         )
+
+    def silu_mul_linears(self) -> list[nn.Module]:
+        """The gate_up projections, whose output always goes through silu_mul (a packer may
+        fuse it: cpu_linear.pack_linears)."""
+        return [layer.gate_up_proj for layer in self.layers]
 
     def set_batch_invariant(self, flag: bool) -> None:
         """The engine's batch-invariance setting, for the attention this model runs."""

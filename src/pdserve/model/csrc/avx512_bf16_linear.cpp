@@ -49,6 +49,8 @@
 #include <immintrin.h>
 #include <sys/mman.h>
 
+#include "avx512_math.h"
+
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -74,10 +76,41 @@ inline __m512bh pair_at(const uint16_t* x) {
 // One row's odd last element: the pair (x[K-1], 0).
 inline __m512bh last_at(const uint16_t* x) { return (__m512bh)_mm512_set1_epi32(*x); }
 
+// x -> bf16 (round to nearest even) -> fp32: the value a bf16 tensor would have stored.
+inline __m512 rne(__m512 x) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+// The fused silu_mul epilogue of a gate_up panel: gate = rne(acc[r][0..1] + bias), up =
+// rne(acc[r][2..3] + bias), exactly the gate_up linear's bf16 outputs; then silu_mul's own
+// arithmetic (bf16_pointwise.cpp): out = rne(rne(silu(gate)) * up), silu from avx512_math.h.
+// So a row's bits equal silu_mul(linear(x)) of the unfused path. y: cols <= 32 columns.
+template <int R>
+inline void silu_mul_epilogue(const __m512 (&acc)[R][4], const float* bias, uint16_t* y,
+                              int64_t ldy, int64_t cols) {
+  for (int v = 0; v < 2; ++v) {
+    const int64_t c0 = v * kVec;
+    if (c0 >= cols) break;
+    const __mmask16 mask = pdserve_simd::tail_mask(cols - c0);
+    const __m512 bg = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + c0);
+    const __m512 bu =
+        bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + 2 * kVec + c0);
+    for (int r = 0; r < R; ++r) {
+      const __m512 g = rne(bias == nullptr ? acc[r][v] : _mm512_add_ps(acc[r][v], bg));
+      const __m512 u = rne(bias == nullptr ? acc[r][v + 2] : _mm512_add_ps(acc[r][v + 2], bu));
+      const __m512 out = _mm512_mul_ps(rne(pdserve_simd::silu_ps(g)), u);
+      _mm256_mask_storeu_epi16(y + r * ldy + c0, mask, (__m256i)_mm512_cvtneps_pbh(out));
+    }
+  }
+}
+
 // Rows [0, R) of x (row stride ldx) times one panel w (Kp pairs of 256 bytes) into
 // y[r, 0:cols] (row stride ldy): the whole K in registers, then the epilogue. bias: this
-// panel's first column in an fp32 array, or null.
-template <int R>
+// panel's first column in an fp32 array, or null. kSiluMul: the panel is a gate_up panel
+// (columns 0-31 gate, 32-63 the matching up: pack_gate_up) and y gets cols <= 32 columns of
+// silu(gate) * up (see silu_mul_epilogue).
+template <int R, bool kSiluMul>
 void block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const float* bias,
            uint16_t* y, int64_t ldy, int64_t cols) {
   __m512 acc[R][4];
@@ -117,6 +150,10 @@ void block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const f
       for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
     }
   }
+  if constexpr (kSiluMul) {
+    silu_mul_epilogue<R>(acc, bias, y, ldy, cols);
+    return;
+  }
   // epilogue: (acc + bias) in fp32, one rounding to bf16, masked past cols
   for (int v = 0; v < 4; ++v) {
     const int64_t c0 = v * kVec;
@@ -149,8 +186,14 @@ torch::Tensor packed_storage(int64_t n) {
 
 using BlockFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*,
                          uint16_t*, int64_t, int64_t);
-constexpr BlockFn kBlocks[kRows + 1] = {nullptr,  block<1>, block<2>, block<3>,
-                                        block<4>, block<5>, block<6>};
+template <bool kSiluMul>
+constexpr BlockFn kBlocks[kRows + 1] = {nullptr,
+                                        block<1, kSiluMul>,
+                                        block<2, kSiluMul>,
+                                        block<3, kSiluMul>,
+                                        block<4, kSiluMul>,
+                                        block<5, kSiluMul>,
+                                        block<6, kSiluMul>};
 
 }  // namespace
 
@@ -188,24 +231,32 @@ torch::Tensor pack(torch::Tensor w, const std::optional<torch::Tensor>& into) {
   return out.view({np, kp, kCols, 2});
 }
 
-// x [M, K] bf16, packed from pack(W), bias [N] (any float dtype) or empty -> y [M, N] bf16.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, const std::optional<torch::Tensor>& bias,
-                     int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "linear: x must be [M, K] bf16");
+namespace {
+
+// The product of linear / linear_silu_mul. Plain: panel p gives y's columns [64 p, 64 p + 64).
+// kSiluMul: panel p (32 gate + 32 up columns, pack_gate_up's order) gives y's columns
+// [32 p, 32 p + 32) of silu(gate) * up; n = I, y [M, I], bias in the packed order [64 Np].
+template <bool kSiluMul>
+torch::Tensor run(const char* op, torch::Tensor x, torch::Tensor packed,
+                  const std::optional<torch::Tensor>& bias, int64_t n) {
+  constexpr int64_t kOut = kSiluMul ? kCols / 2 : kCols;  // y columns per panel
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, op, ": x must be [M, K] bf16");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 &&
                   packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous(),
-              "linear: packed must come from pack()");
+              op, ": packed must come from pack()");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
-              "linear: packed must be 64-byte aligned");
+              op, ": packed must be 64-byte aligned");
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t np = packed.size(0), kp = packed.size(1);
-  TORCH_CHECK(kp == (k + 1) / 2 && np == (n + kCols - 1) / kCols,
-              "linear: x's K or n does not match the packed weight");
+  TORCH_CHECK(kp == (k + 1) / 2 && np == (n + kOut - 1) / kOut,
+              op, ": x's K or n does not match the packed weight");
   auto y = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   torch::Tensor bias_f;  // fp32 (Avx512Bf16Linear keeps it so: no conversion per call)
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "linear: bias must have n elements");
+    TORCH_CHECK(bias->numel() == (kSiluMul ? np * kCols : n), op,
+                kSiluMul ? ": bias must have 64 * Np elements (pack_gate_up's order)"
+                         : ": bias must have n elements");
     bias_f = bias->to(torch::kFloat32).contiguous();
   }
   const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
@@ -222,13 +273,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, const std::optional<
     for (int64_t m1 = 0; m1 < m; m1 += chunk) {
       const int64_t m_end = std::min(m, m1 + chunk);
       for (int64_t p = lo; p < hi; ++p) {
-        const int64_t col0 = p * kCols;
-        const int64_t cols = std::min<int64_t>(kCols, n - col0);
+        const int64_t col0 = p * kOut;
+        const int64_t cols = std::min<int64_t>(kOut, n - col0);
         const uint16_t* w = wp + p * kp * kCols * 2;
-        const float* b = bias_p == nullptr ? nullptr : bias_p + col0;
+        const float* b = bias_p == nullptr ? nullptr : bias_p + p * kCols;
         for (int64_t m0 = m1; m0 < m_end; m0 += kRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kRows, m_end - m0));
-          kBlocks[rows](xs + m0 * k, k, k, w, b, yp + m0 * n + col0, n, cols);
+          kBlocks<kSiluMul>[rows](xs + m0 * k, k, k, w, b, yp + m0 * n + col0, n, cols);
         }
       }
     }
@@ -236,9 +287,26 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, const std::optional<
   return y;
 }
 
+}  // namespace
+
+// x [M, K] bf16, packed from pack(W), bias [N] (any float dtype) or empty -> y [M, N] bf16.
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, const std::optional<torch::Tensor>& bias,
+                     int64_t n) {
+  return run<false>("linear", x, packed, bias, n);
+}
+
+// x [M, K] bf16, packed from pack(pack_gate_up order of W_gate_up [2I, K]), bias [64 Np] or
+// empty -> silu(gate) * up [M, I] bf16, bit-equal to silu_mul(linear(x, W_gate_up)).
+torch::Tensor linear_silu_mul(torch::Tensor x, torch::Tensor packed,
+                              const std::optional<torch::Tensor>& bias, int64_t i) {
+  return run<true>("linear_silu_mul", x, packed, bias, i);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("alloc", &alloc, "zeroed storage for packed weights (huge pages from 2 MiB)");
   m.def("pack", &pack, "W [N, K] bf16 -> panels of 64 columns x k pairs [Np, Kp, 64, 2]",
         py::arg("w"), py::arg("into") = py::none());
   m.def("linear", &linear, "y = x @ W^T (+ bias), batch-invariant, bf16 out");
+  m.def("linear_silu_mul", &linear_silu_mul,
+        "silu(gate) * up of x @ W_gate_up^T (+ bias), W in pack_gate_up's order, bf16 out");
 }

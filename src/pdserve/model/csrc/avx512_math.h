@@ -50,4 +50,14 @@ inline __m512 exp_clamped(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// silu(g) = g / (1 + exp(-g)) in fp32, exp's argument clamped to [-87.3, 88.7] (2^n finite).
+// One definition for silu_mul (bf16_pointwise.cpp) and the gate_up linear that fuses it
+// (avx512_bf16_linear.cpp), so that both give the same bits.
+inline __m512 silu_ps(__m512 g) {
+  const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), g);
+  const __m512 e =
+      exp_clamped(_mm512_max_ps(_mm512_min_ps(neg, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f)));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
 }  // namespace pdserve_simd

@@ -56,12 +56,6 @@ inline void store_bf16(uint16_t* p, __mmask16 m, __m512 x) {
   _mm256_mask_storeu_epi16(p, m, rne_bits(x));
 }
 
-// exp(x) in fp32, x clamped to [-87.3, 88.7] (2^n finite): the shared Cephes polynomial.
-inline __m512 exp_ps(__m512 x) {
-  return pdserve_simd::exp_clamped(
-      _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f)));
-}
-
 inline const uint16_t* bits(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
@@ -144,11 +138,8 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   auto out = at::empty({t, n}, gu.options());
   const uint16_t* gp = bits(gu);
   uint16_t* op = bits_mut(out);
-  const __m512 one = _mm512_set1_ps(1.0f);
   // rne(silu(g)) of 16 lanes (masked lanes: g = 0)
-  auto silu = [&](__m512 gv) {
-    return rne(_mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
-  };
+  auto silu = [](__m512 gv) { return rne(pdserve_simd::silu_ps(gv)); };
   at::parallel_for(0, t, grain(2 * n), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const uint16_t* g = gp + r * ld;
