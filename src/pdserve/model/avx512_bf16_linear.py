@@ -15,7 +15,8 @@ registers, which changes no element's k order.
 
 `Avx512Bf16Linear` holds the weight in the kernel's panel layout (packed once at load; the
 plain weight is dropped; `pack_all` packs a model's weights back to back). On a CPU with AMX
-`pdserve.model.amx_linear` is used instead.
+`pdserve.model.amx_linear` is used instead. `Avx512Bf16SiluMulLinear` is a gate_up layer with
+the MLP's silu(gate) * up computed in the product's epilogue (same bits as the two steps).
 
 Serving it: `pack_linears(batch_invariant=True)` puts bf16 linears on it when `enabled()`:
 `PDSERVE_AVX512_BF16_LINEAR=0` turns it off (oneDNN then, with a warning: not invariant
