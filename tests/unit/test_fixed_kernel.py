@@ -248,6 +248,40 @@ def test_backend_kernel_path_matches_the_torch_fixed_path(dtype):
     torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_writes_the_steps_kv_as_index_copy_does(dtype):
+    """attend_paged(k=, v=, k_rows=) writes the new K / V rows itself (one call instead of two
+    index_copy_): the same cache bits and the same output as index_copy_ then attend_paged,
+    with v a strided view of a qkv output as the model passes it."""
+    h, hkv, d = 4, 2, 32
+    meta, nb = _meta([(7, 40), (1, 9), (12, 12)])
+    plan = fixed_kernel.plan(meta)
+    g = torch.Generator().manual_seed(5)
+    t = meta.num_tokens
+    cache0 = torch.randn(nb, 2, BS, hkv, d, generator=g).to(dtype)
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(dtype)
+    k = qkv[:, h * d : (h + hkv) * d].reshape(t, hkv, d).contiguous()
+    v = qkv[:, (h + hkv) * d :].view(t, hkv, d)  # strided rows
+    a = (plan.tables, plan.tok_seq, plan.tok_pos, plan.ctx_lens, None, 0.25)
+    ref_cache = cache0.clone()
+    flat = ref_cache.view(-1, hkv, d)
+    flat.index_copy_(0, plan.k_rows, k)
+    flat.index_copy_(0, plan.v_rows, v)
+    ref = fixed_kernel.attend_paged(q, ref_cache, *a)
+    cache = cache0.clone()
+    out = fixed_kernel.attend_paged(q, cache, *a, k=k, v=v, k_rows=plan.k_rows)
+    assert torch.equal(cache, ref_cache) and torch.equal(out, ref)
+    bad = plan.k_rows.clone()
+    bad[3] += BS  # a V row
+    before = cache0.clone()
+    with pytest.raises(RuntimeError, match=r"token 3: K row \d+ is not a K row"):
+        fixed_kernel.attend_paged(q, cache0, *a, k=k, v=v, k_rows=bad)
+    with pytest.raises(RuntimeError, match="come together"):
+        fixed_kernel.attend_paged(q, cache0, *a, k=k, v=v)
+    assert torch.equal(cache0, before)  # refused before any row was written
+
+
 def test_blocks_outside_the_window_are_never_read():
     """A sliding layer's table may leave the blocks before the window unset (-1): the kernel
     reads (and checks) only the blocks of keys max(0, p - window + 1) .. p."""

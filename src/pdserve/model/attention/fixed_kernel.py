@@ -160,10 +160,24 @@ def attend_paged(
     window: int | None,
     scale: float,
     path: int = 0,  # 1: every token alone, 2: every run of tokens tiled (tests; same bits)
+    k: torch.Tensor | None = None,  # [T, Hkv, D] the step's new keys, written first ...
+    v: torch.Tensor | None = None,  # [T, Hkv, D] ... and values (rows contiguous)
+    k_rows: torch.Tensor | None = None,  # [T] int64 K row of each in the flat cache (V: + bs)
 ) -> torch.Tensor:  # [T, H, D] in q's dtype
     ext = load()
     if ext is None:
         raise RuntimeError("the attention kernel is not available (see the log)")
     return ext.attend_paged(
-        q.contiguous(), kv_cache, tables, tok_seq, tok_pos, ctx_lens, window or 0, scale, path
+        q.contiguous(),
+        kv_cache,
+        tables,
+        tok_seq,
+        tok_pos,
+        ctx_lens,
+        window or 0,
+        scale,
+        path,
+        k=k,
+        v=v,
+        k_rows=k_rows,
     )

@@ -3,7 +3,7 @@
 Per step (`prepare`) we turn the block tables into row indices of the flat cache view
 `kv_cache.view(num_blocks * 2 * block_size, Hkv, D)`: the K row of slot (block b, offset o)
 is `b * 2 * block_size + o` and its V row is that plus `block_size`. Every layer then
-  - writes the new k/v with one `index_copy_` each,
+  - writes the new k/v with one `index_copy_` each (the kernel path: attend_paged writes them),
   - runs all decode sequences (query_len == 1) as ONE batched SDPA over their contexts
     gathered into `[Bd, Hkv, S_max, D]` with a length mask; the G = H / Hkv query heads of a
     kv head act as the query axis, so GQA needs no repeat of K/V,
@@ -137,12 +137,9 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         hkv, d = self.num_kv_heads, self.head_dim
         if isinstance(plan, fixed_kernel.KernelPlan):
-            if kv_cache.dim() == 5:  # the fused kernel reads the paged cache itself
-                flat = kv_cache.view(-1, hkv, d)
-                flat.index_copy_(0, plan.k_rows, k)
-                flat.index_copy_(0, plan.v_rows, v)
+            if kv_cache.dim() == 5:  # the fused kernel writes k / v and reads the paged cache
                 a = (plan.tables, plan.tok_seq, plan.tok_pos, plan.ctx_lens, window, self.scale)
-                return fixed_kernel.attend_paged(q, kv_cache, *a)
+                return fixed_kernel.attend_paged(q, kv_cache, *a, k=k, v=v, k_rows=plan.k_rows)
             if plan.torch_plan is None:  # quantized KV: the torch fixed path, for life
                 plan.torch_plan = self._prepare_torch(plan.meta)
             plan = plan.torch_plan

@@ -45,6 +45,8 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -193,9 +195,42 @@ void check_tables(const at::Tensor& cache, const at::Tensor& tables, const at::T
 // block_tables [B, W] int32, tok_seq [T] int32 (row of block_tables), tok_pos [T] int32,
 // ctx_lens [B] int32 (keys 0 .. ctx - 1 are in the cache), window <= 0: none.
 // Returns [T, H, D] in q's dtype: query at position p sees keys max(0, p - window + 1) .. p.
+// The step's new K and V rows into the cache (what two index_copy_ calls on the flat view
+// [num_blocks * 2 * bs, Hkv, D] did, in one call): token t's K row is k_rows[t], its V row
+// k_rows[t] + bs. k, v: [T, Hkv, D] in the cache's dtype (v may be a strided view of the qkv
+// output; a row whose Hkv x D is not one run is copied first). Exact copies: no bit moves.
+void write_kv(const at::Tensor& cache, at::Tensor k, at::Tensor v, const at::Tensor& k_rows) {
+  const int64_t t = k.size(0), bs = cache.size(2), hkv = cache.size(3), d = cache.size(4);
+  const int64_t rows = cache.size(0) * 2 * bs, row = hkv * d;
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(1) == hkv && k.size(2) == d &&
+                  v.sizes() == k.sizes(),
+              "k and v must be [T, Hkv, D] like the cache's rows");
+  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
+              "k and v must have the cache's dtype");
+  for (auto* x : {&k, &v})  // a row's Hkv x D must be one run of memory
+    if (x->stride(2) != 1 || x->stride(1) != d) *x = x->contiguous();
+  TORCH_CHECK(k_rows.scalar_type() == at::kLong && k_rows.dim() == 1 && k_rows.size(0) == t &&
+                  k_rows.is_contiguous(),
+              "k_rows must be int64 [T]");
+  const int64_t* kr = k_rows.data_ptr<int64_t>();
+  const int64_t esz = cache.element_size();
+  char* base = static_cast<char*>(cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t i = 0; i < t; ++i)  // all checked before any is written
+    TORCH_CHECK(kr[i] >= 0 && kr[i] % (2 * bs) < bs && kr[i] + bs < rows, "token ", i,
+                ": K row ", kr[i], " is not a K row of the cache");
+  for (int64_t i = 0; i < t; ++i) {
+    std::memcpy(base + kr[i] * row * esz, kp + i * k.stride(0) * esz, row * esz);
+    std::memcpy(base + (kr[i] + bs) * row * esz, vp + i * v.stride(0) * esz, row * esz);
+  }
+}
+
 at::Tensor attend_paged(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
                         at::Tensor tok_seq, at::Tensor tok_pos, at::Tensor ctx_lens,
-                        int64_t window, double scale, int64_t path) {
+                        int64_t window, double scale, int64_t path,
+                        const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                        const std::optional<at::Tensor>& k_rows) {
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && cache.size(1) == 2, "bad shapes");
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "q and cache must be contiguous");
@@ -206,6 +241,12 @@ at::Tensor attend_paged(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
   TORCH_CHECK(ctx_lens.size(0) == block_tables.size(0), "one context length per table row");
   TORCH_CHECK(path >= 0 && path <= 2, "path: 0, 1 or 2");
   check_tables(cache, block_tables, tok_seq, tok_pos, ctx_lens, window);
+  TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == k_rows.has_value(),
+              "k, v and k_rows come together");
+  if (k.has_value()) {
+    TORCH_CHECK(k->size(0) == q.size(0), "one k / v row per token of q");
+    write_kv(cache, *k, *v, *k_rows);  // before the products: a token sees its own key
+  }
   auto out = at::empty_like(q);
   const auto qt = q.scalar_type(), ct = cache.scalar_type();
   if (qt == at::kBFloat16 && ct == at::kBFloat16)
@@ -228,7 +269,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_paged", &attend_paged, "batch-invariant paged attention (CPU)",
         pybind11::arg("q"), pybind11::arg("cache"), pybind11::arg("block_tables"),
         pybind11::arg("tok_seq"), pybind11::arg("tok_pos"), pybind11::arg("ctx_lens"),
-        pybind11::arg("window"), pybind11::arg("scale"), pybind11::arg("path") = 0);
+        pybind11::arg("window"), pybind11::arg("scale"), pybind11::arg("path") = 0,
+        pybind11::arg("k") = pybind11::none(), pybind11::arg("v") = pybind11::none(),
+        pybind11::arg("k_rows") = pybind11::none());
   m.def("vectorized", &vectorized, "true when built with AVX-512");
   m.def("dot_bf16", &dot_bf16, "true when bf16 q and cache use bf16 dot products (AVX512-BF16)");
 }
