@@ -14,6 +14,7 @@ fixed_attn_math.h and, where it exists, model/csrc/avx512_math.h) is built once 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -30,7 +31,8 @@ _SHARED_HEADER = "src/pdserve/model/csrc/avx512_math.h"
 
 
 def build_baseline(rev: str) -> Any:
-    """The kernel module built from the sources at git revision `rev`."""
+    """The kernel module built from the sources at git revision `rev`, as the served build
+    variant (fixed_kernel.variant_for: on a CPU with AVX512-BF16 the bf16 dot-product build)."""
     root = Path(fixed_kernel.__file__).resolve().parents[4]
     sha = subprocess.run(
         ["git", "-C", str(root), "rev-parse", "--short", rev],
@@ -40,7 +42,8 @@ def build_baseline(rev: str) -> Any:
     ).stdout.strip()
     # the repository's layout under src/, so that relative includes resolve as in the tree
     # (fixed_attn_math.h includes ../../csrc/avx512_math.h from the shared helpers)
-    tree = cpp_ext.build_dir("pdserve_fixed_attn_base", sha) / "src"
+    variant = fixed_kernel.variant_for(os.environ.get("PDSERVE_ATTN_KERNEL", "1"))
+    tree = cpp_ext.build_dir("pdserve_fixed_attn_base", f"{sha}_{variant}") / "src"
     for rel in (f"{_CSRC}/fixed_attn.cpp", f"{_CSRC}/fixed_attn_math.h", _SHARED_HEADER):
         shown = subprocess.run(
             ["git", "-C", str(root), "show", f"{rev}:{rel}"], capture_output=True, text=True
@@ -54,8 +57,10 @@ def build_baseline(rev: str) -> Any:
         if not path.exists() or path.read_text() != shown.stdout:
             path.write_text(shown.stdout)
     src = tree / _CSRC
-    flags = fixed_kernel._BASE_FLAGS + fixed_kernel._AVX512_FLAGS
-    return cpp_ext.build("pdserve_fixed_attn_base", sha, src / "fixed_attn.cpp", flags)
+    flags = fixed_kernel.flags_for(variant)
+    return cpp_ext.build(
+        "pdserve_fixed_attn_base", f"{sha}_{variant}", src / "fixed_attn.cpp", flags
+    )
 
 
 def make_case(kind: str, batch: int, length: int, h: int, hkv: int, d: int, dtype, window=0):

@@ -61,17 +61,15 @@ def variant_for(setting: str) -> str:
     return "avx512bf16" if cpu_has_avx512_bf16() and setting != "avx512" else "avx512"
 
 
+def flags_for(variant: str) -> list[str]:
+    """The compiler flags of one build variant (`variant_for`)."""
+    extra = {"scalar": [], "avx512": _AVX512_FLAGS, "avx512bf16": _AVX512_FLAGS + _BF16_FLAGS}
+    return _BASE_FLAGS + extra[variant]
+
+
 def build(variant: str) -> Any:
     """The compiled module of one variant (cached per variant; raises when it cannot build)."""
-    flags = (
-        _BASE_FLAGS
-        + {
-            "scalar": [],
-            "avx512": _AVX512_FLAGS,
-            "avx512bf16": _AVX512_FLAGS + _BF16_FLAGS,
-        }[variant]
-    )
-    return cpp_ext.build("pdserve_fixed_attn", variant, _SOURCE, flags)
+    return cpp_ext.build("pdserve_fixed_attn", variant, _SOURCE, flags_for(variant))
 
 
 def load() -> Any | None:
