@@ -339,6 +339,17 @@ def _relay_setup(now):
     return orch_mod, orch, inst
 
 
+def _relay_task(orch, call, inst, job) -> tuple[asyncio.Future, list]:
+    """orch._relay of `call` consumed in a task; the chunks it relayed so far."""
+    got: list = []
+
+    async def consume():
+        async for chunk in orch._relay(call, inst, job, None, "decode"):
+            got.append(chunk)
+
+    return asyncio.ensure_future(consume()), got
+
+
 def test_relay_watchdog_turns_a_silent_lost_stream_into_stream_lost(monkeypatch):
     now = [100.0]
     orch_mod, orch, inst = _relay_setup(now)
@@ -347,13 +358,7 @@ def test_relay_watchdog_turns_a_silent_lost_stream_into_stream_lost(monkeypatch)
     job = make_job(max_tokens=10, stop=())
 
     async def scenario():
-        got = []
-
-        async def consume():
-            async for chunk in orch._relay(call, inst, job, None, "decode"):
-                got.append(chunk)
-
-        task = asyncio.ensure_future(consume())
+        task, got = _relay_task(orch, call, inst, job)
         await asyncio.sleep(0.1)
         assert not task.done() and len(got) == 2  # silent, but still heartbeating
         now[0] += 10.0  # no heartbeat for 10 s: lost
@@ -375,13 +380,7 @@ def test_relay_cut_by_the_sweep_before_the_watchdog_ticks_is_stream_lost(monkeyp
     call = SilentCall(2)
 
     async def scenario():
-        got = []
-
-        async def consume():
-            async for chunk in orch._relay(call, inst, make_job(max_tokens=10), None, "decode"):
-                got.append(chunk)
-
-        task = asyncio.ensure_future(consume())
+        task, got = _relay_task(orch, call, inst, make_job(max_tokens=10))
         await asyncio.sleep(0.05)
         assert len(got) == 2
         now[0] += 10.0
@@ -430,13 +429,7 @@ def test_relay_call_cancelled_under_it_is_unavailable_not_a_client_cancel():
             return Msg() if msg is common_pb2.FinishReason else msg
 
         call.read = read
-        got = []
-
-        async def consume():
-            async for chunk in orch._relay(call, inst, make_job(max_tokens=10), None, "decode"):
-                got.append(chunk)
-
-        task = asyncio.ensure_future(consume())
+        task, got = _relay_task(orch, call, inst, make_job(max_tokens=10))
         await asyncio.sleep(0.05)
         call.cancel()  # what channel.close() does to a call on it
         try:

@@ -33,7 +33,7 @@ import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -127,19 +127,26 @@ def gate_up_order(t: torch.Tensor) -> torch.Tensor:
     return out.view((np_ * 2 * GATE_UP_HALF, *rest))
 
 
+def _rows(
+    op: Any, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """A kernel entry `op` (x [M, K], packed, bias, n) -> [M, n] applied to x [..., K]."""
+    if x.dim() == 2:  # the model's case: no reshape / view per call (decode hot path)
+        return op(x, packed, bias, n)
+    return op(x.reshape(-1, x.shape[-1]), packed, bias, n).view(*x.shape[:-1], n)
+
+
 def linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor:
     """x [..., K] bf16 @ W.T (+ bias) -> [..., n] bf16, W packed by `pack`."""
-    if x.dim() == 2:  # the model's case: no reshape / view per call (decode hot path)
-        return _loaded().linear(x, packed, bias, n)
-    lead = x.shape[:-1]
-    y = _loaded().linear(x.reshape(-1, x.shape[-1]), packed, bias, n)
-    return y.view(*lead, n)
+    return _rows(_loaded().linear, x, packed, bias, n)
 
 
 class Avx512Bf16Linear(nn.Module):
     """y = x @ W.T + b with W in the AVX512-BF16 kernel's panel layout. bf16, inference only."""
+
+    _kernel = "linear"  # the kernel entry forward calls
 
     def __init__(
         self,
@@ -147,25 +154,36 @@ class Avx512Bf16Linear(nn.Module):
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | None = None,
     ) -> None:
-        """packed: `weight` already packed (`pack_all`), else it is packed here."""
+        """packed: `weight` already packed (`pack_all`, rows in `_order`), else packed here."""
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.packed = pack(weight) if packed is None else packed
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        n, self.in_features = weight.shape
+        self.out_features = self._outputs(n)
+        self.packed = pack(self._order(weight)) if packed is None else packed
+        self.bias = None if bias is None else self._order(bias.detach().float()).contiguous()
+
+    @staticmethod
+    def _order(t: torch.Tensor) -> torch.Tensor:
+        """W's rows (and b's) in the order the kernel's panels hold them."""
+        return t
+
+    @staticmethod
+    def _outputs(n: int) -> int:
+        """Output features of a weight of n rows."""
+        return n
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, packed: torch.Tensor | None = None) -> Avx512Bf16Linear:
+    def from_linear(cls, lin: nn.Linear, packed: torch.Tensor | None = None) -> Self:
         return cls(lin.weight, lin.bias, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.packed, self.bias, self.out_features)
+        return _rows(getattr(_loaded(), self._kernel), x, self.packed, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
-class Avx512Bf16SiluMulLinear(nn.Module):
+class Avx512Bf16SiluMulLinear(Avx512Bf16Linear):
     """silu(x @ W_gate.T + b_gate) * (x @ W_up.T + b_up) [..., I] of a gate_up layer (W [2I, K],
     gate rows first), in one kernel call: the silu_mul runs in the product's epilogue, on the
     gate and up values the plain linear would have stored, so a row's bits equal
@@ -173,40 +191,14 @@ class Avx512Bf16SiluMulLinear(nn.Module):
     bf16, inference only."""
 
     fuses_silu_mul = True  # its output is already silu(gate) * up (DecoderLayer.mlp)
+    _kernel = "linear_silu_mul"
+    _order = staticmethod(gate_up_order)
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
-    ) -> None:
-        """packed: `gate_up_order(weight)` already packed (`pack_all`), else it is packed here."""
-        super().__init__()
-        two_i, self.in_features = weight.shape
-        if two_i % 2:
-            raise ValueError(f"a gate_up weight has 2I rows, got {two_i}")
-        self.out_features = two_i // 2
-        self.packed = pack(gate_up_order(weight)) if packed is None else packed
-        self.bias = None if bias is None else gate_up_order(bias.detach().float()).contiguous()
-
-    @classmethod
-    def from_linear(
-        cls, lin: nn.Linear, packed: torch.Tensor | None = None
-    ) -> Avx512Bf16SiluMulLinear:
-        return cls(lin.weight, lin.bias, packed)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ext = _loaded()
-        if x.dim() == 2:
-            return ext.linear_silu_mul(x, self.packed, self.bias, self.out_features)
-        y = ext.linear_silu_mul(
-            x.reshape(-1, x.shape[-1]), self.packed, self.bias, self.out_features
-        )
-        return y.view(*x.shape[:-1], self.out_features)
+    @staticmethod
+    def _outputs(n: int) -> int:
+        if n % 2:
+            raise ValueError(f"a gate_up weight has 2I rows, got {n}")
+        return n // 2
 
     def extra_repr(self) -> str:
-        bias = self.bias is not None
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features} "
-            f"(silu(gate) * up), bias={bias}"
-        )
+        return super().extra_repr() + " (silu(gate) * up)"

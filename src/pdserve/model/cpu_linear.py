@@ -178,12 +178,11 @@ def pack_linears(
 
     lists = avx and fuse_silu_mul and hasattr(model, "silu_mul_linears")
     silu_mul = model.silu_mul_linears() if lists else []
-    fused = {id(lin) for lin in silu_mul if type(lin) is nn.Linear}
-    fused_keys = {key(lin.weight) for lin in silu_mul if id(lin) in fused}
+    fused = {key(lin.weight) for lin in silu_mul if type(lin) is nn.Linear}  # weights' keys
     avx_weights = [w for w in weights if w.dtype == torch.bfloat16] if avx else []
     order = avx512_bf16_linear.gate_up_order  # a fused layer's rows in its panel order
     avx_all = (
-        avx512_bf16_linear.pack_all([order(w) if key(w) in fused_keys else w for w in avx_weights])
+        avx512_bf16_linear.pack_all([order(w) if key(w) in fused else w for w in avx_weights])
         if avx_weights
         else []
     )
@@ -194,7 +193,7 @@ def pack_linears(
             return amx_linear.AmxLinear.from_linear(lin)
         if avx and lin.weight.dtype == torch.bfloat16:
             cls = avx512_bf16_linear.Avx512Bf16Linear
-            if id(lin) in fused:
+            if key(lin.weight) in fused:
                 cls = avx512_bf16_linear.Avx512Bf16SiluMulLinear
             return cls.from_linear(lin, avx_packed[key(lin.weight)])
         return PackedLinear(lin, batch_hint, rows(lin.weight.dtype))

@@ -124,7 +124,7 @@ inline void silu_mul_epilogue(const __m512 (&acc)[R][4], const float* bias, uint
 // Rows [0, R) of x (row stride ldx) times one panel w (Kp pairs of 256 bytes) into
 // y[r, 0:cols] (row stride ldy): the whole K in registers, then the epilogue. bias: this
 // panel's first column in an fp32 array, or null. kSiluMul: the panel is a gate_up panel
-// (columns 0-31 gate, 32-63 the matching up: pack_gate_up) and y gets cols <= 32 columns of
+// (columns 0-31 gate, 32-63 the matching up: gate_up_order) and y gets cols <= 32 columns of
 // silu(gate) * up (see silu_mul_epilogue).
 // pf: lines [0, pf_lines) of the next panel to prefetch, one per k pair (header: "Loads").
 template <int R, bool kSiluMul>
@@ -177,8 +177,7 @@ void block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const f
   for (int v = 0; v < 4; ++v) {
     const int64_t c0 = v * kVec;
     if (c0 >= cols) break;
-    const __mmask16 mask =
-        cols - c0 >= kVec ? (__mmask16)0xffff : (__mmask16)((1u << (cols - c0)) - 1);
+    const __mmask16 mask = pdserve_simd::tail_mask(cols - c0);
     const __m512 bv = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + c0);
     for (int r = 0; r < R; ++r) {
       const __m512 s = bias == nullptr ? acc[r][v] : _mm512_add_ps(acc[r][v], bv);
@@ -253,7 +252,7 @@ torch::Tensor pack(torch::Tensor w, const std::optional<torch::Tensor>& into) {
 namespace {
 
 // The product of linear / linear_silu_mul. Plain: panel p gives y's columns [64 p, 64 p + 64).
-// kSiluMul: panel p (32 gate + 32 up columns, pack_gate_up's order) gives y's columns
+// kSiluMul: panel p (32 gate + 32 up columns, gate_up_order's order) gives y's columns
 // [32 p, 32 p + 32) of silu(gate) * up; n = I, y [M, I], bias in the packed order [64 Np].
 template <bool kSiluMul>
 torch::Tensor run(const char* op, torch::Tensor x, torch::Tensor packed,
@@ -274,7 +273,7 @@ torch::Tensor run(const char* op, torch::Tensor x, torch::Tensor packed,
   torch::Tensor bias_f;  // fp32 (Avx512Bf16Linear keeps it so: no conversion per call)
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == (kSiluMul ? np * kCols : n), op,
-                kSiluMul ? ": bias must have 64 * Np elements (pack_gate_up's order)"
+                kSiluMul ? ": bias must have 64 * Np elements (gate_up_order's order)"
                          : ": bias must have n elements");
     bias_f = bias->to(torch::kFloat32).contiguous();
   }
@@ -324,7 +323,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, const std::optional<
   return run<false>("linear", x, packed, bias, n);
 }
 
-// x [M, K] bf16, packed from pack(pack_gate_up order of W_gate_up [2I, K]), bias [64 Np] or
+// x [M, K] bf16, packed from pack(gate_up_order(W_gate_up [2I, K])), bias [64 Np] or
 // empty -> silu(gate) * up [M, I] bf16, bit-equal to silu_mul(linear(x, W_gate_up)).
 torch::Tensor linear_silu_mul(torch::Tensor x, torch::Tensor packed,
                               const std::optional<torch::Tensor>& bias, int64_t i) {
@@ -337,5 +336,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("into") = py::none());
   m.def("linear", &linear, "y = x @ W^T (+ bias), batch-invariant, bf16 out");
   m.def("linear_silu_mul", &linear_silu_mul,
-        "silu(gate) * up of x @ W_gate_up^T (+ bias), W in pack_gate_up's order, bf16 out");
+        "silu(gate) * up of x @ W_gate_up^T (+ bias), W in gate_up_order's order, bf16 out");
 }

@@ -470,9 +470,7 @@ class Orchestrator:
         limit_s = math.inf if RELAY_WAIT_FOR else self.deadlines.first_token_s
         watch = self.streams.watch(call, inst.instance_id, limit_s)
 
-        def lost() -> bool:
-            # The router's sweep may expire the instance and close its channel (cancelling
-            # this call) before the watchdog's next tick flags the stream: ask the registry.
+        def lost() -> bool:  # (the sweep may cut the call before the watchdog's tick)
             return watch.lost or self.registry.lost(inst.instance_id)
 
         try:
