@@ -66,13 +66,10 @@ inline uint16_t* bits_mut(at::Tensor& t) {
 // Rows per parallel task: ~32 Ki elements (64 KiB of bf16), so a small batch stays on one thread.
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, (32 << 10) / row_elems); }
 
-// One row: y = rne(x * r), out = rne(w * y).
-void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t h, uint16_t* out) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < h; i += kVec) {
-    const __m512 v = load_bf16(x + i, tail_mask(h - i));
-    acc = _mm512_fmadd_ps(v, v, acc);
-  }
+// The second half of a row's norm: out = rne(w * rne(x * r)), r = 1 / sqrt(mean + eps), mean
+// from `acc`, the 16 lane sums of x^2 over the row in order (see norm_row).
+void scale_row(const uint16_t* x, const uint16_t* w, float eps, int64_t h, __m512 acc,
+               uint16_t* out) {
   const float mean = _mm512_reduce_add_ps(acc) / (float)h;
   const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
   for (int64_t i = 0; i < h; i += kVec) {
@@ -80,6 +77,16 @@ void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t h, uint16
     const __m512 y = rne(_mm512_mul_ps(load_bf16(x + i, m), r));
     store_bf16(out + i, m, _mm512_mul_ps(load_bf16(w + i, m), y));
   }
+}
+
+// One row: y = rne(x * r), out = rne(w * y).
+void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t h, uint16_t* out) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < h; i += kVec) {
+    const __m512 v = load_bf16(x + i, tail_mask(h - i));
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  scale_row(x, w, eps, h, acc, out);
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* op) {
@@ -118,12 +125,17 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& d, const at::Tensor& w,
   uint16_t* op = bits_mut(out);
   at::parallel_for(0, t, grain(h), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
+      // one pass: the new x rounded and stored, and its squares summed as norm_row sums
+      // them (the same values in the same order), then the scaling pass
       uint16_t* xr = xp + r * lx;
+      __m512 acc = _mm512_setzero_ps();
       for (int64_t i = 0; i < h; i += kVec) {
         const __mmask16 m = tail_mask(h - i);
-        store_bf16(xr + i, m, _mm512_add_ps(load_bf16(xr + i, m), load_bf16(dp + r * ld + i, m)));
+        const __m512 v = rne(_mm512_add_ps(load_bf16(xr + i, m), load_bf16(dp + r * ld + i, m)));
+        _mm256_mask_storeu_epi16(xr + i, m, rne_bits(v));  // exact: v is already bf16
+        acc = _mm512_fmadd_ps(v, v, acc);
       }
-      norm_row(xr, wp, (float)eps, h, op + r * h);
+      scale_row(xr, wp, (float)eps, h, acc, op + r * h);
     }
   });
   return out;
@@ -186,7 +198,14 @@ std::vector<at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& cos,
     // else from a copy of the head twice over
     const bool direct = half % kVec == 0;
     std::vector<uint16_t> twice(2 * d);
+    const int64_t nv = (d + kVec - 1) / kVec;
+    std::vector<__m512> cs(2 * nv);  // the row's cos and sin in fp32, shared by its heads
     for (int64_t r = b; r < e; ++r) {
+      for (int64_t i = 0, c = 0; i < d; i += kVec, ++c) {
+        const __mmask16 m = tail_mask(d - i);
+        cs[c] = load_bf16(cp + r * lc + i, m);
+        cs[nv + c] = load_bf16(sp + r * ls + i, m);
+      }
       for (int64_t j = 0; j < h + hkv; ++j) {
         const uint16_t* x = xp + r * ld + j * d;
         uint16_t* o = j < h ? qp + (r * h + j) * d : kp + (r * hkv + j - h) * d;
@@ -194,12 +213,12 @@ std::vector<at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& cos,
           std::copy(x, x + d, twice.begin());
           std::copy(x, x + d, twice.begin() + d);
         }
-        for (int64_t i = 0; i < d; i += kVec) {
+        for (int64_t i = 0, c = 0; i < d; i += kVec, ++c) {
           const __mmask16 m = tail_mask(d - i);
           const uint16_t* rolled = direct ? x + (i + half) % d : twice.data() + half + i;
-          const __m512 a = rne(_mm512_mul_ps(load_bf16(x + i, m), load_bf16(cp + r * lc + i, m)));
-          const __m512 c = rne(_mm512_mul_ps(load_bf16(rolled, m), load_bf16(sp + r * ls + i, m)));
-          store_bf16(o + i, m, _mm512_add_ps(a, c));
+          const __m512 a = rne(_mm512_mul_ps(load_bf16(x + i, m), cs[c]));
+          const __m512 b2 = rne(_mm512_mul_ps(load_bf16(rolled, m), cs[nv + c]));
+          store_bf16(o + i, m, _mm512_add_ps(a, b2));
         }
       }
     }
