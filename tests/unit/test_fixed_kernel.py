@@ -282,6 +282,102 @@ def test_the_kernel_writes_the_steps_kv_as_index_copy_does(dtype):
     assert torch.equal(cache0, before)  # refused before any row was written
 
 
+@pytest.mark.parametrize("h,hkv,d", [(4, 2, 32), (8, 2, 64), (6, 3, 24), (2, 1, 128)])
+def test_the_kernel_applies_rope_as_rope_qk_does(h, hkv, d):
+    """attend_paged(..., rope=(cos, sin)) with q and k straight from the qkv rows: the kernel
+    ropes q as it reads it and k as it caches it, bit for bit as the fused bf16 rope_qk and
+    then attend_paged (the cache and the output), for head sizes whose half is a multiple of
+    16 lanes or not (24: a rolled chunk wraps), and a mixed step (chunks and a decode)."""
+    if not fixed_kernel.applies_rope(torch.bfloat16):
+        pytest.skip("RoPE in the kernel needs the bf16 dot-product build (AVX512-BF16)")
+    from pdserve.model.pointwise import for_model
+
+    ops = for_model(torch.bfloat16, torch.device("cpu"))
+    assert ops.fused
+    meta, nb = _meta([(7, 40), (1, 9), (12, 12), (1, 33)])
+    plan = fixed_kernel.plan(meta)
+    g = torch.Generator().manual_seed(11)
+    t = meta.num_tokens
+    cache0 = torch.randn(nb, 2, BS, hkv, d, generator=g).bfloat16()
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).bfloat16()
+    cos = torch.randn(t, d, generator=g).bfloat16()
+    sin = torch.randn(t, d, generator=g).bfloat16()
+    v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
+    a = (plan.tables, plan.tok_seq, plan.tok_pos, plan.ctx_lens, None, d**-0.5)
+    q_roped, k_roped = ops.rope_qk(qkv, cos.view(t, 1, d), sin.view(t, 1, d), h, hkv, d)
+    ref_cache = cache0.clone()
+    ref = fixed_kernel.attend_paged(q_roped, ref_cache, *a, k=k_roped, v=v, k_rows=plan.k_rows)
+    q = qkv[:, : h * d].view(t, h, d)  # views: each token's heads contiguous, rows strided
+    k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
+    cache = cache0.clone()
+    out = fixed_kernel.attend_paged(q, cache, *a, k=k, v=v, k_rows=plan.k_rows, rope=(cos, sin))
+    assert torch.equal(cache.view(torch.int16), ref_cache.view(torch.int16))
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+
+
+def test_a_llama_model_gives_the_same_bits_with_rope_in_the_kernel(tmp_path, monkeypatch):
+    """The served bf16 path: the layer leaves RoPE to the attention kernel, and the model's
+    hidden states (a prefill, then a decode over its cache) are bit-equal to rope_qk first."""
+    if not fixed_kernel.applies_rope(torch.bfloat16):
+        pytest.skip("RoPE in the kernel needs the bf16 dot-product build (AVX512-BF16)")
+    from pdserve.model.loader import load_model
+    from pdserve.model.tiny import TinySpec, make_tiny
+
+    spec = TinySpec(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=160, vocab=500)
+    model = load_model(make_tiny(tmp_path / "m", spec), "bfloat16").model
+    model.set_batch_invariant(True)
+    calls = []
+    fused = TorchAttentionBackend.applies_rope
+
+    def spy(self, plan, kv_cache, dtype):
+        calls.append(fused(self, plan, kv_cache, dtype))
+        return calls[-1]
+
+    def run():
+        caches = [torch.zeros(4, 2, BS, 2, 32, dtype=torch.bfloat16) for _ in model.layers]
+        ids = torch.randint(3, 500, (21,), generator=torch.Generator().manual_seed(1))
+        outs = []
+        with torch.inference_mode():
+            for q, s in ((20, 20), (1, 21)):  # the prompt, then one decode step
+                meta = AttentionMetadata.build([q], [s], [[0, 1]], BS)
+                outs.append(model(ids[s - q : s], torch.arange(s - q, s), caches, meta))
+        return torch.cat(outs).view(torch.int16)
+
+    monkeypatch.setattr(TorchAttentionBackend, "applies_rope", spy)
+    in_kernel = run()
+    assert calls and all(calls)  # every layer of both steps left RoPE to the kernel
+    monkeypatch.setattr(TorchAttentionBackend, "applies_rope", lambda *a: False)
+    assert torch.equal(run(), in_kernel)
+
+
+def test_rope_in_the_kernel_refuses_what_it_cannot_do():
+    """RoPE in the kernel: bf16 q and cache only, with the step's k (it ropes k on its way
+    into the cache), cos / sin of [T, D]; each refusal names the problem and writes nothing."""
+    h, hkv, d = 4, 2, 32
+    meta, nb = _meta([(5, 5)])
+    plan = fixed_kernel.plan(meta)
+    t = meta.num_tokens
+    a = (plan.tables, plan.tok_seq, plan.tok_pos, plan.ctx_lens, None, 0.25)
+    g = torch.Generator().manual_seed(2)
+    cos, sin = (torch.randn(t, d, generator=g).bfloat16() for _ in range(2))
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = torch.randn(nb, 2, BS, hkv, d, generator=g).to(dtype)
+        before = cache.clone()
+        q, k, v = (torch.randn(t, n, d, generator=g).to(dtype) for n in (h, hkv, hkv))
+        kw = {"k": k, "v": v, "k_rows": plan.k_rows}
+        if dtype == torch.float32 or not fixed_kernel.applies_rope(dtype):
+            with pytest.raises(RuntimeError, match="RoPE in the kernel needs bf16"):
+                fixed_kernel.attend_paged(q, cache, *a, **kw, rope=(cos, sin))
+        else:
+            with pytest.raises(RuntimeError, match="needs the step's k"):
+                fixed_kernel.attend_paged(q, cache, *a, rope=(cos, sin))
+            with pytest.raises(RuntimeError, match=r"rope_cos and rope_sin must be bf16 \[T, D\]"):
+                fixed_kernel.attend_paged(q, cache, *a, **kw, rope=(cos[:-1], sin[:-1]))
+            with pytest.raises(RuntimeError, match=r"rope_cos and rope_sin must be bf16 \[T, D\]"):
+                fixed_kernel.attend_paged(q, cache, *a, **kw, rope=(cos.float(), sin.float()))
+        assert torch.equal(cache, before)
+
+
 def test_blocks_outside_the_window_are_never_read():
     """A sliding layer's table may leave the blocks before the window unset (-1): the kernel
     reads (and checks) only the blocks of keys max(0, p - window + 1) .. p."""
