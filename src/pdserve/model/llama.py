@@ -119,22 +119,15 @@ class DecoderLayer(nn.Module):
         x, h = ops.add_norm(x, delta, self.input_layernorm)
         qkv = self.qkv_proj(h)  # [T, (H + 2*Hkv) * D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        rope = None  # (cos, sin) when the attention applies RoPE itself
         if self.q_norm is not None and self.k_norm is not None:  # qwen3: per-head norms first
             q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
             k = self.k_norm(
                 qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             )
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        elif ops.fused and backend.applies_rope(plan, kv_cache, qkv.dtype):
-            # the attention kernel ropes q as it reads it and k as it caches it, with rope_qk's
-            # bits: q and k stay views of qkv (one pass over them fewer)
-            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, self.head_dim)
-            rope = (cos.view(t, -1), sin.view(t, -1))
         else:  # one RoPE over q and k together
             q, k = ops.rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-        o = backend.forward(plan, q, k, v, kv_cache, self.window, rope)  # [T, H, D]
+        o = backend.forward(plan, q, k, v, kv_cache, self.window)  # [T, H, D]
         x, h = ops.add_norm(
             x, self.o_proj(o.reshape(t, self.q_size)), self.post_attention_layernorm
         )

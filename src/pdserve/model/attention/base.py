@@ -44,12 +44,5 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
         window: int | None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        """Write k/v into kv_cache, then attend. rope (cos, sin_signed [T, D]): q and k come
-        without RoPE and the backend applies it; only given where `applies_rope` said so."""
-
-    def applies_rope(self, plan: Any, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Whether forward(plan, ..., rope=...) applies RoPE to q and k itself, with the bits
-        the model's own RoPE would give (one pass over q and k fewer). Default: no."""
-        return False
+        """Write k/v into kv_cache, then attend."""

@@ -108,19 +108,6 @@ def available() -> bool:
     return load() is not None
 
 
-def applies_rope(dtype: torch.dtype) -> bool:
-    """Whether `attend_paged(..., rope=...)` can apply RoPE itself for q / cache of `dtype`:
-    bf16 on the bf16 dot-product build (the same arithmetic as the fused bf16 `rope_qk`)."""
-    if dtype != torch.bfloat16:
-        return False
-    ext = _state.get("ext") or load()
-    if ext is None:
-        return False
-    if _state.get("dot_of") is not ext:  # asked once per layer and step: the answer cached
-        _state["dot_of"], _state["dot_bf16"] = ext, bool(ext.dot_bf16())
-    return _state["dot_bf16"]
-
-
 @dataclass
 class KernelPlan:
     """One step's kernel arguments (built once per step, shared by all layers)."""
@@ -174,17 +161,21 @@ def attend_paged(
     k: torch.Tensor | None = None,  # [T, Hkv, D] the step's new keys, written first ...
     v: torch.Tensor | None = None,  # [T, Hkv, D] ... and values (rows contiguous)
     k_rows: torch.Tensor | None = None,  # [T] int64 K row of each in the flat cache (V: + bs)
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin_signed [T, D] bf16
 ) -> torch.Tensor:  # [T, H, D] in q's dtype
-    """rope: q and k come without RoPE and the kernel applies it (q as it reads it, k as it
-    writes it to the cache), bit for bit as `pointwise.rope_qk` would have; bf16 q and cache
-    on the bf16 dot-product build only (`applies_rope`). q may then be a view of the qkv rows
-    (each token's heads contiguous)."""
-    ext = _state.get("ext") or load()  # (once loaded: no lock per call, 2 per layer and step)
+    ext = load()
     if ext is None:
         raise RuntimeError("the attention kernel is not available (see the log)")
-    if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
-        q = q.contiguous()
-    cos, sin = rope if rope is not None else (None, None)
-    a = (q, kv_cache, tables, tok_seq, tok_pos, ctx_lens, window or 0, scale, path)
-    return ext.attend_paged(*a, k, v, k_rows, cos, sin)  # (positional: cheaper than keywords)
+    return ext.attend_paged(
+        q.contiguous(),
+        kv_cache,
+        tables,
+        tok_seq,
+        tok_pos,
+        ctx_lens,
+        window or 0,
+        scale,
+        path,
+        k=k,
+        v=v,
+        k_rows=k_rows,
+    )

@@ -137,7 +137,6 @@ class FlashInferBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
         window: int | None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # never (applies_rope: False)
     ) -> torch.Tensor:
         flat = kv_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat.index_copy_(0, plan.k_rows, k)

@@ -21,7 +21,6 @@ batch-variant alternative (`--no-batch-invariant`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -93,15 +92,6 @@ class TorchAttentionBackend(AttentionBackend):
                 return fixed_kernel.plan(meta)
         return self._prepare_torch(meta)
 
-    def applies_rope(self, plan: Any, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
-        """The fused kernel on a bf16 paged cache: RoPE as it reads q and writes k."""
-        return (
-            isinstance(plan, fixed_kernel.KernelPlan)
-            and kv_cache.dim() == 5
-            and kv_cache.dtype == dtype
-            and fixed_kernel.applies_rope(dtype)
-        )
-
     def _prepare_torch(self, meta: AttentionMetadata) -> TorchPlan:
         bs = meta.block_size
         device = meta.slot_mapping.device
@@ -144,17 +134,12 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         window: int | None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         hkv, d = self.num_kv_heads, self.head_dim
         if isinstance(plan, fixed_kernel.KernelPlan):
             if kv_cache.dim() == 5:  # the fused kernel writes k / v and reads the paged cache
                 a = (plan.tables, plan.tok_seq, plan.tok_pos, plan.ctx_lens, window, self.scale)
-                return fixed_kernel.attend_paged(
-                    q, kv_cache, *a, k=k, v=v, k_rows=plan.k_rows, rope=rope
-                )
-            if rope is not None:
-                raise ValueError("RoPE in the attention is for the kernel's bf16 paged path")
+                return fixed_kernel.attend_paged(q, kv_cache, *a, k=k, v=v, k_rows=plan.k_rows)
             if plan.torch_plan is None:  # quantized KV: the torch fixed path, for life
                 plan.torch_plan = self._prepare_torch(plan.meta)
             plan = plan.torch_plan

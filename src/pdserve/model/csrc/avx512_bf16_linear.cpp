@@ -92,9 +92,11 @@ inline __m512bh pair_at(const uint16_t* x) {
 // One row's odd last element: the pair (x[K-1], 0).
 inline __m512bh last_at(const uint16_t* x) { return (__m512bh)_mm512_set1_epi32(*x); }
 
-// x -> bf16 (round to nearest even; VCVTNEPS2BF16 in this AVX512-BF16 build) -> fp32: the
-// value a bf16 tensor would have stored.
-using pdserve_simd::rne;
+// x -> bf16 (round to nearest even) -> fp32: the value a bf16 tensor would have stored.
+inline __m512 rne(__m512 x) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
 
 // The fused silu_mul epilogue of a gate_up panel: gate = rne(acc[r][0..1] + bias), up =
 // rne(acc[r][2..3] + bias), exactly the gate_up linear's bf16 outputs; then silu_mul's own

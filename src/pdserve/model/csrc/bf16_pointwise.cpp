@@ -36,8 +36,21 @@ constexpr int kVec = 16;  // fp32 lanes per zmm
 using pdserve_simd::load_bf16;
 using pdserve_simd::tail_mask;
 
-using pdserve_simd::rne;
-using pdserve_simd::rne_bits;
+// fp32 -> bf16 bits, round to nearest even. With AVX512-BF16: VCVTNEPS2BF16 (one instruction;
+// it reads a denormal input as zero). Without: c10's rule in integer code. The two builds
+// differ only for denormals and NaN payloads.
+inline __m256i rne_bits(__m512 x) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+  return pdserve_simd::bf16_bits_c10(x);
+#endif
+}
+
+// rne to bf16 and back to fp32: the value a torch op would have stored.
+inline __m512 rne(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rne_bits(x)), 16));
+}
 
 inline void store_bf16(uint16_t* p, __mmask16 m, __m512 x) {
   _mm256_mask_storeu_epi16(p, m, rne_bits(x));
@@ -179,15 +192,34 @@ std::vector<at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& cos,
   auto k = at::empty({t, hkv, d}, qkv.options());
   const uint16_t *xp = bits(qkv), *cp = bits(cos), *sp = bits(sin);
   uint16_t *qp = bits_mut(q), *kp = bits_mut(k);
-  const int64_t lc = cos.stride(0), ls = sin.stride(0);
+  const int64_t lc = cos.stride(0), ls = sin.stride(0), half = d / 2;
   at::parallel_for(0, t, grain((h + hkv) * d), [&](int64_t b, int64_t e) {
+    // roll(x, D/2)[i] = x[(i + D/2) mod D]: read in place when no 16-lane chunk wraps,
+    // else from a copy of the head twice over
+    const bool direct = half % kVec == 0;
     std::vector<uint16_t> twice(2 * d);
-    std::vector<__m512> cs(2 * ((d + kVec - 1) / kVec));  // the row's cos and sin, all heads'
+    const int64_t nv = (d + kVec - 1) / kVec;
+    std::vector<__m512> cs(2 * nv);  // the row's cos and sin in fp32, shared by its heads
     for (int64_t r = b; r < e; ++r) {
-      pdserve_simd::rope_tables(cp + r * lc, sp + r * ls, d, cs.data());
+      for (int64_t i = 0, c = 0; i < d; i += kVec, ++c) {
+        const __mmask16 m = tail_mask(d - i);
+        cs[c] = load_bf16(cp + r * lc + i, m);
+        cs[nv + c] = load_bf16(sp + r * ls + i, m);
+      }
       for (int64_t j = 0; j < h + hkv; ++j) {
+        const uint16_t* x = xp + r * ld + j * d;
         uint16_t* o = j < h ? qp + (r * h + j) * d : kp + (r * hkv + j - h) * d;
-        pdserve_simd::rope_head(xp + r * ld + j * d, cs.data(), d, twice.data(), o);
+        if (!direct) {
+          std::copy(x, x + d, twice.begin());
+          std::copy(x, x + d, twice.begin() + d);
+        }
+        for (int64_t i = 0, c = 0; i < d; i += kVec, ++c) {
+          const __mmask16 m = tail_mask(d - i);
+          const uint16_t* rolled = direct ? x + (i + half) % d : twice.data() + half + i;
+          const __m512 a = rne(_mm512_mul_ps(load_bf16(x + i, m), cs[c]));
+          const __m512 b2 = rne(_mm512_mul_ps(load_bf16(rolled, m), cs[nv + c]));
+          store_bf16(o + i, m, _mm512_add_ps(a, b2));
+        }
       }
     }
   });

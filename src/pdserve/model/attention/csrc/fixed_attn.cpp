@@ -65,11 +65,8 @@ constexpr int64_t kTileRows = 64;
 template <typename QT, typename CT>
 void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
          const at::Tensor& tok_seq, const at::Tensor& tok_pos, const at::Tensor& ctx,
-         int64_t window, double scale, int64_t path, const uint16_t* rope_cos,
-         const uint16_t* rope_sin, at::Tensor& out) {
-  // q [T, H, D] with any row stride qs (heads contiguous); rope_cos / rope_sin: [T, D] bf16
-  // rows when the kernel applies RoPE to q (the bf16 dot-product path only), else null
-  const int64_t t = q.size(0), h = q.size(1), d = q.size(2), qs = q.stride(0);
+         int64_t window, double scale, int64_t path, at::Tensor& out) {
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
   Shape sh{cache.size(3), h / cache.size(3), d, cache.size(2), tables.size(1), cache.size(3) * d};
   const int64_t w = (d + kLanes - 1) / kLanes * kLanes;
   const QT* qp = q.data_ptr<QT>();
@@ -106,8 +103,6 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
 #if defined(__AVX512BF16__)
     const int64_t nc = (d / 2 + kPairs - 1) / kPairs;  // q pairs per row: nc chunks of 16
     std::vector<uint32_t> tqp;
-    std::vector<uint16_t> qr(d), twice(2 * d);  // a q row with RoPE applied; rope_head scratch
-    std::vector<__m512> cs(2 * ((d + kLanes - 1) / kLanes));
 #endif
     std::vector<int64_t> tlo, thi;
 #endif
@@ -117,15 +112,6 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
 #if PD_AVX512
       if (dot || path == 2 || (path == 0 && t1 - t0 >= 2)) {  // (bf16 q.k: always tiled)
         const int64_t nt = t1 - t0, rows = nt * sh.g;
-        // the output rows this tile stores at its end (G heads of d per token, one run): `out`
-        // was just allocated, and a store that misses waits for its line; fetched now, they
-        // arrive while the tile computes (a hint: no bit depends on it)
-        for (int64_t i = 0; i < nt; ++i) {
-          const char* o = reinterpret_cast<const char*>(op + ((t0 + i) * h + hk * sh.g) * d);
-          const int64_t bytes = sh.g * d * (int64_t)sizeof(QT);
-          for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(o + off, _MM_HINT_T0);
-          _mm_prefetch(o + bytes - 1, _MM_HINT_T0);  // the last line when the run is unaligned
-        }
         to.resize(rows * w), tlo.resize(nt), thi.resize(nt);
         for (int64_t i = 0; i < nt; ++i) bounds(t0 + i, tlo[i], thi[i]);
         bool done = false;
@@ -133,18 +119,9 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
         if constexpr (kBothBf16) if (dot) {
           tqp.resize(rows * nc * kPairs);
           for (int64_t i = 0; i < nt; ++i) {
-            const QT* qt = qp + (t0 + i) * qs + hk * sh.g * d;
-            if (rope_cos != nullptr)
-              pdserve_simd::rope_tables(rope_cos + (t0 + i) * d, rope_sin + (t0 + i) * d, d, cs.data());
-            for (int64_t g = 0; g < sh.g; ++g) {
-              const bf16* row = qt + g * d;
-              if (rope_cos != nullptr) {  // the same bits as rope_qk's q row
-                pdserve_simd::rope_head(reinterpret_cast<const uint16_t*>(row), cs.data(), d,
-                                        twice.data(), qr.data());
-                row = reinterpret_cast<const bf16*>(qr.data());
-              }
-              load_q_pairs(row, d, nc, tqp.data() + (i * sh.g + g) * nc * kPairs);
-            }
+            const QT* qt = qp + ((t0 + i) * h + hk * sh.g) * d;
+            for (int64_t g = 0; g < sh.g; ++g)
+              load_q_pairs(qt + g * d, d, nc, tqp.data() + (i * sh.g + g) * nc * kPairs);
           }
           attend_tile_dp(tqp.data(), cp + hk * d, tb + b * sh.width, sh, nt, tlo.data(),
                          thi.data(), sc, ws, to.data());
@@ -154,7 +131,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
         if (!done) {
           tq.resize(rows * w);
           for (int64_t i = 0; i < nt; ++i) {
-            const QT* qt = qp + (t0 + i) * qs + hk * sh.g * d;
+            const QT* qt = qp + ((t0 + i) * h + hk * sh.g) * d;
             for (int64_t g = 0; g < sh.g; ++g)
               load_q(qt + g * d, d, sc, tq.data() + (i * sh.g + g) * w);
           }
@@ -171,7 +148,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
       for (int64_t ti = t0; ti < t1; ++ti) {
         int64_t lo, hi;
         bounds(ti, lo, hi);
-        const QT* qt = qp + ti * qs + hk * sh.g * d;
+        const QT* qt = qp + (ti * h + hk * sh.g) * d;
         QT* ot = op + (ti * h + hk * sh.g) * d;
         const int64_t n = hi - lo + 1;
         if ((int64_t)s.size() < sh.g * n) s.resize(sh.g * n);
@@ -221,11 +198,8 @@ void check_tables(const at::Tensor& cache, const at::Tensor& tables, const at::T
 // The step's new K and V rows into the cache (what two index_copy_ calls on the flat view
 // [num_blocks * 2 * bs, Hkv, D] did, in one call): token t's K row is k_rows[t], its V row
 // k_rows[t] + bs. k, v: [T, Hkv, D] in the cache's dtype (v may be a strided view of the qkv
-// output; a row whose Hkv x D is not one run is copied first). Exact copies: no bit moves,
-// except that with rope_cos / rope_sin ([T, D] bf16 rows) each K head gets RoPE on its way in,
-// by rope_qk's arithmetic (avx512_math.h rope_head: the same bits).
-void write_kv(const at::Tensor& cache, at::Tensor k, at::Tensor v, const at::Tensor& k_rows,
-              const uint16_t* rope_cos, const uint16_t* rope_sin) {
+// output; a row whose Hkv x D is not one run is copied first). Exact copies: no bit moves.
+void write_kv(const at::Tensor& cache, at::Tensor k, at::Tensor v, const at::Tensor& k_rows) {
   const int64_t t = k.size(0), bs = cache.size(2), hkv = cache.size(3), d = cache.size(4);
   const int64_t rows = cache.size(0) * 2 * bs, row = hkv * d;
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(1) == hkv && k.size(2) == d &&
@@ -246,23 +220,8 @@ void write_kv(const at::Tensor& cache, at::Tensor k, at::Tensor v, const at::Ten
   for (int64_t i = 0; i < t; ++i)  // all checked before any is written
     TORCH_CHECK(kr[i] >= 0 && kr[i] % (2 * bs) < bs && kr[i] + bs < rows, "token ", i,
                 ": K row ", kr[i], " is not a K row of the cache");
-#if PD_AVX512
-  std::vector<uint16_t> twice(2 * d);
-  std::vector<__m512> cs(2 * ((d + kLanes - 1) / kLanes));
-#endif
   for (int64_t i = 0; i < t; ++i) {
-    char* kdst = base + kr[i] * row * esz;
-    const char* ksrc = kp + i * k.stride(0) * esz;
-    if (rope_cos == nullptr) {
-      std::memcpy(kdst, ksrc, row * esz);
-    } else {
-#if PD_AVX512
-      pdserve_simd::rope_tables(rope_cos + i * d, rope_sin + i * d, d, cs.data());
-      for (int64_t j = 0; j < hkv; ++j)
-        pdserve_simd::rope_head(reinterpret_cast<const uint16_t*>(ksrc) + j * d, cs.data(), d,
-                                twice.data(), reinterpret_cast<uint16_t*>(kdst) + j * d);
-#endif
-    }
+    std::memcpy(base + kr[i] * row * esz, kp + i * k.stride(0) * esz, row * esz);
     std::memcpy(base + (kr[i] + bs) * row * esz, vp + i * v.stride(0) * esz, row * esz);
   }
 }
@@ -271,14 +230,10 @@ at::Tensor attend_paged(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
                         at::Tensor tok_seq, at::Tensor tok_pos, at::Tensor ctx_lens,
                         int64_t window, double scale, int64_t path,
                         const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
-                        const std::optional<at::Tensor>& k_rows,
-                        const std::optional<at::Tensor>& rope_cos,
-                        const std::optional<at::Tensor>& rope_sin) {
+                        const std::optional<at::Tensor>& k_rows) {
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && cache.size(1) == 2, "bad shapes");
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
-              "q must be [T, H, D] with each token's heads contiguous");
-  TORCH_CHECK(cache.is_contiguous(), "the cache must be contiguous");
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "q and cache must be contiguous");
   TORCH_CHECK(cache.size(4) == q.size(2) && q.size(1) % cache.size(3) == 0, "head shapes");
   for (const auto* x : {&block_tables, &tok_seq, &tok_pos, &ctx_lens})
     TORCH_CHECK(x->scalar_type() == at::kInt && x->is_contiguous(), "int32 index tensors");
@@ -288,36 +243,20 @@ at::Tensor attend_paged(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
   check_tables(cache, block_tables, tok_seq, tok_pos, ctx_lens, window);
   TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == k_rows.has_value(),
               "k, v and k_rows come together");
-  // RoPE in the kernel: q and k come without it; only where q.k are bf16 dot products
-  TORCH_CHECK(rope_cos.has_value() == rope_sin.has_value(), "rope_cos and rope_sin come together");
-  const uint16_t *rc = nullptr, *rs = nullptr;
-  if (rope_cos.has_value()) {
-    TORCH_CHECK(kDotBf16 && q.scalar_type() == at::kBFloat16 &&
-                    cache.scalar_type() == at::kBFloat16 && q.size(2) % 2 == 0,
-                "RoPE in the kernel needs bf16 q and cache, an even head_dim and a build with "
-                "bf16 dot products");
-    TORCH_CHECK(k.has_value(), "RoPE in the kernel needs the step's k (it ropes k as it writes it)");
-    for (const auto* x : {&*rope_cos, &*rope_sin})
-      TORCH_CHECK(x->scalar_type() == at::kBFloat16 && x->dim() == 2 && x->size(0) == q.size(0) &&
-                      x->size(1) == q.size(2) && x->is_contiguous(),
-                  "rope_cos and rope_sin must be bf16 [T, D], contiguous");
-    rc = reinterpret_cast<const uint16_t*>(rope_cos->data_ptr<at::BFloat16>());
-    rs = reinterpret_cast<const uint16_t*>(rope_sin->data_ptr<at::BFloat16>());
-  }
   if (k.has_value()) {
     TORCH_CHECK(k->size(0) == q.size(0), "one k / v row per token of q");
-    write_kv(cache, *k, *v, *k_rows, rc, rs);  // before the products: a token sees its own key
+    write_kv(cache, *k, *v, *k_rows);  // before the products: a token sees its own key
   }
-  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  auto out = at::empty_like(q);
   const auto qt = q.scalar_type(), ct = cache.scalar_type();
   if (qt == at::kBFloat16 && ct == at::kBFloat16)
-    run<bf16, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, path, rc, rs, out);
+    run<bf16, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, path, out);
   else if (qt == at::kFloat && ct == at::kFloat)
-    run<float, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, path, rc, rs, out);
+    run<float, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, path, out);
   else if (qt == at::kFloat && ct == at::kBFloat16)
-    run<float, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, path, rc, rs, out);
+    run<float, bf16>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, path, out);
   else if (qt == at::kBFloat16 && ct == at::kFloat)
-    run<bf16, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, path, rc, rs, out);
+    run<bf16, float>(q, cache, block_tables, tok_seq, tok_pos, ctx_lens, window, scale, path, out);
   else
     TORCH_CHECK(false, "dtypes: bf16 or fp32 only");
   return out;
@@ -332,8 +271,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("tok_seq"), pybind11::arg("tok_pos"), pybind11::arg("ctx_lens"),
         pybind11::arg("window"), pybind11::arg("scale"), pybind11::arg("path") = 0,
         pybind11::arg("k") = pybind11::none(), pybind11::arg("v") = pybind11::none(),
-        pybind11::arg("k_rows") = pybind11::none(), pybind11::arg("rope_cos") = pybind11::none(),
-        pybind11::arg("rope_sin") = pybind11::none());
+        pybind11::arg("k_rows") = pybind11::none());
   m.def("vectorized", &vectorized, "true when built with AVX-512");
   m.def("dot_bf16", &dot_bf16, "true when bf16 q and cache use bf16 dot products (AVX512-BF16)");
 }
