@@ -656,29 +656,18 @@ inline void tile_softmax_pv_dp(const bf16* cache, const Shape& sh, int64_t rows,
   const int64_t nv = (sh.d + kLanes - 1) / kLanes, w = nv * kLanes;
   const int64_t pa = klo / 2, pb = khi / 2, npairs = pb - pa + 1;  // the tile's pairs
   float* s = ws.s.data();
-  if ((int64_t)ws.eb.size() < rows * npairs * 2) ws.eb.resize(rows * npairs * 2);
+  ws.eb.assign(rows * npairs * 2, 0);
   ws.plo.resize(rows), ws.phi.resize(rows), ws.epp.resize(rows), ws.vpair.resize(kPvPairs * w);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t lo = ws.rlo[r], hi = ws.rhi[r], n = hi - lo + 1;
-    // softmax_rows' arithmetic (the same max, e and sum l), e stored straight to bf16
-    const float* sr = s + r * spad + (lo - klo);
-    uint16_t* er = ws.eb.data() + r * npairs * 2;  // er[j - 2 pa]: e of key j, in bf16
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < n; i += kLanes)
-      mx = _mm512_mask_max_ps(mx, tail_mask(n - i), mx, _mm512_maskz_loadu_ps(tail_mask(n - i), sr + i));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
+    const int64_t lo = ws.rlo[r], n = ws.rhi[r] - lo + 1;
+    float* e = s + r * spad + (lo - klo);
+    softmax_rows(e, 1, n, &ws.l[r]);
+    uint16_t* eb = ws.eb.data() + r * npairs * 2 + (lo - 2 * pa);
     for (int64_t i = 0; i < n; i += kLanes) {
-      const __mmask16 k = tail_mask(n - i);
-      const __m512 e = _mm512_maskz_mov_ps(k, exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + i), m)));
-      _mm256_mask_storeu_epi16(er + (lo - 2 * pa) + i, k, (__m256i)_mm512_cvtneps_pbh(e));
-      sum = _mm512_add_ps(sum, e);  // masked lanes add an exact +0 to a sum of >= +0 values
+      const __mmask16 m = tail_mask(n - i);
+      _mm256_mask_storeu_epi16(eb + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, e + i)));
     }
-    ws.l[r] = _mm512_reduce_add_ps(sum);
-    // P.V reads the row's pairs lo/2 .. hi/2 only: the half of a pair outside lo .. hi is +0
-    if (lo & 1) er[lo - 1 - 2 * pa] = 0;
-    if (!(hi & 1)) er[hi + 1 - 2 * pa] = 0;
-    ws.plo[r] = lo / 2, ws.phi[r] = hi / 2;
+    ws.plo[r] = lo / 2, ws.phi[r] = ws.rhi[r] / 2;
     ws.epp[r] = reinterpret_cast<const uint32_t*>(ws.eb.data() + r * npairs * 2) - pa;
     ws.op[r] = out + r * w;
   }
