@@ -216,9 +216,9 @@ std::vector<at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& cos,
         for (int64_t i = 0, c = 0; i < d; i += kVec, ++c) {
           const __mmask16 m = tail_mask(d - i);
           const uint16_t* rolled = direct ? x + (i + half) % d : twice.data() + half + i;
-          const __m512 a = rne(_mm512_mul_ps(load_bf16(x + i, m), cs[c]));
-          const __m512 b2 = rne(_mm512_mul_ps(load_bf16(rolled, m), cs[nv + c]));
-          store_bf16(o + i, m, _mm512_add_ps(a, b2));
+          const __m512 with_cos = rne(_mm512_mul_ps(load_bf16(x + i, m), cs[c]));
+          const __m512 with_sin = rne(_mm512_mul_ps(load_bf16(rolled, m), cs[nv + c]));
+          store_bf16(o + i, m, _mm512_add_ps(with_cos, with_sin));
         }
       }
     }
