@@ -132,7 +132,7 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& d, const at::Tensor& w,
       for (int64_t i = 0; i < h; i += kVec) {
         const __mmask16 m = tail_mask(h - i);
         const __m512 v = rne(_mm512_add_ps(load_bf16(xr + i, m), load_bf16(dp + r * ld + i, m)));
-        _mm256_mask_storeu_epi16(xr + i, m, rne_bits(v));  // exact: v is already bf16
+        store_bf16(xr + i, m, v);  // exact: v is already bf16
         acc = _mm512_fmadd_ps(v, v, acc);
       }
       scale_row(xr, wp, (float)eps, h, acc, op + r * h);
