@@ -45,6 +45,8 @@ class ModelRunner:
 
             pack_linears(model, batch_invariant=batch_invariant)
         model.set_batch_invariant(batch_invariant)  # every attention the model runs
+        if hasattr(model, "bind_kernels"):  # after packing: it holds the packed weights
+            model.bind_kernels()
         self.batch_invariant = batch_invariant
         self.window_group = window_group
         self.model = model

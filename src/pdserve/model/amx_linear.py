@@ -109,6 +109,11 @@ class AmxLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.packed, self.bias, self.out_features)
 
+    def kernel_entry(self) -> tuple[Any, torch.Tensor, torch.Tensor | None, int]:
+        """(fn, packed, bias, n): `fn(x [M, K], packed, bias, n)` is forward of a 2-d x
+        (pdserve.model.direct_loop)."""
+        return _loaded().linear, self.packed, self.bias, self.out_features
+
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"

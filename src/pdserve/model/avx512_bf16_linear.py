@@ -178,6 +178,11 @@ class Avx512Bf16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _rows(getattr(_loaded(), self._kernel), x, self.packed, self.bias, self.out_features)
 
+    def kernel_entry(self) -> tuple[Any, torch.Tensor, torch.Tensor | None, int]:
+        """(fn, packed, bias, n): `fn(x [M, K], packed, bias, n)` is forward of a 2-d x
+        (pdserve.model.direct_loop)."""
+        return getattr(_loaded(), self._kernel), self.packed, self.bias, self.out_features
+
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"

@@ -23,6 +23,7 @@ from pdserve.model import pointwise
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, select_backend
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_linear import linear_rows
+from pdserve.model.direct_loop import DirectLoop
 from pdserve.model.pointwise import TorchPointwise, rms_norm_torch, rope_torch
 
 
@@ -182,6 +183,14 @@ class LlamaModel(nn.Module):
         self.attn_backend = backend or select_backend(
             device, config.num_heads, config.num_kv_heads, config.head_dim
         )
+        self.direct_loop: DirectLoop | None = None  # bind_kernels
+
+    def bind_kernels(self) -> bool:
+        """Once the linears are packed (ModelRunner): run the layers as direct kernel calls
+        when every op has a kernel entry (pdserve.model.direct_loop; the same bits as the
+        module loop). Returns whether it does."""
+        self.direct_loop = DirectLoop.build(self, MLP_CHUNK_ROWS)
+        return self.direct_loop is not None
 
     def silu_mul_linears(self) -> list[nn.Module]:
         """The gate_up projections, whose output always goes through silu_mul (a packer may
@@ -204,6 +213,11 @@ class LlamaModel(nn.Module):
         plan = self.attn_backend.prepare(meta)  # once per step, shared by all layers
         cos, sin = self.rope.lookup(positions)
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        direct = self.direct_loop
+        if direct is not None and direct.accepts(plan):
+            d = self.config.head_dim
+            x, delta = direct(x, cos.view(-1, d), sin.view(-1, d), kv_caches, plan, layer_callback)
+            return self.pointwise.add_norm(x, delta, self.norm)[1]
         delta = None
         for i, layer in enumerate(self.layers):
             x, delta = layer(
