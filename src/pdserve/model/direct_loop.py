@@ -69,7 +69,7 @@ class DirectLoop:
     def __init__(
         self,
         layers: list[_Layer],
-        ops: Any,  # the fused pointwise extension (pointwise.FusedBf16Pointwise._ext)
+        ops: Any,  # the fused pointwise kernels (pointwise.FusedBf16Pointwise.kernels)
         attend: Callable[..., torch.Tensor],  # fixed_kernel's attend_paged entry
         backend: Any,  # the model's attention backend (quantized-KV layers)
         num_heads: int,
@@ -90,11 +90,8 @@ class DirectLoop:
     def build(cls, model: Any, mlp_chunk_rows: int) -> DirectLoop | None:
         """For a `llama.LlamaModel` whose ops all have kernel entries, else None."""
         ops = model.pointwise
-        attend = fixed_kernel.load()
-        if not (enabled() and ops.fused and attend is not None):
-            return None
-        if not hasattr(model.attn_backend, "batch_invariant"):  # not the CPU torch backend
-            return None
+        if not (enabled() and ops.fused and hasattr(model.attn_backend, "batch_invariant")):
+            return None  # torch pointwise ops (fp32, GPU) or not the CPU torch backend
         layers = []
         for layer in model.layers:
             if layer.q_norm is not None:  # qwen3's per-head norms: the module loop
@@ -112,10 +109,13 @@ class DirectLoop:
                 _Layer(n1.weight, n1.eps, qkv, o, n2.weight, n2.eps, gate_up, fuses, down,
                        layer.window or 0)
             )  # fmt: skip
+        attend = fixed_kernel.load()  # built already when the backend plans with it
+        if attend is None:
+            return None
         first = model.layers[0]
         return cls(
             layers,
-            ops._ext,
+            ops.kernels,
             attend.attend_paged,
             model.attn_backend,
             first.num_heads,

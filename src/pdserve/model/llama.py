@@ -9,6 +9,10 @@ Differences from the HF module layout (the loader maps names): q/k/v are one fus
 `qkv_proj` ([ (H + 2*Hkv) * D, hidden ]) and gate/up one `gate_up_proj` ([2 * I, hidden]),
 which halves the matmul launches per layer. Parameters are created on the meta device and
 materialised by `pdserve.model.loader` (load_state_dict(assign=True)).
+
+Once the runner has packed the weights, a bf16 model whose every op has a compiled kernel runs
+its layers through `pdserve.model.direct_loop` (`bind_kernels`): the same kernel calls without
+the module frames, the same bits.
 """
 
 from __future__ import annotations

@@ -88,6 +88,11 @@ class FusedBf16Pointwise(TorchPointwise):
     def __init__(self, ext: Any) -> None:
         self._ext = ext
 
+    @property
+    def kernels(self) -> Any:
+        """The compiled module (pdserve.model.direct_loop calls its entries directly)."""
+        return self._ext
+
     def add_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor]:
