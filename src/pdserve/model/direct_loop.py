@@ -82,7 +82,8 @@ class DirectLoop:
         self._attend = attend
         self._backend = backend
         self.h, self.hkv, self.d = num_heads, num_kv_heads, head_dim
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.q_size = num_heads * head_dim
+        self.v_start = (num_heads + num_kv_heads) * head_dim  # v's first column in qkv
         self.scale = backend.scale
         self.mlp_chunk_rows = mlp_chunk_rows
 
@@ -96,11 +97,10 @@ class DirectLoop:
         for layer in model.layers:
             if layer.q_norm is not None:  # qwen3's per-head norms: the module loop
                 return None
-            entries = [
+            qkv, o, gate_up, down = (
                 linear_entry(m)
                 for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-            ]
-            qkv, o, gate_up, down = entries
+            )
             if qkv is None or o is None or gate_up is None or down is None:
                 return None
             n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
@@ -131,15 +131,16 @@ class DirectLoop:
     def __call__(
         self,
         x: torch.Tensor,  # [T, hidden] bf16, the embeddings (updated in place)
-        cos: torch.Tensor,  # [T, D]
-        sin: torch.Tensor,  # [T, D] signed sin (llama.RotaryCache)
+        cos: torch.Tensor,  # [T, 1, D] (llama.RotaryCache.lookup)
+        sin: torch.Tensor,  # [T, 1, D] signed sin
         kv_caches: list[torch.Tensor],
         plan: fixed_kernel.KernelPlan,
         layer_callback: Callable[[int], None] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (x, delta) after the last layer, as the module loop returns them."""
         t = x.shape[0]
-        h, hkv, d, q_size, v_at = self.h, self.hkv, self.d, self.q_size, self.q_size + self.kv_size
+        h, hkv, d, q_size, v_start = self.h, self.hkv, self.d, self.q_size, self.v_start
+        cos, sin = cos.view(-1, d), sin.view(-1, d)  # [T, D], as rope_qk reads them
         ops, attend, scale = self._ops, self._attend, self.scale
         tables, seq, pos, ctx, k_rows = (
             plan.tables, plan.tok_seq, plan.tok_pos, plan.ctx_lens, plan.k_rows
@@ -153,7 +154,7 @@ class DirectLoop:
             fn, w, b, n = layer.qkv
             qkv = fn(hid, w, b, n)  # [T, (H + 2 Hkv) D]
             q, k = ops.rope_qk(qkv, cos, sin, h, hkv, d)  # [T, H, D], [T, Hkv, D]
-            v = qkv[:, v_at:].view(t, hkv, d)
+            v = qkv[:, v_start:].view(t, hkv, d)
             cache = kv_caches[i]
             if cache.dim() == 5:  # the paged bf16 cache: the kernel writes k / v and attends
                 a = attend(q, cache, tables, seq, pos, ctx, layer.window, scale, 0, k, v, k_rows)

@@ -219,16 +219,15 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         direct = self.direct_loop
         if direct is not None and direct.accepts(plan):
-            d = self.config.head_dim
-            x, delta = direct(x, cos.view(-1, d), sin.view(-1, d), kv_caches, plan, layer_callback)
-            return self.pointwise.add_norm(x, delta, self.norm)[1]
-        delta = None
-        for i, layer in enumerate(self.layers):
-            x, delta = layer(
-                x, delta, cos, sin, kv_caches[i], self.attn_backend, plan, self.pointwise
-            )
-            if layer_callback is not None:
-                layer_callback(i)  # layer i's K/V for this step are in kv_caches[i]
+            x, delta = direct(x, cos, sin, kv_caches, plan, layer_callback)
+        else:
+            delta = None
+            for i, layer in enumerate(self.layers):
+                x, delta = layer(
+                    x, delta, cos, sin, kv_caches[i], self.attn_backend, plan, self.pointwise
+                )
+                if layer_callback is not None:
+                    layer_callback(i)  # layer i's K/V for this step are in kv_caches[i]
         return self.pointwise.add_norm(x, delta, self.norm)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
