@@ -32,7 +32,7 @@ from pdserve.bench.sessions import SessionPlan, run_sessions, turn_report
 from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, read_mooncake_jsonl
 from pdserve.bench.workload import trace_requests
 from pdserve.kv.spec import QUANT_KV_DTYPES, KVSpec
-from pdserve.model.dtypes import ITEMSIZE
+from pdserve.dtypes import ITEMSIZE
 
 DEFAULT_KV_BYTES_PER_TOKEN = 8192  # bench50m: K,V x 8 layers x 2 kv heads x 64 dims x fp32
 

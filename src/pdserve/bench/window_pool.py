@@ -23,7 +23,8 @@ from typing import Any
 
 
 def _run(loaded: Any, prompts: list[list[int]], output: int, **kw: Any) -> dict[str, Any]:
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
     from pdserve.engine.params import SamplingParams
 
     cfg = EngineConfig(model_dir=loaded.model_dir, dtype="float32", **kw)

@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> dict[str, Any]:
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
     from pdserve.engine.params import SamplingParams, validate_params
 
     params = SamplingParams(

@@ -22,7 +22,7 @@ from pdserve.sim.costs import CostModel, LinkCost
 from pdserve.sim.hardware import BUILTIN_CONFIGS, ModelShape, itemsize_of, roofline_costs
 
 if TYPE_CHECKING:
-    from pdserve.engine.engine import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ import torch
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.kv.spec import KVSpec, LayerKV
-from pdserve.model.dtypes import torch_dtype
+from pdserve.dtypes import torch_dtype
 from pdserve.model.loader import allocate_kv_caches
 
 if TYPE_CHECKING:
-    from pdserve.engine.engine import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
 
 class TorchBackend:

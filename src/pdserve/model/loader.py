@@ -21,7 +21,7 @@ from pdserve.kv.spec import QUANT_KV_DTYPES
 from pdserve.model import gemma4_weights
 from pdserve.model.attention import AttentionBackend
 from pdserve.model.config import ModelConfig
-from pdserve.model.dtypes import DTYPE_NAMES, torch_dtype
+from pdserve.dtypes import DTYPE_NAMES, torch_dtype
 from pdserve.model.gemma4 import Gemma4Model
 from pdserve.model.llama import LlamaModel
 

@@ -487,7 +487,7 @@ class SimCluster:
             if self._parts is None:
                 n_store = self.store.lookup(ns, keys)
             else:  # the hit's window parts must be stored too
-                n_store, _ = self.store.lookup_window(ns, keys, self._parts[2])
+                n_store, _ = self.store.windows.lookup(ns, keys, self._parts[2])
             if n_store > n_local:
                 wanted = hashes[n_local:n_store]
                 delay = inst.costs.kvstore_fetch.time_s(self._fetch_bytes(len(wanted)))
@@ -675,7 +675,7 @@ class SimCluster:
         store lacks, then window parts of the last window_blocks blocks stored."""
         assert self.store is not None and self._parts is not None
         main_b, win_b, wb = self._parts
-        hit, n_main = self.store.lookup_window(ns, hashes, wb)
+        hit, n_main = self.store.windows.lookup(ns, hashes, wb)
         if hit >= len(hashes):
             return
         res = self.store.begin_put(ns, hashes, n_main, main_b)

@@ -28,7 +28,8 @@ def run_probe(
     import numpy as np
     import torch
 
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
     from pdserve.engine.params import SamplingParams
     from pdserve.sim.costs import StepCost
     from pdserve.sim.profile import timed_steps

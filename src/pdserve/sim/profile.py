@@ -68,7 +68,8 @@ def profile_engine(
 ) -> dict[str, Any]:
     import torch
 
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
     from pdserve.engine.params import SamplingParams
 
     if threads > 0:
