@@ -31,8 +31,8 @@ from pdserve.bench.report import latency_arrays, write_json
 from pdserve.bench.sessions import SessionPlan, run_sessions, turn_report
 from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, read_mooncake_jsonl
 from pdserve.bench.workload import trace_requests
-from pdserve.kv.spec import QUANT_KV_DTYPES, KVSpec
 from pdserve.dtypes import ITEMSIZE
+from pdserve.kv.spec import QUANT_KV_DTYPES, KVSpec
 
 DEFAULT_KV_BYTES_PER_TOKEN = 8192  # bench50m: K,V x 8 layers x 2 kv heads x 64 dims x fp32
 

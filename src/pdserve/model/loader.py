@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
+from pdserve.dtypes import DTYPE_NAMES, torch_dtype
 from pdserve.errors import ModelLoadError
 from pdserve.kv.spec import QUANT_KV_DTYPES
 from pdserve.model import gemma4_weights
 from pdserve.model.attention import AttentionBackend
 from pdserve.model.config import ModelConfig
-from pdserve.dtypes import DTYPE_NAMES, torch_dtype
 from pdserve.model.gemma4 import Gemma4Model
 from pdserve.model.llama import LlamaModel
 
