@@ -6,13 +6,9 @@ import json
 
 import pytest
 
-from pdserve.sim.hardware import (
-    ACCELERATORS,
-    RooflineStep,
-    load_model_config,
-    pool_costs,
-    roofline_costs,
-)
+from pdserve.costmodel.hardware import ACCELERATORS
+from pdserve.costmodel.roofline import RooflineStep, pool_costs, roofline_costs
+from pdserve.costmodel.shapes import load_model_config
 from pdserve.sim.plan import Budget, candidates, cost_per_m_tokens
 
 

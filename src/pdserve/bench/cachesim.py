@@ -21,8 +21,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
 from pdserve.kvstore.store import HASH_BYTES, BlockStore
+from pdserve.workload.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
 
 _UNITS = {
     "": 1,

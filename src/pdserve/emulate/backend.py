@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.costmodel.costs import CostModel, LinkCost
+from pdserve.costmodel.roofline import roofline_costs
+from pdserve.costmodel.shapes import BUILTIN_CONFIGS, ModelShape, itemsize_of
 from pdserve.emulate.runner import Clock, EmulatedRunner
 from pdserve.kv.spec import KVSpec
 from pdserve.model.config import ModelConfig
-from pdserve.sim.costs import CostModel, LinkCost
-from pdserve.sim.hardware import BUILTIN_CONFIGS, ModelShape, itemsize_of, roofline_costs
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig

@@ -34,8 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.workload import BenchRequest
+from pdserve.costmodel.costs import CostModel
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.errors import OverloadedError
@@ -55,9 +54,10 @@ from pdserve.router.scheduling.policies import PlacementPolicy, RouteRequest, ma
 from pdserve.router.scheduling.predictor import EwmaPredictor, OutputLengthPredictor
 from pdserve.router.settings import RouterSettings
 from pdserve.sim import router_side
-from pdserve.sim.costs import CostModel
 from pdserve.sim.events import EventLoop
 from pdserve.sim.instance import SAMPLED_TOKEN, InstanceConfig, SimInstance, SimSeq
+from pdserve.workload.metrics import RequestRecord
+from pdserve.workload.requests import BenchRequest
 
 ROLE_BY_NAME = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE, "colocated": ROLE_COLOCATED}
 

@@ -28,15 +28,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.bench.goodput import SLO, search_goodput_rate
+from pdserve.costmodel.costs import CostModel
+from pdserve.costmodel.roofline import roofline_costs
+from pdserve.costmodel.shapes import load_model_config
 from pdserve.router.flip.policy import FlipThresholds  # noqa: F401  (documented option)
 from pdserve.sim import parallel
 from pdserve.sim.cluster import ClusterSpec, PoolSpec
-from pdserve.sim.costs import CostModel
-from pdserve.sim.hardware import load_model_config, roofline_costs
 from pdserve.sim.instance import InstanceConfig
 from pdserve.sim.plan_search import PlanSearch, unit_summary
 from pdserve.sim.run import base_for, instance_kv_config, simulate_once
+from pdserve.workload.goodput import SLO, search_goodput_rate
 
 NOCHUNK = "colocated-nochunk"
 KINDS = ("colocated", NOCHUNK, "disagg")

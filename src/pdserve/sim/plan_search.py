@@ -13,9 +13,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.goodput import SweepPoint, distserve_goodput, search_goodput_rate
 from pdserve.sim import parallel
 from pdserve.sim.run import simulate_once
+from pdserve.workload.goodput import SweepPoint, distserve_goodput, search_goodput_rate
 
 if TYPE_CHECKING:
     from pdserve.sim.plan import Budget, Candidate

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.sim.costs import CostModel, LinkCost, StepCost
+from pdserve.costmodel.costs import CostModel, LinkCost, StepCost
 
 MIB = 1 << 20
 

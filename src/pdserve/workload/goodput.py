@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from pdserve.bench.metrics import RequestRecord
+from pdserve.workload.metrics import RequestRecord
 
 SLO_KEYS = ("ttft", "tpot", "e2e")
 

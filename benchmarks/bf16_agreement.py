@@ -1,7 +1,7 @@
 """Report (not a test): how often our bf16 engine agrees with transformers in bf16, per tiny
 family, on the inputs of test_model_vs_transformers (5 prompts x 40 greedy tokens per case).
 
-    PYTHONPATH=src python -m tests.unit.report_bf16_agreement [--variant]
+    python -m benchmarks.bf16_agreement [--variant]
 
 --variant: the batch-variant attention (SDPA), for comparison.
 
@@ -21,9 +21,8 @@ import torch
 
 from pdserve.model.cpu_linear import pack_linears
 from pdserve.model.loader import load_model
-
-from .model_fixtures import hf_generate, load_hf, run_paged, tiny_checkpoint, top2_margin
-from .test_model_vs_transformers import BF16_PACKED, CASES, NEW_TOKENS, _build, _prompts
+from tests.unit.model_fixtures import hf_generate, load_hf, run_paged, tiny_checkpoint, top2_margin
+from tests.unit.test_model_vs_transformers import BF16_PACKED, CASES, NEW_TOKENS, _build, _prompts
 
 TINY = ["tiny-llama", "tiny-qwen2-mqa-tied", "tiny-qwen3", "tiny-mistral-window24"]
 

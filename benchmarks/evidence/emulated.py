@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.evidence.metrics import arm_metrics
+
 EMULATE = ["--emulate", "h100", "--model-config", "llama3-8b"]
 WARMUP = 2  # sequential short requests before the load (connections, first steps)
 
@@ -117,8 +119,7 @@ def emulated_arm(
     from pdserve.bench.loadgen import open_client, run_load
     from pdserve.bench.modelled_time import stretch_arrivals, to_modelled
     from pdserve.bench.serve import _warmup
-    from pdserve.bench.workload import TOKEN_LO
-    from pdserve.sim.evidence import arm_metrics
+    from pdserve.workload.requests import TOKEN_LO
 
     scale = opt.time_scale
     log_dir = opt.log_dir / name

@@ -1,4 +1,4 @@
-"""`python -m pdserve.bench.keqv`: the decode cost of Gemma 4's one-tensor K = V cache.
+"""`python -m benchmarks.keqv`: the decode cost of Gemma 4's one-tensor K = V cache.
 
 A K = V layer's cache keeps V only and rebuilds K = rope(k_norm.weight * V) over the gathered
 context on every read (model/gemma4_keqv.py). Baseline: the same model serving those layers from
@@ -137,7 +137,7 @@ def attention_cost(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdserve.bench.keqv", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.keqv", description=__doc__)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=16)

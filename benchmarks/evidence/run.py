@@ -1,7 +1,7 @@
 """Evidence for the router's defaults, in simulation: each length-aware policy against its
 baseline on real prompts and lengths, several seeds, paired differences with 95 % CIs.
 
-    python -m pdserve.sim.evidence --groups sjf,placement,headroom,prefix,flip,tau \
+    python -m benchmarks.evidence --groups sjf,placement,headroom,prefix,flip,tau \
         --seeds 5 --out bench-results/evidence.json
 
 Clusters: Llama-3-8B shapes on H100 (roofline costs), 4P4D over NVLink and 8 colocated.
@@ -11,10 +11,10 @@ the kvstore), and a shift from Mooncake's long prompts and short answers to long
 For each arm and seed: goodput (SLO attainment x the offered rate: requests/s meeting both
 SLOs over the arrival window), mean and p99 E2E. A gain is the
 paired per-seed difference against the baseline arm (same requests, same arrivals), as a
-percentage of the baseline's mean; the CI is Student's t over seeds (`evidence_stats`).
+percentage of the baseline's mean; the CI is Student's t over seeds (`stats.py`).
 
 `--emulate [--time-scale X]`: every arm and seed also runs on a fresh emulated cluster
-(`pdserve up <arm> --emulate h100 --model-config llama3-8b --time-scale X`, `evidence_emu`)
+(`pdserve up <arm> --emulate h100 --model-config llama3-8b --time-scale X`, `emulated.py`)
 with the same requests as its simulated twin; each row gets an `emulated` block of the same
 statistics and `--table` prints simulation and emulation side by side. Text prompts then run
 as the emulated tokenizer's ids on both sides (not len(text) / 4), so prompt lengths match.
@@ -33,22 +33,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.goodput import SLO, attainment
-from pdserve.bench.metrics import summarize
-from pdserve.bench.serve import add_workload_args, workload_at
-from pdserve.router.scheduling.predictor import LengthEstimate, OutputLengthPredictor
-from pdserve.router.scheduling.predictor.stats import kendall_tau
-from pdserve.sim.cluster import SimCluster
-from pdserve.sim.evidence_emu import (
+from benchmarks.evidence.emulated import (
     EmuOptions,
     emulated_arm,
     requests_digest,
     tokenize_prompts,
     tokenizer_dir,
 )
-from pdserve.sim.evidence_stats import ci, setup_rows, table
-from pdserve.sim.hardware import pool_costs
+from benchmarks.evidence.metrics import arm_metrics
+from benchmarks.evidence.stats import ci, setup_rows, table
+from pdserve.costmodel.roofline import pool_costs
+from pdserve.router.scheduling.predictor import LengthEstimate, OutputLengthPredictor
+from pdserve.router.scheduling.predictor.stats import kendall_tau
+from pdserve.sim.cluster import SimCluster
 from pdserve.sim.run import spec_from_up_flags, text_prompt_ids
+from pdserve.workload.goodput import SLO
+from pdserve.workload.spec import add_workload_args, workload_at
 
 DATA = "/work/shared/data"
 LENGTHS = f"{DATA}/lengths/arena_train_val.jsonl.gz"
@@ -92,7 +92,7 @@ def requests_for(
     kind: str, seed: int, n: int, rate: float, tokenizer: str | None = None, window: bool = True
 ) -> list[Any]:
     """The requests of one seed. `tokenizer`: text prompts get that tokenizer's ids (the
-    emulated cluster's; see evidence_emu), else len(text) / 4 pseudo-random ids."""
+    emulated cluster's; see emulated.py), else len(text) / 4 pseudo-random ids."""
     if kind == "shift":  # prefill-heavy (Mooncake: long prompts, short answers), then decode-heavy
         # the first window for every seed (the seed varies the second half)
         first = requests_for("mooncake", seed, n // 2, rate, tokenizer, window=False)
@@ -124,34 +124,9 @@ class NoisyOracle(OutputLengthPredictor):
         return LengthEstimate(p, p * 2.0, "noisy")
 
 
-def arm_metrics(records: list[Any], reqs: list[Any], slo: SLO) -> dict[str, Any]:
-    """Goodput, attainment, mean and p99 E2E of one run (simulated or emulated, in modelled
-    time); `completed` of `len(reqs)`."""
-    ends = [r.finish_s for r in records if r.finish_s is not None]
-    s = summarize(records, max(ends) if ends else 0.0)
-    arrivals = [r.arrival_s for r in reqs]
-    span = max(arrivals) - min(arrivals)
-    att = attainment(records, slo)
-    return {
-        # requests/s meeting both SLOs over the arrival window (not over the drain, whose
-        # length is set by the single longest answer)
-        "goodput": att * len(reqs) / span if span > 0 else 0.0,
-        "attainment": att,
-        "e2e_mean": s["e2e_ms"]["mean"],
-        "e2e_p99": s["e2e_ms"]["p99"],
-        "completed": s["completed"],
-        # per request, for comparing an emulated run with its twin: [index, TTFT s, E2E s]
-        "timeline": [[r.index, _r4(r.ttft_s), _r4(r.e2e_s)] for r in records],
-    }
-
-
 def _brief(run: dict[str, Any]) -> dict[str, Any]:
     """A run without its per-request timeline (for the log)."""
     return {k: v for k, v in run.items() if k != "timeline"}
-
-
-def _r4(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)
 
 
 def run_arm(
@@ -362,7 +337,3 @@ def main(argv: list[str] | None = None) -> int:
         write()
     log(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """One attention layer, three ways: the fused invariant kernel, the torch `fixed` path (its
 fallback) and SDPA (`--no-batch-invariant`), on bench50m's shapes by default.
 
-    python -m pdserve.bench.attention [--dtype bfloat16,float32] [--threads 1]
+    python -m benchmarks.attention_backends [--dtype bfloat16,float32] [--threads 1]
 
 Per case (decode: B rows at context C; prefill: B prompts of P tokens, one step) it times
 `backend.forward` (cache write + attention; the per-step `prepare` once, outside) with process

@@ -2,7 +2,7 @@
 batch-invariant kernel (`AmxLinear` on a CPU with AMX, else `Avx512Bf16Linear` on one with
 AVX512-BF16), by shape and row count.
 
-    python -m pdserve.bench.linear_kernels [--shapes 512x2048,2048x512] [--rows 1,8,32,128,512]
+    python -m benchmarks.linear_kernels [--shapes 512x2048,2048x512] [--rows 1,8,32,128,512]
 
 Per shape it makes enough distinct weights to fill ~256 MB, so a few-row product reads its
 weights from memory, not the cache (decode's case); each row count is timed with process CPU

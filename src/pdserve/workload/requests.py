@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
+from pdserve.workload.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
 
 TOKEN_LO = 10  # random ids start here: keeps clear of the usual special tokens (bos/eos/pad)
 

@@ -1,7 +1,7 @@
 """`plan` checked against emulation: does the configuration `plan` picks have an emulated
 goodput within 10 % of the best emulated configuration?
 
-    python -m pdserve.sim.plan_check --model-config llama3-8b \
+    python -m benchmarks.plan_check --model-config llama3-8b \
         --trace /work/shared/data/traces/azure_llm_2023_conv.csv --slo ttft:250 tpot:100 \
         --hardware h100:4 --max-unit 4 --chunks 2048 --decode-seqs 256 --duration 5 \
         --time-scale 5 --out bench-results/plan_check.json
@@ -9,11 +9,11 @@ goodput within 10 % of the best emulated configuration?
 1. `plan` (its search, in process, with `plan`'s own flags) gives its pick and a goodput
    for every candidate unit.
 2. Every candidate unit replicated to fill the budget is one configuration
-   (`plan_check_configs`: the simulated spec and the `pdserve up` flags of the same cluster).
+   (`configs.py`: the simulated spec and the `pdserve up` flags of the same cluster).
 3. Each configuration's goodput (highest rate with >= `--target` of requests meeting both
-   SLOs, `plan_check_search.search_rate` to `--resolution`) is searched in the simulator
+   SLOs, `search.search_rate` to `--resolution`) is searched in the simulator
    (from `plan`'s unit goodput x replicas) and then on fresh emulated clusters (`pdserve up
-   --emulate HW --model-config M --time-scale X`, `evidence_emu.emulated_arm`: every real
+   --emulate HW --model-config M --time-scale X`, `benchmarks.evidence.emulated.emulated_arm`: every real
    process, the forward pass a timed cost model, measured in modelled time) from the
    simulated answer. Every rate's requests are the simulator's (the trace window replayed
    at that rate), sent to the emulated cluster at their arrival times x X.
@@ -34,13 +34,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.goodput import SLO
+from benchmarks.evidence.emulated import EmuOptions, emulated_arm
+from benchmarks.plan_check.configs import Config, configurations, pick_of
+from benchmarks.plan_check.metrics import run_metrics
+from benchmarks.plan_check.search import format_table, search_rate, verdict
 from pdserve.sim.cluster import SimCluster
-from pdserve.sim.evidence_emu import EmuOptions, emulated_arm
-from pdserve.sim.plan_check_configs import Config, configurations, pick_of
-from pdserve.sim.plan_check_metrics import run_metrics
-from pdserve.sim.plan_check_search import format_table, search_rate, verdict
 from pdserve.sim.run import sim_workload, text_prompt_ids
+from pdserve.workload.goodput import SLO
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -63,7 +63,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     own.add_argument("--tokenizer", help="the emulated router's tokenizer (default: built-in)")
     own.add_argument("--help", "-h", action="store_true")
     mine, rest = own.parse_known_args(argv)
-    top = argparse.ArgumentParser(prog="python -m pdserve.sim.plan_check")
+    top = argparse.ArgumentParser(prog="python -m benchmarks.plan_check")
     add_parser(top.add_subparsers())
     if mine.help:
         own.print_help()
@@ -80,7 +80,7 @@ def _name(s: str) -> str:
 
 def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any,
               argv: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
-    from pdserve.sim.hardware import load_model_config
+    from pdserve.costmodel.shapes import load_model_config
     from pdserve.sim.plan import Budget, candidates, plan
 
     budget = Budget.parse(args.hardware, args.prices)
@@ -209,7 +209,3 @@ def main(argv: list[str] | None = None) -> int:
     print(result["table"])
     print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

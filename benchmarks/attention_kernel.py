@@ -1,7 +1,7 @@
 """The fused attention kernel alone (fixed_kernel.attend_paged), against a baseline build of
 its sources at another git revision, on bench50m's attention shapes by default.
 
-    python -m pdserve.bench.attention_kernel [--baseline REV] [--dtype bfloat16] [--threads 1]
+    python -m benchmarks.attention_kernel [--baseline REV] [--dtype bfloat16] [--threads 1]
 
 Cases: prefill (B prompts of P tokens, one call), chunk (B chunks of 128 tokens ending at
 context C) and decode (B rows at context C). Per case

@@ -1,4 +1,4 @@
-"""`python -m pdserve.bench.window_pool`: the decode batch that fits in a fixed number of KV bytes
+"""`python -m benchmarks.window_pool`: the decode batch that fits in a fixed number of KV bytes
 with Gemma 4's sliding layers in their own pool (kv/window_group.py) vs one pool for every layer.
 
 One process, one tiny Gemma 4 (fp32, made with `make_tiny`), the same requests (distinct random
@@ -59,7 +59,7 @@ def _run(loaded: Any, prompts: list[list[int]], output: int, **kw: Any) -> dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdserve.bench.window_pool")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.window_pool")
     ap.add_argument("--kv-bytes", type=int, default=8 << 20)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=64)

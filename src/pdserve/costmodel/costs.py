@@ -1,6 +1,6 @@
 """Cost models the simulator charges for work it does not run: engine steps, KV transfer,
 kvstore fetches, router overhead. Fitted from a profile (`pdserve profile`) or built from a
-hardware roofline (`pdserve.sim.hardware`).
+hardware roofline (`pdserve.costmodel.roofline`).
 
 Engine step (one scheduler plan, any mix of prefill chunks and decodes; plus
 `stream_token_s` per sequence the step samples, see CostModel):

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.bench.goodput import SLO, attainment
-from pdserve.bench.metrics import summarize
+from pdserve.workload.goodput import SLO, attainment
+from pdserve.workload.metrics import summarize
 
 
 def run_metrics(records: Sequence[Any], reqs: Sequence[Any], slo: SLO) -> dict[str, Any]:

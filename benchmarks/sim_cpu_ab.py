@@ -10,7 +10,7 @@ instance's final KV state: free queue order, prefix cache map, ref counts, hit s
 both arms must print the same one.
 
     git archive <base commit> src | tar -x -C /tmp/base
-    python -m pdserve.bench.sim_cpu_ab --a /tmp/base/src --b src --repeats 3 \
+    python -m benchmarks.sim_cpu_ab --a /tmp/base/src --b src --repeats 3 \
         --trace azure_llm_2023_conv.csv
 
 `--case` adds variants that exercise other paths (a small KV pool forces preemptions;
@@ -38,12 +38,12 @@ CASES = {  # name: (rate, replicas, flags)
 
 def _one(rate: float, replicas: int, flags: set[str], trace: str) -> dict:
     """One simulation in this process (the arm's code is whatever `pdserve` imports)."""
-    from pdserve.bench.goodput import SLO
     from pdserve.cli.plan import add_parser
+    from pdserve.costmodel.shapes import load_model_config
     from pdserve.sim import run as simrun
-    from pdserve.sim.hardware import load_model_config
     from pdserve.sim.instance import SimInstance
     from pdserve.sim.plan import Budget, candidates
+    from pdserve.workload.goodput import SLO
 
     ap = argparse.ArgumentParser()
     add_parser(ap.add_subparsers())
