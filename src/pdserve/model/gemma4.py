@@ -188,19 +188,6 @@ class Gemma4Model(nn.Module):
             if hasattr(be, "batch_invariant"):
                 be.batch_invariant = flag
 
-    def store_k_and_v(self) -> None:
-        """Serve K = V layers from an ordinary K + V cache through the attention backend (the
-        baseline of `python -m benchmarks.keqv`; caches then need 2 tensors on every
-        stored layer). Same outputs, twice the bytes on those layers."""
-        self.keqv = [False] * len(self.layers)
-        for layer in self.layers:
-            key = (layer.kv_heads, layer.head_dim)
-            if key not in self.backends:
-                be = select_backend(self.embed_tokens.weight.device, self.config.num_heads, *key)
-                be.scale = 1.0
-                self.backends[key] = be
-        self.set_batch_invariant(self.batch_invariant)
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
