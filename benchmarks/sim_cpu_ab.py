@@ -41,8 +41,8 @@ def _one(rate: float, replicas: int, flags: set[str], trace: str) -> dict:
     from pdserve.cli.plan import add_parser
     from pdserve.costmodel.shapes import load_model_config
     from pdserve.sim import run as simrun
+    from pdserve.sim.candidates import Budget, candidates
     from pdserve.sim.instance import SimInstance
-    from pdserve.sim.plan import Budget, candidates
     from pdserve.workload.goodput import SLO
 
     ap = argparse.ArgumentParser()

@@ -81,7 +81,8 @@ def _name(s: str) -> str:
 def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any,
               argv: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     from pdserve.costmodel.shapes import load_model_config
-    from pdserve.sim.plan import Budget, candidates, plan
+    from pdserve.sim.candidates import Budget, candidates
+    from pdserve.sim.plan import plan
 
     budget = Budget.parse(args.hardware, args.prices)
     if len(budget.devices) != 1 or args.network != "nvlink" or args.dtype != "bfloat16":

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.sim.cluster import ClusterSpec
 
 if TYPE_CHECKING:
-    from pdserve.sim.plan import Budget, Candidate
+    from pdserve.sim.candidates import Budget, Candidate
 
 
 @dataclass

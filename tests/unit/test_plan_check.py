@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.plan_check.configs import config_name, configurations, pick_of, up_flags
 from benchmarks.plan_check.search import format_table, ranks, search_rate, verdict
-from pdserve.sim.plan import Budget, candidates
+from pdserve.sim.candidates import Budget, candidates
 from pdserve.sim.run import spec_from_up_flags
 
 

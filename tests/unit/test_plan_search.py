@@ -11,7 +11,8 @@ import math
 import pytest
 
 from pdserve.sim import parallel, plan_search, run
-from pdserve.sim.plan import NOCHUNK, Budget, candidates, latency_at, plan, unit_goodput
+from pdserve.sim.candidates import NOCHUNK, Budget, candidates, latency_at
+from pdserve.sim.plan import plan, unit_goodput
 from pdserve.sim.plan_search import BISECT_STEPS, MAX_STEPS, sweep_need
 from pdserve.workload.goodput import SLO, search_goodput_rate
 from pdserve.workload.spec import add_workload_args, workload_at

@@ -58,7 +58,8 @@ def main(args: argparse.Namespace) -> int:
     from pdserve.bench.plots import plot_attainment
     from pdserve.bench.report import write_json
     from pdserve.costmodel.shapes import load_model_config
-    from pdserve.sim.plan import Budget, plan
+    from pdserve.sim.candidates import Budget
+    from pdserve.sim.plan import plan
 
     try:
         budget = Budget.parse(args.hardware, args.prices)

@@ -18,7 +18,7 @@ from pdserve.sim.run import simulate_once
 from pdserve.workload.goodput import SweepPoint, distserve_goodput, search_goodput_rate
 
 if TYPE_CHECKING:
-    from pdserve.sim.plan import Budget, Candidate
+    from pdserve.sim.candidates import Budget, Candidate
 
 MAX_STEPS = 10  # doublings (or halvings) before the bracket gives up
 BISECT_STEPS = 3
@@ -193,7 +193,7 @@ def _point_task(i: int, rate: float) -> dict[str, Any]:
 
 def _full_task(i: int, replicas: int, rate: float) -> dict[str, Any]:
     """One point of a full-scale walk: candidate i replicated `replicas` times."""
-    from pdserve.sim.plan import latency_at
+    from pdserve.sim.candidates import latency_at
 
     c = parallel.CONTEXT
     # a failing point's figures are never reported (only the highest passing one's): stop it
