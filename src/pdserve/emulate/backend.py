@@ -32,7 +32,7 @@ class EmulateOptions:
     model_config: str | None = None  # built-in name (llama3-8b, ...) or config.json / dir
     profile: str | None = None  # `pdserve profile` JSON: its step and link costs instead
     time_scale: float = 1.0  # wall seconds per modelled second
-    network: str = "nvlink"  # the KV push link (sim.hardware.NETWORKS)
+    network: str = "nvlink"  # the KV push link (costmodel.hardware.NETWORKS)
     dtype: str = "bfloat16"  # the modelled serving dtype
     wire_layers: int = 1  # KV messages per push (one per wire layer)
     wire_head_dim: int = 1  # wire bytes per block per layer = 2 * block_size * head_dim * 2

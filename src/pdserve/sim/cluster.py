@@ -205,7 +205,7 @@ class SimCluster:
         """Stop as soon as more than `max_misses` finished requests missed the SLOs: the
         run's attainment is then known to be below the target (the unfinished requests
         count as failures, so the reported attainment is a lower bound). A miss is judged
-        as `bench.goodput.meets` judges it (value in ms > limit in ms; `limits_ms`: the
+        as `workload.goodput.meets` judges it (value in ms > limit in ms; `limits_ms`: the
         SLOs exactly as given), so a run that stops early is one that fails."""
         self.stop_slo = (ttft_s, tpot_s)
         self._stop_ms = limits_ms or (ttft_s * 1000.0, tpot_s * 1000.0)

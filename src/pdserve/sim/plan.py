@@ -7,7 +7,7 @@ Search (DistServe's approach: find the best *unit*, then replicate it):
    colocated engines (`max_num_batched_tokens`) and the decode batch cap (`max_num_seqs`).
    With two hardware types, disaggregated units also try each type per pool (heterogeneous).
 2. Each unit's goodput: the highest rate at which >= `target` of requests meet both TTFT and
-   TPOT SLOs (`bench.goodput.search_goodput_rate`: bracket by doubling, then bisect), every
+   TPOT SLOs (`workload.goodput.search_goodput_rate`: bracket by doubling, then bisect), every
    point a full simulation of the workload window at that rate. Per-device goodput = that
    rate / the unit's devices.
 3. The best unit of each kind is replicated to fill the budget (k units, k x the rate) and

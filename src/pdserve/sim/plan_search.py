@@ -1,5 +1,5 @@
 """`plan`'s searches as point tasks on `parallel.Scheduler`: every candidate unit's goodput
-search (`bench.goodput.search_goodput_rate`, replayed: `sweep_need`) and, per kind, the
+search (`workload.goodput.search_goodput_rate`, replayed: `sweep_need`) and, per kind, the
 full-scale 10 % walk of the best unit, started as soon as that best unit is decided (its own
 search over and no unfinished search of the kind able to beat it), while other units'
 searches still run. The answer is that of running the searches one after the other: each

@@ -283,7 +283,7 @@ def text_prompt_ids(reqs: list[Any], vocab: int) -> list[Any]:
 
 def allowed_misses(n: int, target: float) -> int:
     """The most of `n` requests that may miss while the attainment, computed as
-    `bench.goodput.attainment` computes it ((n - misses) / n), still reaches `target`: one
+    `workload.goodput.attainment` computes it ((n - misses) / n), still reaches `target`: one
     more miss decides that the run fails. (`int((1 - target) * n)` is one short when
     1 - target rounds down, e.g. 0.1 * 540 -> 53: a run with 54 misses, attainment exactly
     0.9, was stopped as a failure.)"""
