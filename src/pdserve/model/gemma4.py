@@ -190,7 +190,7 @@ class Gemma4Model(nn.Module):
 
     def store_k_and_v(self) -> None:
         """Serve K = V layers from an ordinary K + V cache through the attention backend (the
-        baseline of `python -m pdserve.bench.keqv`; caches then need 2 tensors on every
+        baseline of `python -m benchmarks.keqv`; caches then need 2 tensors on every
         stored layer). Same outputs, twice the bytes on those layers."""
         self.keqv = [False] * len(self.layers)
         for layer in self.layers:
