@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
 def attention_cost(args: argparse.Namespace) -> dict:
     """One K = V layer's decode attention alone (batch x context, heads 8 / kv heads 1 x
     2*head_dim, as a Gemma 4 full layer): V-only cache + K rebuilt on read vs the backend over a
-    K + V cache. Min over repeats (robust to other jobs on the machine), interleaved."""
+    K + V cache. Min over repeats (robust to other processes on the machine), interleaved."""
     from pdserve.model.attention import select_backend
     from pdserve.model.gemma4 import rope_tables
     from pdserve.model.gemma4_config import RopeSpec

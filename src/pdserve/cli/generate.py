@@ -44,7 +44,7 @@ def add_parser(subparsers: Any) -> None:
         "--no-batch-invariant",
         dest="batch_invariant",
         action="store_false",
-        help="with --model: the faster batch-variant attention (see docs/BENCHMARKS.md)",
+        help="with --model: the batch-variant path (see docs/studies/batch-invariance.md)",
     )
     p.set_defaults(func=run)
 

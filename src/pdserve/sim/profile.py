@@ -394,10 +394,9 @@ def fit_served_prefill(samples: list[dict[str, float]]) -> tuple[float, float]:
 # ---------------------------------------------------------------------------- limits
 def limits_call_site(dtype: str, threads: int) -> dict[str, Any] | None:
     """Machine limits (memory read bandwidth, GEMM peak in `dtype`) from
-    `pdserve.bench.limits.measure_limits(dtype=, threads=)` (helper i12b's module for issue 12:
-    returns {"bandwidth_bytes_s", "gemm_flops_s", ...}). None where that module is absent
-    (this branch alone); after the merge `pdserve profile` records the limits and the engine's
-    achieved fractions in the same run."""
+    `pdserve.bench.limits.measure_limits(dtype=, threads=)` (returns {"bandwidth_bytes_s",
+    "gemm_flops_s", ...}), or None where that module is absent; `pdserve profile` records the
+    limits and the engine's achieved fractions in the same run."""
     try:
         from pdserve.bench import limits  # type: ignore[attr-defined]
     except ImportError:
