@@ -47,6 +47,24 @@ class Unauthenticated(PdserveClientError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class NotFound(PdserveClientError):
+    """Unknown request or stream (e.g. a resume the cluster never issued)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class PermissionDenied(PdserveClientError):
+    """Not yours: e.g. a stream started with another API key."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class FailedPrecondition(PdserveClientError):
+    """The state forbids it: e.g. resuming a stream that already finished."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 _BY_CODE: dict[grpc.StatusCode, type[PdserveClientError]] = {
     cls.code: cls
     for cls in (
@@ -57,6 +75,9 @@ _BY_CODE: dict[grpc.StatusCode, type[PdserveClientError]] = {
         Cancelled,
         Internal,
         Unauthenticated,
+        NotFound,
+        PermissionDenied,
+        FailedPrecondition,
     )
 }
 
