@@ -1,0 +1,208 @@
+"""Router kills under load: do streams outlive their router?
+
+A cluster as `pdserve up --routers 2 --prefill 2 --decode 2` runs it (real processes, a real
+Redis, the supervisor restarting what dies), on the built-in tiny model in the default
+dtype. First one wave of `--streams` SDK streams without kills gives the expected tokens
+and text; then waves of the same streams run back to back for `--duration-s` seconds while
+a router is killed with SIGKILL every `--kill-every-s` seconds (the one carrying the most
+streams). Every stream is compared with the run without kills. `--idle-wait-s` after the
+last wave every worker's KV pool is read.
+
+Prints (and with --json writes) three counts, the acceptance of issue 35:
+  failed        streams that ended with an error
+  wrong         streams whose tokens or text differ from the run without kills
+  blocks_held   KV blocks still held on the workers `--idle-wait-s` after the load
+
+    .venv/bin/python -m benchmarks.router_kill                      # 2 routers, 2P2D, 3 min
+    .venv/bin/python -m benchmarks.router_kill --duration-s 40 --kill-every-s 15   # short
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import signal
+import sys
+import threading
+import time
+
+from pdserve.client import AsyncClient
+
+
+def requests(n: int, max_tokens: int, vocab: int, seed: int) -> list[dict]:
+    """Distinct prompts; even streams greedy, odd ones seeded sampling."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        req = {
+            "token_ids": [rng.randint(2, vocab - 1) for _ in range(rng.randint(8, 48))],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
+        if i % 2:
+            req.update(temperature=0.9, top_p=0.95, seed=1000 * seed + i)
+        out.append(req)
+    return out
+
+
+async def wave(addrs: list[str], reqs: list[dict]) -> list:
+    """(tokens, text) per stream, or the exception it ended with."""
+
+    async def one(client: AsyncClient, req: dict):
+        tokens, text = [], []
+        async for ev in client.generate_stream(**req):
+            tokens += ev.token_ids
+            text.append(ev.text)
+        return tokens, "".join(text)
+
+    async with AsyncClient(addrs, timeout=300.0) as client:
+        return await asyncio.gather(*(one(client, r) for r in reqs), return_exceptions=True)
+
+
+class Killer(threading.Thread):
+    """SIGKILLs a router every `every_s` seconds until stopped: the one running the most
+    streams by its Status (alternating when Status cannot tell)."""
+
+    def __init__(self, cluster, every_s: float) -> None:
+        super().__init__(name="router-killer", daemon=True)
+        self.cluster, self.every_s = cluster, every_s
+        self.kills: list[tuple[float, str, int]] = []  # (t, name, streams running on it)
+        self._stop = threading.Event()
+
+    def _running(self, name: str) -> int:
+        from pdserve.client import Client
+
+        port = self.cluster.router_ports[name][0]
+        try:
+            with Client(f"127.0.0.1:{port}", max_retries=0) as c:
+                return c.status(timeout=2).requests_running
+        except Exception:
+            return -1
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        while not self._stop.wait(self.every_s):
+            names = [n for n in self.cluster.router_names() if self.cluster.processes[n].alive]
+            if not names:
+                continue
+            load = {n: self._running(n) for n in names}
+            turn = len(self.kills) % len(names)  # ties: take turns
+            victim = max(names, key=lambda n: (load[n], names.index(n) == turn))
+            self.cluster.processes[victim].signal(signal.SIGKILL)
+            self.kills.append((round(time.monotonic() - t0, 1), victim, load[victim]))
+            print(f"  t={self.kills[-1][0]:6.1f}s  SIGKILL {victim} ({load[victim]} streams)",
+                  flush=True)  # fmt: skip
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.join(10)
+
+
+def blocks_held(cluster) -> dict[str, dict[str, float]]:
+    """Per worker: KV blocks not free, reservations, blocks held for publishing."""
+    from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    out = {}
+    for name in cluster.worker_names():
+        with cluster.internal_channel(name, as_name="admin") as ch:
+            c = worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=10).counters
+        out[name] = {
+            "not_free": c["pool_total_blocks"] - c["pool_free_blocks"],
+            "reservations": c["pool_reservations"],
+            "held": c["pool_held_blocks"],
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--routers", type=int, default=2)
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--duration-s", type=float, default=180.0)
+    p.add_argument("--kill-every-s", type=float, default=30.0)
+    p.add_argument("--idle-wait-s", type=float, default=10.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--json", default=None, help="also write the result here")
+    args = p.parse_args(argv)
+
+    from pdserve.launcher import Cluster, ClusterConfig
+    from pdserve.supervisor import RestartPolicy, Supervisor, SupervisorThread
+
+    config = ClusterConfig(
+        routers=args.routers, prefill=args.prefill, decode=args.decode, kvstore=True,
+        port=0, http_port=0, log_dir=args.log_dir,
+        worker_args=["--num-blocks", "4096", "--max-num-batched-tokens", "1024"],
+    )  # fmt: skip
+    cluster = Cluster(config)
+    t_start = time.monotonic()
+    cluster.start(timeout=600)
+    print(f"cluster up in {time.monotonic() - t_start:.0f} s: routers {cluster.addrs}; "
+          f"logs {cluster.log_dir}", flush=True)  # fmt: skip
+    said: list[str] = []
+    supervisor = Supervisor(cluster, RestartPolicy(initial_s=0.2, max_s=2.0), said.append)
+    try:
+        with SupervisorThread(supervisor):
+            from pdserve.client import Client
+
+            with Client(cluster.addrs) as c:
+                vocab = c.status().vocab_size
+            reqs = requests(args.streams, args.max_tokens, vocab, args.seed)
+            ref = asyncio.run(wave(cluster.addrs, reqs))
+            bad_ref = [r for r in ref if isinstance(r, BaseException)]
+            if bad_ref:
+                raise SystemExit(f"the run without kills failed: {bad_ref[0]!r}")
+            print(f"reference wave: {len(ref)} streams x {args.max_tokens} tokens", flush=True)
+
+            killer = Killer(cluster, args.kill_every_s)
+            killer.start()
+            failed = wrong = streams = waves = 0
+            errors: list[str] = []
+            deadline = time.monotonic() + args.duration_s
+            while time.monotonic() < deadline:
+                results = asyncio.run(wave(cluster.addrs, reqs))
+                waves += 1
+                for got, exp in zip(results, ref, strict=True):
+                    streams += 1
+                    if isinstance(got, BaseException):
+                        failed += 1
+                        errors.append(repr(got)[:300])
+                    elif got != exp:
+                        wrong += 1
+            killer.stop()
+            time.sleep(args.idle_wait_s)
+            pools = blocks_held(cluster)
+    finally:
+        cluster.stop()
+    held = int(sum(w["not_free"] + w["held"] for w in pools.values()))
+    result = {
+        "command": "python -m benchmarks.router_kill "
+        + shlex.join(sys.argv[1:] if argv is None else argv),
+        "failed": failed,
+        "wrong": wrong,
+        "blocks_held": held,
+        "reservations_left": int(sum(w["reservations"] for w in pools.values())),
+        "streams": streams,
+        "waves": waves,
+        "kills": killer.kills,
+        "restarts": supervisor.restarts,
+        "tokens_per_stream": args.max_tokens,
+        "errors": errors[:5],
+    }
+    print(f"failed={failed} wrong={wrong} blocks_held={held}  "
+          f"({streams} streams in {waves} waves, {len(killer.kills)} router kills)")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if failed == wrong == held == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
