@@ -63,8 +63,11 @@ def test_every_manifest_is_listed_and_valid(kustomization, objects):
     for f in kustomization.get("secretGenerator", []):
         for spec in f["files"]:
             source = K8S / spec.split("=", 1)[-1]
-            keys = json.loads(source.read_text())["keys"]
-            assert keys and all(k["key"] and k["name"] for k in keys)
+            if source.suffix == ".json":  # the API keys
+                keys = json.loads(source.read_text())["keys"]
+                assert keys and all(k["key"] and k["name"] for k in keys)
+            else:  # the resume secret: what the routers' --resume-secret-file accepts
+                assert len(source.read_bytes().strip()) >= 16, source
 
 
 def test_validation_catches_a_broken_manifest(objects):
@@ -78,7 +81,7 @@ def test_validation_catches_a_broken_manifest(objects):
 def test_four_services_and_their_commands(objects, monkeypatch):
     from pdserve.config import load_settings
 
-    deployments = _by_kind(objects, "Deployment")
+    deployments = _pdserve_deployments(objects)
     components = {
         d["spec"]["template"]["metadata"]["labels"][COMPONENT] for d in deployments.values()
     }
@@ -110,16 +113,48 @@ def test_four_services_and_their_commands(objects, monkeypatch):
             kv_host, kv_port = settings.kvstore_addr.split(":")
             kvstore = _by_kind(objects, "Service")[kv_host]
             assert kvstore["spec"]["ports"][0]["port"] == int(kv_port)
+        if cmd[2] == "pdserve.router":
+            redis = settings.replicas.redis_url.removeprefix("redis://").split("/")[0]
+            host, port = redis.split(":")
+            svc = _by_kind(objects, "Service")[host]
+            assert svc["spec"]["ports"][0]["port"] == int(port)
+            assert ports["internal"] == settings.internal_port
+            assert settings.replicas.resume_secret_file
         if cmd[2] == "pdserve.worker":
             assert settings.role == labels[COMPONENT]
             host, port = settings.router_addr.split(":")
             control = _by_kind(objects, "Service")[host]
             assert control["spec"]["type"] == "ClusterIP"
+            assert control["spec"]["clusterIP"] == "None"  # headless: every router pod
+            assert settings.router_discovery == "dns"
             assert control["spec"]["selector"][COMPONENT] == "router"
             assert control["spec"]["ports"][0]["port"] == int(port)
+            assert control["spec"]["ports"][0]["targetPort"] == "internal"
             env = {e["name"]: e for e in container["env"]}
             ref = env["PDSERVE_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
             assert ref == "status.podIP"
+
+
+def _pdserve_deployments(objects) -> dict[str, dict]:
+    """The Deployments running the pdserve image (not the routers' Redis)."""
+    return {
+        n: d
+        for n, d in _by_kind(objects, "Deployment").items()
+        if d["spec"]["template"]["spec"]["containers"][0]["image"] == "pdserve"
+    }
+
+
+def test_router_replicas_with_a_disruption_budget_and_redis(objects):
+    """At least 2 router pods, rolled one at a time, a PDB keeping one, and a Redis."""
+    router = _by_kind(objects, "Deployment")["pdserve-router"]
+    assert router["spec"]["replicas"] >= 2
+    assert router["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    (pdb,) = _by_kind(objects, "PodDisruptionBudget").values()
+    assert pdb["spec"]["minAvailable"] >= 1
+    assert pdb["spec"]["selector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
+    redis = _by_kind(objects, "Deployment")["pdserve-redis"]
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    assert container["image"].startswith("redis:")
 
 
 def test_services_target_named_container_ports(objects):
