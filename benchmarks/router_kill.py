@@ -26,7 +26,6 @@ import random
 import shlex
 import signal
 import sys
-import threading
 import time
 
 from pdserve.client import AsyncClient
@@ -49,57 +48,76 @@ def requests(n: int, max_tokens: int, vocab: int, seed: int) -> list[dict]:
     return out
 
 
-async def wave(addrs: list[str], reqs: list[dict]) -> list:
+async def wave(client: AsyncClient, reqs: list[dict]) -> list:
     """(tokens, text) per stream, or the exception it ended with."""
 
-    async def one(client: AsyncClient, req: dict):
+    async def one(req: dict):
         tokens, text = [], []
         async for ev in client.generate_stream(**req):
             tokens += ev.token_ids
             text.append(ev.text)
         return tokens, "".join(text)
 
-    async with AsyncClient(addrs, timeout=300.0) as client:
-        return await asyncio.gather(*(one(client, r) for r in reqs), return_exceptions=True)
+    return await asyncio.gather(*(one(r) for r in reqs), return_exceptions=True)
 
 
-class Killer(threading.Thread):
-    """SIGKILLs a router every `every_s` seconds until stopped: the one running the most
-    streams by its Status (alternating when Status cannot tell)."""
+async def running(addr: str) -> int:
+    """Streams a router runs now by its Status (-1: it does not answer)."""
+    try:
+        async with AsyncClient(addr, max_retries=0) as c:
+            return (await c.status(timeout=2)).requests_running
+    except Exception:
+        return -1
 
-    def __init__(self, cluster, every_s: float) -> None:
-        super().__init__(name="router-killer", daemon=True)
-        self.cluster, self.every_s = cluster, every_s
-        self.kills: list[tuple[float, str, int]] = []  # (t, name, streams running on it)
-        self._stop = threading.Event()
 
-    def _running(self, name: str) -> int:
-        from pdserve.client import Client
+async def killer(cluster, every_s: float, kills: list) -> None:
+    """SIGKILL a router every `every_s` seconds (until cancelled): the one running the most
+    streams by its Status, taking turns on a tie."""
+    t0 = time.monotonic()
+    while True:
+        await asyncio.sleep(every_s)
+        names = [n for n in cluster.router_names() if cluster.processes[n].alive]
+        if not names:
+            continue
+        load = {n: await running(f"127.0.0.1:{cluster.router_ports[n][0]}") for n in names}
+        turn = len(kills) % len(names)
+        victim = max(names, key=lambda n: (load[n], names.index(n) == turn))
+        cluster.processes[victim].signal(signal.SIGKILL)
+        kills.append((round(time.monotonic() - t0, 1), victim, load[victim]))
+        print(f"  t={kills[-1][0]:6.1f}s  SIGKILL {victim} ({load[victim]} streams)", flush=True)
 
-        port = self.cluster.router_ports[name][0]
+
+async def run_load(cluster, reqs: list[dict], duration_s: float, every_s: float) -> dict:
+    """The run without kills, then waves with kills; the counts."""
+    out: dict = {"failed": 0, "wrong": 0, "streams": 0, "waves": 0, "kills": [], "errors": []}
+    async with AsyncClient(cluster.addrs, timeout=300.0) as client:
+        ref = await wave(client, reqs)
+        bad = [r for r in ref if isinstance(r, BaseException)]
+        if bad:
+            raise SystemExit(f"the run without kills failed: {bad[0]!r}")
+        print(f"reference wave: {len(ref)} streams, no kill", flush=True)
+        task = asyncio.ensure_future(killer(cluster, every_s, out["kills"]))
+        deadline = time.monotonic() + duration_s
         try:
-            with Client(f"127.0.0.1:{port}", max_retries=0) as c:
-                return c.status(timeout=2).requests_running
-        except Exception:
-            return -1
+            while time.monotonic() < deadline:
+                results = await wave(client, reqs)
+                out["waves"] += 1
+                for got, exp in zip(results, ref, strict=True):
+                    out["streams"] += 1
+                    if isinstance(got, BaseException):
+                        out["failed"] += 1
+                        out["errors"].append(repr(got)[:300])
+                    elif got != exp:
+                        out["wrong"] += 1
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return out
 
-    def run(self) -> None:
-        t0 = time.monotonic()
-        while not self._stop.wait(self.every_s):
-            names = [n for n in self.cluster.router_names() if self.cluster.processes[n].alive]
-            if not names:
-                continue
-            load = {n: self._running(n) for n in names}
-            turn = len(self.kills) % len(names)  # ties: take turns
-            victim = max(names, key=lambda n: (load[n], names.index(n) == turn))
-            self.cluster.processes[victim].signal(signal.SIGKILL)
-            self.kills.append((round(time.monotonic() - t0, 1), victim, load[victim]))
-            print(f"  t={self.kills[-1][0]:6.1f}s  SIGKILL {victim} ({load[victim]} streams)",
-                  flush=True)  # fmt: skip
 
-    def stop(self) -> None:
-        self._stop.set()
-        self.join(10)
+async def vocab_size(addrs: list[str]) -> int:
+    async with AsyncClient(addrs) as c:
+        return (await c.status()).vocab_size
 
 
 def blocks_held(cluster) -> dict[str, dict[str, float]]:
@@ -146,62 +164,37 @@ def main(argv: list[str] | None = None) -> int:
     cluster.start(timeout=600)
     print(f"cluster up in {time.monotonic() - t_start:.0f} s: routers {cluster.addrs}; "
           f"logs {cluster.log_dir}", flush=True)  # fmt: skip
-    said: list[str] = []
-    supervisor = Supervisor(cluster, RestartPolicy(initial_s=0.2, max_s=2.0), said.append)
+    supervisor = Supervisor(cluster, RestartPolicy(initial_s=0.2, max_s=2.0))
     try:
         with SupervisorThread(supervisor):
-            from pdserve.client import Client
-
-            with Client(cluster.addrs) as c:
-                vocab = c.status().vocab_size
-            reqs = requests(args.streams, args.max_tokens, vocab, args.seed)
-            ref = asyncio.run(wave(cluster.addrs, reqs))
-            bad_ref = [r for r in ref if isinstance(r, BaseException)]
-            if bad_ref:
-                raise SystemExit(f"the run without kills failed: {bad_ref[0]!r}")
-            print(f"reference wave: {len(ref)} streams x {args.max_tokens} tokens", flush=True)
-
-            killer = Killer(cluster, args.kill_every_s)
-            killer.start()
-            failed = wrong = streams = waves = 0
-            errors: list[str] = []
-            deadline = time.monotonic() + args.duration_s
-            while time.monotonic() < deadline:
-                results = asyncio.run(wave(cluster.addrs, reqs))
-                waves += 1
-                for got, exp in zip(results, ref, strict=True):
-                    streams += 1
-                    if isinstance(got, BaseException):
-                        failed += 1
-                        errors.append(repr(got)[:300])
-                    elif got != exp:
-                        wrong += 1
-            killer.stop()
+            reqs = requests(args.streams, args.max_tokens, asyncio.run(vocab_size(cluster.addrs)),
+                            args.seed)  # fmt: skip
+            out = asyncio.run(run_load(cluster, reqs, args.duration_s, args.kill_every_s))
             time.sleep(args.idle_wait_s)
             pools = blocks_held(cluster)
     finally:
         cluster.stop()
     held = int(sum(w["not_free"] + w["held"] for w in pools.values()))
+    cmd = shlex.join(sys.argv[1:] if argv is None else argv)
     result = {
-        "command": "python -m benchmarks.router_kill "
-        + shlex.join(sys.argv[1:] if argv is None else argv),
-        "failed": failed,
-        "wrong": wrong,
+        "command": f"python -m benchmarks.router_kill {cmd}".strip(),
+        "failed": out["failed"],
+        "wrong": out["wrong"],
         "blocks_held": held,
         "reservations_left": int(sum(w["reservations"] for w in pools.values())),
-        "streams": streams,
-        "waves": waves,
-        "kills": killer.kills,
+        "streams": out["streams"],
+        "waves": out["waves"],
+        "kills": out["kills"],
         "restarts": supervisor.restarts,
         "tokens_per_stream": args.max_tokens,
-        "errors": errors[:5],
+        "errors": out["errors"][:5],
     }
-    print(f"failed={failed} wrong={wrong} blocks_held={held}  "
-          f"({streams} streams in {waves} waves, {len(killer.kills)} router kills)")  # fmt: skip
+    print(f"failed={out['failed']} wrong={out['wrong']} blocks_held={held}  ({out['streams']} "
+          f"streams in {out['waves']} waves, {len(out['kills'])} router kills)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    return 0 if failed == wrong == held == 0 else 1
+    return 0 if out["failed"] == out["wrong"] == held == 0 else 1
 
 
 if __name__ == "__main__":
