@@ -32,6 +32,10 @@ API_KEY_ENV = "PDSERVE_CLIENT_API_KEY"  # not PDSERVE_API_KEY: that is the route
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 30_000),
+    # a router restarting (or a replica coming back) is found within a second, not after
+    # grpc's default reconnect back-off (up to 120 s)
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 
 
@@ -300,6 +304,8 @@ class _StreamState:
     def take(self, msg: router_pb2.GenerateResponse) -> GenerationEvent:
         if msg.resume_token:
             self.resume_token = msg.resume_token
+        if msg.token_ids:  # the stream moves again: a later failure gets a fresh budget
+            self.resumes, self.resume_deadline = 0, None
         self.received.extend(msg.token_ids)
         self.texts.append(msg.text)
         return GenerationEvent(

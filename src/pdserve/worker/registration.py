@@ -30,6 +30,12 @@ from pdserve.worker.core import WorkerCore
 
 _log = get_logger(__name__)
 RETRY_S = 1.0  # a link whose router is unreachable tries again this often
+# A restarted router is reached on the next try, not after grpc's reconnect back-off (which
+# grows to 120 s while a router is down): every router re-learns the workers within ~1 s.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", int(RETRY_S * 1000)),
+)
 
 
 def split_addrs(router_addr: str) -> list[str]:
@@ -59,7 +65,7 @@ class RouterLink:
         self.peer: router_pb2.PeerRouter | None = None  # who answered, while registered
 
     def start(self) -> None:
-        self._channel = make_channel(self.router_addr)
+        self._channel = make_channel(self.router_addr, options=RECONNECT_OPTIONS)
         self._task = asyncio.ensure_future(self._run())
 
     async def stop(self, deregister: bool = True) -> None:

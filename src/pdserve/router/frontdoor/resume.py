@@ -21,10 +21,11 @@ of generating past the end.
 
 from __future__ import annotations
 
+import array
 import base64
 import hashlib
 import hmac
-import struct
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -51,7 +52,10 @@ def request_digest(job: Job) -> bytes:
     """What decides a stream's tokens: prompt token ids, sampling parameters, session."""
     p = job.params
     h = hashlib.blake2b(digest_size=16)
-    h.update(struct.pack(f"<{len(job.token_ids)}i", *job.token_ids))
+    ids = array.array("i", job.token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    h.update(ids.tobytes())  # int32 little-endian, as the block hashes encode tokens
     h.update(
         repr(
             (

@@ -39,7 +39,7 @@ class SharedStore:
             )
         self.redis = client
         self.up = False
-        self.last_error = "not connected yet"
+        self.last_error = "connecting"
         self._gauge = (
             metrics.gauge("router_shared_store_up", "1 while the shared store (Redis) answers")
             if metrics is not None
