@@ -21,7 +21,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.errors import AlreadyExistsError, InvalidRequestError, UnavailableError
+from pdserve.errors import (
+    AlreadyExistsError,
+    InvalidRequestError,
+    PdserveError,
+    UnavailableError,
+)
 from pdserve.logging import bind_request_id, get_logger
 from pdserve.rpc.ids import MAX_ID_CHARS, check_id
 from pdserve.v1 import common_pb2, router_pb2
@@ -36,7 +41,7 @@ from ..scheduling.admission import Admission
 from .auth import ApiKey, ApiKeys
 from .input_limits import FALLBACK_MAX_PROMPT_CHARS, InputLimits, check_raw_request
 from .model_info import ModelInfo
-from .resume import ResumeTokens, check_finished, finished_reason
+from .resume import ResumeTokens, accept_resume
 from .text import TextStream
 from .validation import check_messages, check_request, to_params
 
@@ -284,28 +289,19 @@ class FrontDoor:
         tokens (a stop string may span the seam). A new stream: ([], "")."""
         if resume is None:
             return [], ""
-        if self.resume_tokens is None:
-            raise UnavailableError("this router does not resume streams (no resume secret)")
-        received = list(resume.received_token_ids)
-        self.resume_tokens.verify(resume.resume_token, rid, key.name, job, self.keys.names())
-        vocab = self.model.vocab_size
-        bad = next((i for i, t in enumerate(received) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                "received_token_ids",
-                f"token at index {bad} ({received[bad]}) is outside the vocabulary [0, {vocab})",
+        try:
+            if self.resume_tokens is None:
+                raise UnavailableError("this router does not resume streams (no resume secret)")
+            out = accept_resume(
+                resume, self.resume_tokens, key.name, self.keys.names(), rid, job, text, self.model
             )
-        check_finished(
-            finished_reason(job, received, self.model.eos_token_ids, self.model.max_model_len),
-            rid,
-        )
-        if text.push(received).stopped:
-            check_finished(f"the received text completes stop string {text.matcher.matched!r}", rid)
-        job.output_token_ids = list(received)
-        sent = resume.received_text
-        owed = text.text[len(sent) :] if text.text.startswith(sent) else ""
-        log.info("stream resumed", key=key.name, received_tokens=len(received))
-        return received, owed
+        except PdserveError as exc:
+            self.metrics.resumes.labels(exc.code.name.lower()).inc()
+            log.info("resume refused", key=key.name, code=exc.code.name, error=str(exc))
+            raise
+        self.metrics.resumes.labels("resumed").inc()
+        log.info("stream resumed", key=key.name, received_tokens=len(out[0]))
+        return out
 
     async def _prepare(
         self, request: router_pb2.GenerateRequest, rid: str

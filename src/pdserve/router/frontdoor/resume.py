@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from pdserve.errors import (
     FailedPreconditionError,
@@ -185,3 +186,34 @@ def load_secret(
         "a stream can be resumed on this replica only"
     )
     return insecure_fallback, "random (this replica only)"
+
+
+def accept_resume(
+    resume: Any,  # router_pb2.ResumeRequest
+    tokens: ResumeTokens,
+    key_name: str,
+    key_names: Iterable[str],
+    rid: str,
+    job: Job,
+    text: Any,  # text.TextStream: replays the received tokens (stop strings see the seam)
+    model: Any,  # model_info.ModelInfo: vocabulary, context length, EOS ids
+) -> tuple[list[int], str]:
+    """Check a resume of `job` (token, key, received ids, not finished) and replay what the
+    client received: (the received tokens, the text it is still owed). `job.output_token_ids`
+    becomes the received tokens (the stream's tokens so far)."""
+    received = list(resume.received_token_ids)
+    tokens.verify(resume.resume_token, rid, key_name, job, key_names)
+    vocab = model.vocab_size
+    bad = next((i for i, t in enumerate(received) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            "received_token_ids",
+            f"token at index {bad} ({received[bad]}) is outside the vocabulary [0, {vocab})",
+        )
+    check_finished(finished_reason(job, received, model.eos_token_ids, model.max_model_len), rid)
+    if text.push(received).stopped:
+        check_finished(f"the received text completes stop string {text.matcher.matched!r}", rid)
+    job.output_token_ids = list(received)
+    sent = resume.received_text
+    owed = text.text[len(sent) :] if text.text.startswith(sent) else ""
+    return received, owed
