@@ -15,7 +15,6 @@ from typing import Any
 import grpc
 from grpc import aio
 
-
 STARTING = "the service is starting: not serving yet (retry)"
 
 
