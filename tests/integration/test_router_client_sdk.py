@@ -254,6 +254,7 @@ class ResumingRouter(FakeRouter):
     def __init__(self) -> None:
         super().__init__()
         self.die_after: int | None = None
+        self.answered = False  # the router itself fails the stream (its verdict: no resume)
         self.fail_resume = False  # a Resume here fails at once (the replica is going too)
         self.resumes: list[router_pb2.ResumeRequest] = []
 
@@ -262,6 +263,11 @@ class ResumingRouter(FakeRouter):
         n = request.sampling.max_tokens
         for i in range(start, n):
             if self.die_after is not None and i - start == self.die_after:
+                if self.answered:  # what the router's ErrorInterceptor sends
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, "decode instance d1: lost; no migration left",
+                        trailing_metadata=(("pdserve-answered", "1"),),
+                    )  # fmt: skip
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
             last = i == n - 1
             yield router_pb2.GenerateResponse(
@@ -355,3 +361,15 @@ async def test_resume_gives_up_after_resume_timeout(pair):
             await c.generate(token_ids=[1], max_tokens=6, request_id="r")
         assert time.monotonic() - t0 < 10  # (bounded: a hang guard)
     assert a.resumes, "it tried to resume"
+
+
+async def test_a_stream_the_router_itself_failed_is_not_resumed(pair):
+    """UNAVAILABLE that the router decided (its worker died past its migrations) is the
+    stream's outcome; only a broken connection (the router died) is resumed."""
+    a, b = pair
+    a.die_after = b.die_after = 2
+    a.answered = b.answered = True
+    async with AsyncClient([a.addr, b.addr], retry_backoff_s=0.01) as c:
+        with pytest.raises(Unavailable, match="no migration left") as info:
+            await c.generate(token_ids=[1], max_tokens=6)
+    assert info.value.answered and not (a.resumes or b.resumes)

@@ -214,23 +214,23 @@ class AsyncClient:
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
             call = self._open(addr, req, stream, left, metadata)
             try:
-                while True:
+                while True:  # to the end of the call: the router finishes its bookkeeping
                     msg = await call.read()
                     if msg is grpc.aio.EOF:
                         return
                     event = stream.take(msg)
                     yield event
-                    if event.finish_reason:
-                        return
             except grpc.RpcError as err:
+                if stream.finished:  # the last message arrived; the router died after it
+                    return
                 error = from_rpc_error(err)
                 if not isinstance(error, Unavailable):
                     raise error from None
                 self.routers.failed(addr)
                 failures[addr] = error.message
                 now = time.monotonic()
-                if stream.received:  # mid-stream: resume elsewhere, if the router said how
-                    if not stream.resume_token:
+                if stream.received:  # mid-stream: resume elsewhere, if the router died
+                    if not stream.resume_token or error.answered:  # (it answered: its verdict)
                         raise error from None
                     stream.resume_deadline = stream.resume_deadline or now + self.resume_timeout_s
                     backoff = self.routers.backoff(stream.resumes, self.retry_backoff_s)
@@ -298,6 +298,7 @@ class _StreamState:
         self.received: list[int] = []
         self.texts: list[str] = []
         self.resume_token = ""
+        self.finished = False  # the message with the finish reason arrived
         self.resumes = 0
         self.resume_deadline: float | None = None
 
@@ -306,6 +307,7 @@ class _StreamState:
             self.resume_token = msg.resume_token
         if msg.token_ids:  # the stream moves again: a later failure gets a fresh budget
             self.resumes, self.resume_deadline = 0, None
+        self.finished = self.finished or bool(msg.finish_reason)
         self.received.extend(msg.token_ids)
         self.texts.append(msg.text)
         return GenerationEvent(

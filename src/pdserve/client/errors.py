@@ -13,6 +13,9 @@ class PdserveClientError(Exception):
         super().__init__(message)
         self.message = message
         self.retry_after_s: float | None = None  # the server's retry hint, when it sent one
+        # True: the server decided this status; False: the call failed on the way (the
+        # connection broke, nothing listens, the server was still starting)
+        self.answered = False
         if code is not None:
             self.code = code
 
@@ -92,4 +95,6 @@ def from_rpc_error(err: grpc.RpcError) -> PdserveClientError:
     for key, value in trailing or ():
         if key == "retry-after":
             error.retry_after_s = float(value)
+        elif key == "pdserve-answered":
+            error.answered = True
     return error
