@@ -102,8 +102,9 @@ async def run_load(cluster, reqs: list[dict], duration_s: float, every_s: float)
         print(f"reference wave: {len(ref)} streams, no kill", flush=True)
         task = asyncio.ensure_future(killer(cluster, every_s, out["kills"]))
         deadline = time.monotonic() + duration_s
+        due = int(duration_s // every_s)  # kills at every_s, 2 every_s, ... up to duration_s
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline or len(out["kills"]) < due:
                 results = await wave(client, reqs)
                 out["waves"] += 1
                 for got, exp in zip(results, ref, strict=True):
