@@ -19,10 +19,11 @@
 # plane) name each host's address. Workers advertise their host's address to the router; the
 # router hands out the kvstore's.
 #
-# KV moves over UCX TCP between hosts: services run with UCX_TLS=tcp,self and
-# UCX_NET_DEVICES=eth0. Namespaces share one kernel, so UCX would otherwise treat two hosts
-# as one node and pick shared memory, which does not cross network namespaces (the send
-# never completes). On separate machines UCX picks TCP (or RDMA) by itself.
+# A host's services also get IPC and PID namespaces of their own (as in a container): UCX
+# then sees separate nodes and moves KV over TCP between hosts, as it would between machines.
+# With network namespaces alone UCX takes the hosts for one node and picks shared memory,
+# which does not cross network namespaces: every KV send times out. (A process in a network
+# namespace alone can force TCP with UCX_TLS=tcp,self.)
 #
 # Commands:
 #   check           exit 0 if namespaces, veth pairs and bridges can be made here (else the reason)
@@ -39,7 +40,8 @@
 # ${TMPDIR:-/tmp}/pdserve-netns-NAME). `up` also takes: --subnet A.B.C, --model DIR (default:
 # the built-in tiny model), --routers R (1), --prefill M (1), --decode N (2), --python PY
 # (default: python3), --router-args/--worker-args/--kvstore-args "FLAGS" (extra flags),
-# --kvstore-bytes N (64 MiB), --timeout S (180).
+# --kvstore-bytes N (64 MiB), --timeout S (180), --foreground (stay, and remove the layout
+# on Ctrl-C, like `pdserve up`; without it `up` returns and `down` removes it).
 set -euo pipefail
 
 NAME=pdserve
@@ -55,6 +57,7 @@ WORKER_ARGS=""
 KVSTORE_ARGS=""
 KVSTORE_BYTES=$((64 << 20))
 TIMEOUT=180
+FOREGROUND=0
 ROUTER_PORT=50051
 ROUTER_INTERNAL_PORT=50061
 HTTP_PORT=8000
@@ -80,6 +83,7 @@ while [[ $# -gt 0 ]]; do
         --kvstore-args) KVSTORE_ARGS=$2; shift 2 ;;
         --kvstore-bytes) KVSTORE_BYTES=$2; shift 2 ;;
         --timeout) TIMEOUT=$2; shift 2 ;;
+        --foreground) FOREGROUND=1; shift ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         exec) args+=("$@"); break ;;  # the rest is HOST CMD...
         *) args+=("$1"); shift ;;
@@ -137,6 +141,10 @@ net_check() {
                ip -n "$probe" link set p0 master br0 2>&1); then
         ip netns del "$probe" 2>/dev/null || true
         echo "bridge/veth in a namespace failed: $out"; return 1
+    fi
+    if ! out=$(ip netns exec "$probe" unshare --ipc --pid --fork --kill-child --mount-proc true 2>&1); then
+        ip netns del "$probe" 2>/dev/null || true
+        echo "unshare --ipc --pid (util-linux) failed: $out"; return 1
     fi
     ip netns del "$probe"
 }
@@ -210,10 +218,10 @@ start_host() {
     [[ ${#ARGV[@]} -gt 0 ]] || return 0
     [[ -z $(ip netns pids "$(ns "$h")") ]] || die "$h is running (kill it first)"
     [[ ! -f $DIR/logs/$h.log ]] || mv "$DIR/logs/$h.log" "$DIR/logs/$h.$(date +%s%N).log"
-    # KV between hosts over TCP (see the header); the rest of the environment passes through
-    # (PDSERVE_* settings included)
-    ip netns exec "$(ns "$h")" env UCX_TLS=tcp,self UCX_NET_DEVICES=eth0 \
-        PDSERVE_LOG_FORMAT="${PDSERVE_LOG_FORMAT:-json}" "${ARGV[@]}" \
+    # the host's own network, IPC and PID namespaces (see the header); the environment
+    # passes through (PDSERVE_* settings included)
+    ip netns exec "$(ns "$h")" unshare --ipc --pid --fork --kill-child --mount-proc \
+        env PDSERVE_LOG_FORMAT="${PDSERVE_LOG_FORMAT:-json}" "${ARGV[@]}" \
         >"$DIR/logs/$h.log" 2>&1 </dev/null &
     echo $! >"$DIR/pids/$h"
 }
@@ -290,6 +298,12 @@ cmd_up() {
     echo "PDSERVE_ROUTERS=$(IFS=,; echo "${routers[*]}")"
     echo "PDSERVE_NETNS_DIR=$DIR"
     echo "try: $0 --name $NAME exec client $PY -m pdserve.cli.main generate --addr ${routers[0]} --prompt Hello"
+    if ((FOREGROUND)); then
+        echo "running; Ctrl-C stops every host and removes the layout"
+        trap 'net_down; rm -rf "$DIR"' EXIT
+        trap 'exit 0' INT TERM
+        wait || true
+    fi
 }
 
 cmd_status() {

@@ -210,10 +210,11 @@ def reference(model_dir):
 
 
 @pytest.fixture(scope="module")
-def layout(model_dir, tmp_path_factory):
+def layout(request, tmp_path_factory):
     why = _unavailable()
     if why is not None:
         pytest.skip(why)
+    model_dir = request.getfixturevalue("model_dir")  # (after the check: a skip costs nothing)
     name = "pdt" + secrets.token_hex(4)  # unique per run: two runs never share a namespace
     state = tmp_path_factory.mktemp("netns") / name
     agent = None
