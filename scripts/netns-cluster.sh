@@ -307,13 +307,12 @@ cmd_up() {
 }
 
 cmd_status() {
-    local h n a pids
-    printf '%-10s %-22s %-15s %s\n' HOST NAMESPACE ADDRESS "PROCESSES (pid: command)"
+    local h n a pids link
+    printf '%-10s %-22s %-15s %-5s %s\n' HOST NAMESPACE ADDRESS LINK PIDS
     while read -r h n a; do
         pids=$(ip netns pids "$n" 2>/dev/null | tr '\n' ' ' || true)
-        local link
         link=$(ip -n "$NET" -br link show "p-$h" 2>/dev/null | awk '{print $2}' || echo '?')
-        printf '%-10s %-22s %-15s link %-5s %s\n' "$h" "$n" "$a" "$link" "${pids:--}"
+        printf '%-10s %-22s %-15s %-5s %s\n' "$h" "$n" "$a" "$link" "${pids:--}"
     done <"$DIR/hosts"
 }
 

@@ -3,8 +3,9 @@ by veth pairs and a bridge in a namespace of its own, each host with its own add
 
     router0 10.77.0.1 | kvstore .10 | prefill0 .20 | decode0 .40 | decode1 .41 | client .100
 
-Every service listens on its host's address only, certificates name those addresses, and KV
-crosses hosts over UCX TCP. The test itself stays in the machine's namespace (no route to the
+Every service listens on its host's address only (in its host's own network, IPC and PID
+namespaces, as in a container), certificates name those addresses, and KV crosses hosts
+over UCX TCP. The test itself stays in the machine's namespace (no route to the
 hosts) and drives a client agent on the `client` host (netns_agent.py). Under load it checks:
 
 1. tokens equal the in-process engine's; the KV bytes the prefill sent over UCX left its host
