@@ -51,7 +51,7 @@ N_STREAMS = 16
 LONG_TOKENS = 400  # streams last long enough for a fault to land mid-stream
 HEARTBEAT_S = 0.5
 LEASE_S = 2.5  # the router's heartbeat timeout: a silent instance is dropped after it
-LEASE_SLACK_S = 2.0  # the registry's sweep period, the status poll and a busy machine
+LEASE_SLACK_S = 2.5  # the registry's sweep period, the status poll and a busy machine
 ROUTER_ARGS = (
     f"--heartbeat-interval-s {HEARTBEAT_S} --heartbeat-timeout-s {LEASE_S} "
     "--max-instances-per-identity 1"  # every worker has its own certificate
