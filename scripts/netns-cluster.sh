@@ -29,7 +29,7 @@
 #   check           exit 0 if namespaces, veth pairs and bridges can be made here (else the reason)
 #   up              make the hosts and the network, certificates, start every service, wait
 #                   until each worker registered; returns with the cluster running
-#   down            stop every process on the hosts and remove the namespaces
+#   down            stop every process on the hosts and remove the namespaces (DIR/logs stay)
 #   status          hosts, addresses, processes
 #   exec HOST CMD   run CMD on HOST (e.g. a client on `client`)
 #   kill HOST       SIGKILL every process on HOST (the host dies)
@@ -300,7 +300,7 @@ cmd_up() {
     echo "try: $0 --name $NAME exec client $PY -m pdserve.cli.main generate --addr ${routers[0]} --prompt Hello"
     if ((FOREGROUND)); then
         echo "running; Ctrl-C stops every host and removes the layout"
-        trap 'net_down; rm -rf "$DIR"' EXIT
+        trap 'net_down; rm -rf "$DIR/certs" "$DIR/pids" "$DIR/hosts" "$DIR/config"' EXIT
         trap 'exit 0' INT TERM
         wait || true
     fi
@@ -320,7 +320,7 @@ cmd_status() {
 case "$CMD" in
     check) net_check ;;
     up) cmd_up ;;
-    down) net_down; rm -rf "$DIR" ;;
+    down) net_down; rm -rf "$DIR/certs" "$DIR/pids" "$DIR/hosts" "$DIR/config" ;;  # logs stay
     status) [[ -f $DIR/hosts ]] || die "no layout '$NAME' ($DIR/hosts missing)"; cmd_status ;;
     exec)
         [[ ${#args[@]} -ge 3 ]] || die "exec HOST CMD..."

@@ -94,17 +94,20 @@ class Agent:
 
     async def start(self, batch: str, router: str, requests: list[dict], stream_s: float) -> int:
         streams: list[dict[str, Any]] = [
-            {"token_ids": [], "error": None, "finish_reason": None, "decode_instance": None}
+            {"token_ids": [], "error": None, "finish_reason": None, "decode_instance": None,
+             "max_gap_s": 0.0}
             for _ in requests
-        ]
+        ]  # fmt: skip
         self.batches[batch] = streams
         client = AsyncClient(router, timeout=stream_s, max_retries=0)
 
         async def run(i: int, req: dict) -> None:
             out = streams[i]
-            started = time.monotonic()
+            started = last = time.monotonic()
             try:
                 async for ev in client.generate_stream(**req):
+                    now = time.monotonic()  # the longest wait between two messages
+                    out["max_gap_s"], last = max(out["max_gap_s"], now - last), now
                     out["token_ids"].extend(ev.token_ids)
                     if ev.finish_reason:
                         out["finish_reason"] = ev.finish_reason

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.router.settings import LifecycleSettings
+
 from .conftest import VOCAB
 
 pytestmark = pytest.mark.integration
@@ -57,6 +59,8 @@ ROUTER_ARGS = (
     "--max-instances-per-identity 1"  # every worker has its own certificate
 )
 WORKER_ARGS = "--num-blocks 1024 --max-num-batched-tokens 512"
+# the router's documented longest gap between two messages of a stream (its default)
+DECODE_IDLE_DEADLINE_S = LifecycleSettings.model_fields["decode_idle_deadline_s"].default
 MIN_RUNNING_AT_FAULT = 2  # hit a decode host once it runs at least this many streams
 
 
@@ -229,7 +233,9 @@ def layout(request, tmp_path_factory):
         )  # fmt: skip
         assert r.returncode == 0, f"netns-cluster.sh up failed:\n{r.stdout}\n{r.stderr}"
         agent = Agent(f"{name}-client", state / "certs", state / "logs" / "agent.log")
-        yield Layout(name, state, agent)
+        layout = Layout(name, state, agent)
+        yield layout
+        print(layout.logs())  # shown when a test of the module failed
     finally:
         if agent is not None:
             agent.close()
@@ -292,14 +298,19 @@ def _wait(pred, timeout: float, what: str, interval: float = 0.1) -> float:
     return time.monotonic() - start
 
 
-def _check_results(results: list[dict], expected: list[list[int]], label: str) -> None:
+def _check_results(results: list[dict], expected: list[list[int]], label: str) -> float:
+    """Every stream complete, exact and never silent past the router's documented deadline
+    between two messages; returns the longest silence."""
     errors = [(i, r["error"]) for i, r in enumerate(results) if r["error"]]
     assert not errors, f"{label}: client-visible failures {errors[:3]}"
+    gap = max(r["max_gap_s"] for r in results)
+    assert gap < DECODE_IDLE_DEADLINE_S, f"{label}: a stream was silent for {gap:.1f} s"
     wrong = [
         i for i, (r, e) in enumerate(zip(results, expected, strict=True)) if r["token_ids"] != e
     ]
     assert not wrong, f"{label}: tokens differ from the in-process engine's in streams {wrong}"
     assert all(r["finish_reason"] == "length" for r in results)
+    return gap
 
 
 def _start_and_hit(layout: Layout, batch: str, requests: list[dict], decodes: list[str]) -> str:
@@ -394,7 +405,8 @@ def test_a_host_cut_off_and_reconnected(layout: Layout, reference):
         f"rejoined {rejoin_s:.2f} s after the link came back"
     )
     results = layout.agent.call("wait", batch="cut", wait_s=120, timeout=130)
-    _check_results(results, expected, "cut")
+    gap = _check_results(results, expected, "cut")
+    print(f"cut: the longest silence of a stream {gap:.2f} s")
     assert layout.info(victim)["instance_id"] == victim_id
     _wait(lambda: layout.idle(victim), 30, f"{victim} released the streams it lost")
     assert layout.registrations(victim_id) == registered0 + 1
@@ -420,8 +432,11 @@ def test_a_host_goes_down(layout: Layout, reference):
         f"{victim} down: dropped from the registry after {dropped_s:.1f} s, lease {LEASE_S} s"
     )
     results = layout.agent.call("wait", batch="down", wait_s=120, timeout=130)
-    _check_results(results, expected, "down")
+    gap = _check_results(results, expected, "down")
     assert layout.migrations("unavailable") + layout.migrations("lost") > moved0
-    print(f"host down: {victim} dropped after {dropped_s:.2f} s (lease {LEASE_S} s)")
+    print(
+        f"host down: {victim} dropped after {dropped_s:.2f} s (lease {LEASE_S} s); "
+        f"the longest silence of a stream {gap:.2f} s"
+    )
     for host in ("prefill0", survivor):
         _wait(lambda host=host: layout.idle(host), 30, f"{host} idle")
