@@ -6,7 +6,8 @@ by veth pairs and a bridge in a namespace of its own, each host with its own add
 Every service listens on its host's address only (in its host's own network, IPC and PID
 namespaces, as in a container), certificates name those addresses, and KV crosses hosts
 over UCX TCP. The test itself stays in the machine's namespace (no route to the
-hosts) and drives a client agent on the `client` host (netns_agent.py). Under load it checks:
+hosts) and drives a client agent on the `client` host (netns_agent.py, netns_layout.py). Under
+load it checks:
 
 1. tokens equal the in-process engine's; the KV bytes the prefill sent over UCX left its host
    through its interface (not shared memory), and the decodes' and the kvstore's came in
@@ -24,15 +25,9 @@ bounded (hang guards); the lease bound is the registry's contract, with slack fo
 
 from __future__ import annotations
 
-import json
-import os
-import queue
 import random
-import re
 import secrets
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -41,12 +36,9 @@ import pytest
 from pdserve.router.settings import LifecycleSettings
 
 from .conftest import VOCAB
+from .netns_layout import Agent, Layout, script, unavailable
 
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "netns-cluster.sh"
-AGENT = Path(__file__).with_name("netns_agent.py")
 
 CONTEXT = 512
 N_STREAMS = 16
@@ -62,140 +54,6 @@ WORKER_ARGS = "--num-blocks 1024 --max-num-batched-tokens 512"
 # the router's documented longest gap between two messages of a stream (its default)
 DECODE_IDLE_DEADLINE_S = LifecycleSettings.model_fields["decode_idle_deadline_s"].default
 MIN_RUNNING_AT_FAULT = 2  # hit a decode host once it runs at least this many streams
-
-
-# ----------------------------------------------------------------------------- the layout
-
-
-def _script(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout
-    )
-
-
-def _unavailable() -> str | None:
-    """Why network namespaces cannot be used here (None: they can)."""
-    if os.geteuid() != 0:
-        return "needs root for ip netns, veth pairs and a bridge (CI runs as root)"
-    try:
-        r = _script("check", timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"scripts/netns-cluster.sh check failed: {exc}"
-    return None if r.returncode == 0 else f"ip netns unusable here: {(r.stdout + r.stderr).strip()}"
-
-
-class Agent:
-    """The client agent on the `client` host: one JSON request/reply per line."""
-
-    def __init__(self, ns: str, cert_dir: Path, log: Path) -> None:
-        self._stderr = open(log, "wb")
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, str(AGENT), str(cert_dir)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-        )
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-
-    def call(self, op: str, timeout: float = 30.0, **kw):
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        try:
-            reply = json.loads(self._lines.get(timeout=timeout))
-        except queue.Empty:
-            raise AssertionError(f"agent: no reply to {op} in {timeout} s") from None
-        if not reply["ok"]:
-            raise AssertionError(f"agent {op}: {reply['error']}")
-        return reply["result"]
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self._stderr.close()
-
-
-class Layout:
-    """A running scripts/netns-cluster.sh layout and the client agent on its `client` host."""
-
-    def __init__(self, name: str, state: Path, agent: Agent) -> None:
-        self.name, self.state, self.agent = name, state, agent
-        self.hosts: dict[str, tuple[str, str]] = {}  # host -> (namespace, address)
-        for line in (state / "hosts").read_text().splitlines():
-            host, ns, addr = line.split()
-            self.hosts[host] = (ns, addr)
-        self.router = f"{self.addr('router0')}:50051"
-        self.metrics_url = f"http://{self.addr('router0')}:9090/metrics"
-
-    def addr(self, host: str) -> str:
-        return self.hosts[host][1]
-
-    def worker(self, host: str) -> str:
-        return f"{self.addr(host)}:50070"
-
-    def script(self, *args: str) -> None:
-        r = _script("--name", self.name, "--dir", str(self.state), *args)
-        assert r.returncode == 0, f"netns-cluster.sh {' '.join(args)}: {r.stdout}{r.stderr}"
-
-    def link_bytes(self, host: str) -> tuple[int, int]:
-        """(received, sent) bytes of the host's interface."""
-        out = subprocess.run(
-            ["ip", "-n", self.hosts[host][0], "-j", "-s", "link", "show", "dev", "eth0"],
-            capture_output=True, text=True, check=True, timeout=10,
-        ).stdout  # fmt: skip
-        stats = json.loads(out)[0]["stats64"]
-        return stats["rx"]["bytes"], stats["tx"]["bytes"]
-
-    def instances(self) -> list[dict]:
-        return self.agent.call("status", router=self.router)["instances"]
-
-    def instance_at(self, host: str) -> list[dict]:
-        return [i for i in self.instances() if i["address"] == self.worker(host)]
-
-    def info(self, host: str) -> dict:
-        return self.agent.call("info", addr=self.worker(host))
-
-    def migrations(self, reason: str) -> float:
-        text = self.agent.call("metrics", url=self.metrics_url)
-        line = f'pdserve_router_migrations_total{{reason="{reason}"}} '
-        return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line))
-
-    def registrations(self, instance_id: str) -> int:
-        """How many times router0 logged the instance as registered."""
-        log = (self.state / "logs" / "router0.log").read_text(errors="replace")
-        pattern = re.compile(r'"event": "instance registered"')
-        return sum(
-            1
-            for line in log.splitlines()
-            if pattern.search(line) and f'"instance": "{instance_id}"' in line
-        )
-
-    def idle(self, host: str) -> bool:
-        c = self.info(host)["counters"]
-        return (
-            c["pool_free_blocks"] == c["pool_total_blocks"]
-            and c["pool_reservations"] == 0
-            and c["pool_held_blocks"] == 0
-        )
-
-    def logs(self) -> str:
-        tails = []
-        for path in sorted((self.state / "logs").glob("*.log")):
-            lines = path.read_text(errors="replace").splitlines()[-15:]
-            tails.append(f"--- {path.name}\n" + "\n".join(lines))
-        return "\n".join(tails)
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +74,7 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def layout(request, tmp_path_factory):
-    why = _unavailable()
+    why = unavailable()
     if why is not None:
         pytest.skip(why)
     model_dir = request.getfixturevalue("model_dir")  # (after the check: a skip costs nothing)
@@ -224,7 +82,7 @@ def layout(request, tmp_path_factory):
     state = tmp_path_factory.mktemp("netns") / name
     agent = None
     try:
-        r = _script(
+        r = script(
             "up", "--name", name, "--dir", str(state), "--model", str(model_dir),
             "--python", sys.executable, "--prefill", "1", "--decode", "2",
             "--router-args", ROUTER_ARGS, "--worker-args", WORKER_ARGS,
@@ -239,7 +97,7 @@ def layout(request, tmp_path_factory):
     finally:
         if agent is not None:
             agent.close()
-        _script("--name", name, "--dir", str(state), "down", timeout=60)
+        script("--name", name, "--dir", str(state), "down", timeout=60)
 
 
 # ----------------------------------------------------------------------------- helpers
