@@ -22,7 +22,7 @@
 # A host's services also get IPC and PID namespaces of their own (as in a container): UCX
 # then sees separate nodes and moves KV over TCP between hosts, as it would between machines.
 # With network namespaces alone UCX takes the hosts for one node and picks shared memory,
-# which does not cross network namespaces: every KV send times out. (A process in a network
+# which completes no transfer across network namespaces: every KV send times out. (A process in a network
 # namespace alone can force TCP with UCX_TLS=tcp,self.)
 #
 # Commands:
