@@ -4,11 +4,13 @@ JSON object per line: `{"op": ..., ...}` in, `{"ok": true, "result": ...}` or
 `{"ok": false, "error": ...}` out, in order. The test itself stays in the machine's own
 namespace, which has no route to the cluster's hosts.
 
-Operations: `status` (the router's instances), `metrics` (a /metrics page), `info` (a
+Operations: `status` (one router's instances, request counts and the routers it knows of;
+`router` is one address), `metrics` (a /metrics page), `info` (a
 worker's Info, as the admin certificate), `kvstats` (the kvstore's Stats), `tls_check` (a
 health call verifying the server's certificate against the address dialled, or against
-`server_name`), `start` (a batch of streams, in the background), `progress` and `wait` (that
-batch's tokens so far / when done).
+`server_name`), `start` (a batch of streams through one SDK client, in the background;
+`router` lists every router, "a:1,b:2", and a stream whose router dies resumes on another),
+`progress` and `wait` (that batch's tokens so far / when done).
 
 Run: python netns_agent.py CERT_DIR
 """
@@ -52,7 +54,10 @@ class Agent:
             "instances": [
                 {"id": i.instance_id, "address": i.address, "role": i.role, "state": i.state}
                 for i in st.instances
-            ]
+            ],
+            "requests_total": st.requests_total,
+            "requests_running": st.requests_running,
+            "routers": [{"address": r.address, "workers": r.workers} for r in st.routers],
         }
 
     async def metrics(self, url: str) -> str:
