@@ -24,7 +24,9 @@ netns_layout.py), whose SDK client is given both routers. Under load it checks:
 4. a router host going down (every process on it killed) mid-stream: the SDK resumes each of
    its streams on the other router (tokens exact, each once, no gap), the survivor keeps
    every worker registered (no re-registration), and the decodes drop the dead router's
-   streams at once (their blocks freed while the resumed streams run).
+   streams at once (their blocks freed while the resumed streams run); new SDK streams
+   (from a client given both addresses) and an HTTP request are served by the survivor at
+   once.
 
 Runs as root where `ip netns` works (CI); elsewhere it skips with the reason. Every wait is
 bounded (hang guards); the lease bound is the registry's contract, with slack for a busy host.
@@ -63,6 +65,10 @@ WORKER_ARGS = "--num-blocks 1024 --max-num-batched-tokens 512"
 DECODE_IDLE_DEADLINE_S = LifecycleSettings.model_fields["decode_idle_deadline_s"].default
 MIN_RUNNING_AT_FAULT = 2  # hit a host once it runs at least this many streams
 MARGIN_TOKENS = 64  # a decode runs at most this far ahead of what its client received
+N_NEW, NEW_TOKENS = 8, 16  # new requests sent once a router host is down
+# hang guard for their first token: a call stuck on the dead router would wait for gRPC's
+# 20 s connect timeout, one moved at once waits for a prefill beside the resumed streams
+NEW_FIRST_GUARD_S = 15.0
 
 
 @pytest.fixture(scope="module")
@@ -347,7 +353,8 @@ def test_a_router_host_goes_down(layout: Layout, reference):
     carried on the other router (tokens exact: each once, in order, no gap); the survivor
     keeps every worker registered, without a new registration; each decode drops the dead
     router's streams as their calls break (its running sequences never exceed the
-    survivor's streams while the resumed ones run), and every pool is idle afterwards."""
+    survivor's streams while the resumed ones run); new requests reach the survivor at once
+    (SDK and HTTP), and every pool is idle afterwards."""
     workers = {i["address"]: i["id"] for i in layout.instances(layout.routers[0])}
     for r in layout.routers[1:]:
         assert {i["address"]: i["id"] for i in layout.instances(r)} == workers, r
@@ -355,6 +362,8 @@ def test_a_router_host_goes_down(layout: Layout, reference):
     decodes = [h for h in worker_hosts if h.startswith("decode")]
     requests = _requests(seed=4, max_tokens=LONG_TOKENS)
     expected = _expected(reference, requests)
+    new = _requests(seed=5, max_tokens=NEW_TOKENS)[:N_NEW]
+    new_expected = _expected(reference, new)
     resumed0 = {r: layout.counter(r, "resumes", 'outcome="resumed"') for r in layout.routers}
     layout.agent.call(
         "start", batch="router", router=layout.router, requests=requests, stream_s=120
@@ -374,6 +383,11 @@ def test_a_router_host_goes_down(layout: Layout, reference):
     registered0 = {i: layout.registrations(i, survivor) for i in workers.values()}
     layout.script("kill", victim)
     killed_at = time.monotonic()
+    # New requests at once, from a new SDK client given both addresses (it does not know
+    # which one died: a call that meets the dead one moves to the other, as its first try).
+    layout.agent.call(
+        "start", batch="new", router=layout.router, requests=new, stream_s=120, retries=3
+    )
 
     # Long before any stream could end, the decodes hold none of the dead router's streams:
     # every sequence they run belongs to a request the survivor runs (read it first). (Left
@@ -388,6 +402,20 @@ def test_a_router_host_goes_down(layout: Layout, reference):
         return on_decodes <= on_survivor
 
     freed_s = _wait(dead_routers_streams_dropped, 30, "the decodes dropped the dead router's")
+    # The survivor's HTTP door serves a new request too (HTTP has no resume: the dead
+    # router's HTTP streams are lost, docs/FAULTS.md; none run here).
+    http = layout.agent.call(
+        "http_completion", url=f"http://{layout.addr(survivor)}:8000",
+        prompt=new[0]["token_ids"], max_tokens=NEW_TOKENS, timeout=60,
+    )  # fmt: skip
+    assert http["status"] == 200, f"HTTP on {survivor}: {http}"
+    assert http["body"]["choices"][0]["token_ids"] == new_expected[0], http["body"]
+    new_results = layout.agent.call("wait", batch="new", wait_s=120, timeout=130)
+    _check_results(new_results, new_expected, "new after the router host went down")
+    first = max(r["first_s"] for r in new_results)
+    assert first < NEW_FIRST_GUARD_S, (
+        f"a new request waited {first:.1f} s for its first token (on the dead router?)"
+    )
     results = layout.agent.call("wait", batch="router", wait_s=120, timeout=130)
     gap = _check_results(results, expected, "router down")
     resumed = layout.counter(survivor, "resumes", 'outcome="resumed"') - resumed0[survivor]
@@ -409,7 +437,8 @@ def test_a_router_host_goes_down(layout: Layout, reference):
     print(
         f"router host down: {victim} killed with {running[victim]} of {N_STREAMS} streams, "
         f"all resumed on {survivor}; the decodes dropped them within {freed_s:.2f} s; "
-        f"the longest silence of a stream {gap:.2f} s"
+        f"the longest silence of a stream {gap:.2f} s; {N_NEW} new SDK streams and an HTTP "
+        f"request served by {survivor}, first tokens within {first:.2f} s"
     )
     for host in worker_hosts:
         _wait(lambda host=host: layout.idle(host), 30, f"{host} idle")
