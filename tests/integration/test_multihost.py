@@ -34,6 +34,7 @@ bounded (hang guards); the lease bound is the registry's contract, with slack fo
 
 from __future__ import annotations
 
+import inspect
 import random
 import secrets
 import sys
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.client.aio import AsyncClient
 from pdserve.router.settings import LifecycleSettings
 
 from .conftest import VOCAB
@@ -63,6 +65,8 @@ ROUTER_ARGS = (
 WORKER_ARGS = "--num-blocks 1024 --max-num-batched-tokens 512"
 # the router's documented longest gap between two messages of a stream (its default)
 DECODE_IDLE_DEADLINE_S = LifecycleSettings.model_fields["decode_idle_deadline_s"].default
+# how long the SDK keeps resuming a stream whose router died (its default)
+RESUME_TIMEOUT_S = inspect.signature(AsyncClient).parameters["resume_timeout_s"].default
 MIN_RUNNING_AT_FAULT = 2  # hit a host once it runs at least this many streams
 MARGIN_TOKENS = 64  # a decode runs at most this far ahead of what its client received
 N_NEW, NEW_TOKENS = 8, 16  # new requests sent once a router host is down
@@ -418,6 +422,7 @@ def test_a_router_host_goes_down(layout: Layout, reference):
     )
     results = layout.agent.call("wait", batch="router", wait_s=120, timeout=130)
     gap = _check_results(results, expected, "router down")
+    assert gap < RESUME_TIMEOUT_S, f"a resumed stream was silent for {gap:.1f} s"
     resumed = layout.counter(survivor, "resumes", 'outcome="resumed"') - resumed0[survivor]
     assert resumed == running[victim], (
         f"{running[victim]} streams on {victim}, {resumed} resumed on {survivor}"
