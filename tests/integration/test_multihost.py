@@ -388,7 +388,7 @@ def test_a_router_host_goes_down(layout: Layout, reference):
     layout.script("kill", victim)
     killed_at = time.monotonic()
     # New requests at once, from a new SDK client given both addresses (it does not know
-    # which one died: a call that meets the dead one moves to the other, as its first try).
+    # which one died: a call that meets the dead one is retried on the other at once).
     layout.agent.call(
         "start", batch="new", router=layout.router, requests=new, stream_s=120, retries=3
     )
