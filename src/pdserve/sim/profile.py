@@ -32,8 +32,15 @@ MIB = 1 << 20
 
 
 # ---------------------------------------------------------------------------- engine steps
-def timed_steps(engine: Any, samples: list[dict[str, Any]], label: str, max_steps: int = 10_000):
-    """Step `engine` until idle, recording (batch, seconds) of every step."""
+def timed_steps(
+    engine: Any,
+    samples: list[dict[str, Any]],
+    label: str,
+    max_steps: int = 10_000,
+    tick: Callable[[], float] = time.perf_counter,
+):
+    """Step `engine` until idle, recording (batch, seconds) of every step (`tick`: the
+    clock; `time.thread_time` measures the engine thread's CPU time instead of wall time)."""
     sched = engine.scheduler
     orig = sched.schedule
     last: list[list[tuple[int, int]]] = []
@@ -48,14 +55,28 @@ def timed_steps(engine: Any, samples: list[dict[str, Any]], label: str, max_step
         for _ in range(max_steps):
             if not engine.has_unfinished_requests():
                 break
-            t0 = time.perf_counter()
+            t0 = tick()
             engine.step()
-            dt = time.perf_counter() - t0
+            dt = tick() - t0
             batch = last[-1] if last else []
             if batch:
                 samples.append({"kind": label, "batch": batch, "s": dt})
     finally:
         sched.schedule = orig
+
+
+def device_tick(tick: Callable[[], float], device: str) -> Callable[[], float]:
+    """`tick` that first waits for `device`'s queued work: a cuda step returns before its
+    kernels end unless something reads their result (a chunk that samples nothing)."""
+    if not device.startswith("cuda"):
+        return tick
+    import torch
+
+    def synced() -> float:
+        torch.cuda.synchronize()
+        return tick()
+
+    return synced
 
 
 def profile_engine(
@@ -65,6 +86,8 @@ def profile_engine(
     quick: bool = True,
     max_num_batched_tokens: int = 512,
     seed: int = 0,
+    tick: Callable[[], float] = time.perf_counter,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     import torch
 
@@ -74,10 +97,12 @@ def profile_engine(
 
     if threads > 0:
         torch.set_num_threads(threads)
+    tick = device_tick(tick, device)
     engine = LLMEngine(
         EngineConfig(
             model_dir=model_dir,
             dtype=dtype,
+            device=device,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=64,
             enable_prefix_caching=False,  # every prompt computes: steps show their full cost
@@ -109,26 +134,26 @@ def profile_engine(
                     continue
                 for _ in range(b):
                     add(n, 1)
-                timed_steps(engine, samples, "prefill")
+                timed_steps(engine, samples, "prefill", tick=tick)
         for n in (1024, 2048) if quick else (1024, 1536, 2048):  # chunked: context grows
             if n > engine.max_model_len - 2:
                 continue
             add(n, 1)
-            timed_steps(engine, samples, "chunked_prefill")
+            timed_steps(engine, samples, "chunked_prefill", tick=tick)
     ctxs = (64, 512) if quick else (64, 256, 512, 1024)
     decode_bs = (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32)
     for ctx in ctxs:  # decode: b sequences of context ~ctx, 8 decode steps each
         for b in decode_bs:
             for _ in range(b):
                 add(ctx, 9)
-            timed_steps(engine, samples, "decode")
+            timed_steps(engine, samples, "decode", tick=tick)
     for b in (4, 16):  # mixed: b decodes, then a prompt joins their steps as a chunk
         for _ in range(b):
             add(128, 24)
         for _ in range(2):
             engine.step()
         add(384, 1)
-        timed_steps(engine, samples, "mixed")
+        timed_steps(engine, samples, "mixed", tick=tick)
     # label each sample by what the step held (the same request list mixes kinds)
     for s in samples:
         kinds = {"decode" if n == 1 else "prefill" for _, n in s["batch"]}
@@ -302,6 +327,7 @@ def profile_serving(
     prompt_lens: tuple[int, ...] = (8, 32, 128, 256),
     prompt_repeats: int = 4,
     max_model_len: int | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """The serving stack's costs on top of the engine, on a real colocated worker behind a
     real router (`Cluster`, mutual TLS):
@@ -318,7 +344,7 @@ def profile_serving(
 
     cluster = Cluster(ClusterConfig(
         model=model_dir, mode="colocated", colocated=1, port=0,
-        worker_args=["--threads", str(threads), "--dtype", dtype],
+        worker_args=["--threads", str(threads), "--dtype", dtype, "--device", device],
     ))  # fmt: skip
     if max_model_len:  # a prompt and its 2 tokens must fit the context
         prompt_lens = tuple(min(n, max_model_len - 2) for n in prompt_lens)
@@ -437,10 +463,11 @@ def run_profile(
     quick: bool = True,
     skip_transport: bool = False,
     log: Callable[[str], None] = print,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     started = time.perf_counter()
     log("profiling engine steps ...")
-    eng = profile_engine(model_dir, dtype, threads, quick)
+    eng = profile_engine(model_dir, dtype, threads, quick, device=device)
     log(
         f"  {len(eng['samples'])} steps; fit rel. RMS error {eng['step'].fit_rel_rmse:.1%} "
         f"(floor fit {eng['step_floor'].fit_rel_rmse:.1%} on its samples)"
@@ -460,8 +487,9 @@ def run_profile(
     if not skip_transport:
         log("profiling the serving stack (router + worker, streamed tokens) ...")
         serving = profile_serving(
-            model_dir, dtype, threads, eng["step"], max_model_len=eng["max_model_len"]
-        )
+            model_dir, dtype, threads, eng["step"], max_model_len=eng["max_model_len"],
+            device=device,
+        )  # fmt: skip
         costs.stream_token_s = serving["stream_token_s"]
         costs.prefill_chunk_s = serving["prefill_chunk_s"]
         costs.prefill_token_s = serving["prefill_token_s"]
@@ -479,10 +507,12 @@ def run_profile(
         "model": str(model_dir),
         "dtype": dtype,
         "threads": threads,
+        "device": device,
         "machine": {
             "node": platform.node(),
             "processor": platform.processor(),
             "python": platform.python_version(),
+            "device_name": device_name(device),
         },
         "costs": costs.to_json(),
         "engine": {k: v for k, v in eng.items() if k not in ("step", "step_floor")},
@@ -497,6 +527,15 @@ def run_profile(
         "achieved": achieved_fractions(eng, limits),
         "profile_s": time.perf_counter() - started,
     }
+
+
+def device_name(device: str) -> str:
+    """The accelerator's name ('NVIDIA H100 80GB HBM3'), or 'cpu'."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    return str(torch.cuda.get_device_name(torch.device(device)))
 
 
 def write_profile(data: dict[str, Any], out: str | Path) -> Path:
