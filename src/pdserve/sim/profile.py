@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.costmodel.costs import CostModel, LinkCost, StepCost
+from pdserve.sim.profile_pd import roles_of
 
 MIB = 1 << 20
 
@@ -77,6 +78,35 @@ def device_tick(tick: Callable[[], float], device: str) -> Callable[[], float]:
         return tick()
 
     return synced
+
+
+def sample_long_contexts(
+    engine: Any,
+    add: Callable[[int, int], None],
+    samples: list[dict[str, Any]],
+    tick: Callable[[], float],
+    quick: bool,
+    budget: int,
+) -> None:
+    """The steps long prompts make (code completion, long documents), which the short shapes
+    only reach by extrapolation: decodes at 2,048 tokens of context (1 and 4 sequences; and
+    3,072 unless quick), and a 2,048-token prompt whose chunks start at 0 .. 1,536 beside
+    decodes of ~1,024 tokens of context (2 and 6 of them). Skipped past the model's context."""
+    ctxs = (2048,) if quick else (2048, 3072)
+    for ctx in (c for c in ctxs if c + 10 <= engine.max_model_len):
+        for b in (1, 4):
+            for _ in range(b):
+                add(ctx, 9)
+            timed_steps(engine, samples, "decode", tick=tick)
+    if 2048 + 2 > engine.max_model_len:
+        return
+    for b in (2, 6):
+        for _ in range(b):
+            add(1024, 48)  # long enough to decode through every chunk of the prompt below
+        for _ in range(-(-b * 1024 // budget) + 1):  # their prompts (not recorded), a decode
+            engine.step()
+        add(2048, 1)
+        timed_steps(engine, samples, "mixed", tick=tick)
 
 
 def profile_engine(
@@ -154,6 +184,7 @@ def profile_engine(
             engine.step()
         add(384, 1)
         timed_steps(engine, samples, "mixed", tick=tick)
+    sample_long_contexts(engine, add, samples, tick, quick, max_num_batched_tokens)
     # label each sample by what the step held (the same request list mixes kinds)
     for s in samples:
         kinds = {"decode" if n == 1 else "prefill" for _, n in s["batch"]}
@@ -496,6 +527,16 @@ def run_profile(
         log(f"  {costs.stream_token_s * 1e3:.3f} ms per streamed sequence per step; a prompt "
             f"{costs.prefill_chunk_s * 1e3:.2f} ms + {costs.prefill_token_s * 1e6:.1f} us per "
             f"token over the engine; request path {serving['path_overhead_s'] * 1e3:.2f} ms")  # fmt: skip
+    pd = None
+    if not skip_transport:
+        from pdserve.sim.profile_pd import profile_pd
+
+        log("profiling a served 1P1D (each role with its neighbour idle and busy) ...")
+        pd = profile_pd(model_dir, dtype, threads, eng["step"], device,
+                        max_model_len=eng["max_model_len"])  # fmt: skip
+        log(f"  a busy neighbour slows the prefill x{pd['prefill_factor']:.3f}, the decode "
+            f"x{pd['decode_factor']:.3f} (raw {pd['raw_factors']['prefill']:.3f}, "
+            f"{pd['raw_factors']['decode']:.3f})")  # fmt: skip
     decision_s = profile_router_decision()
     rtt = kvstore["rpc_rtt_s"] if kvstore else 0.0
     # the measured request path of a served prompt when there is one, else its estimate
@@ -523,6 +564,8 @@ def run_profile(
         else {"samples": kvstore["samples"], "rpc_rtt_s": kvstore["rpc_rtt_s"]},
         "router": {"decision_s": decision_s, "rpc_rtt_s": rtt},
         "serving": serving,
+        "served_1p1d": pd,
+        "roles": roles_of(pd) if pd else None,
         "limits": limits,
         "achieved": achieved_fractions(eng, limits),
         "profile_s": time.perf_counter() - started,
