@@ -12,6 +12,8 @@ TLS), in alternating phases so that a change of the machine's load hits both sid
   with the decode busy (long greedy streams running): factor = busy / idle;
 - decode: B concurrent streams' TPOT with the prefill idle and with the prefill busy
   (prompts sent back to back): factor = busy / idle.
+Each round runs both sides of both roles (idle first in even rounds, busy first in odd ones);
+a role's factor is the median over rounds of that round's busy / idle medians.
 
 The simulator multiplies a role's step by its factor while another instance is stepping
 (`CostModel.neighbour_busy_factor`); factors below 1 (noise) are kept at 1.
@@ -42,7 +44,7 @@ def profile_pd(
     prompt_lens: tuple[int, ...] = (256, 512, 1024),
     streams: int = 4,
     stream_tokens: int = 48,
-    rounds: int = 2,
+    rounds: int = 3,
     budget: int = 512,
     max_model_len: int | None = None,
 ) -> dict[str, Any]:
@@ -109,30 +111,35 @@ def profile_pd(
             stop.set()
             await asyncio.gather(bg, return_exceptions=True)
 
-    async def run() -> dict[str, list[float]]:
-        got: dict[str, list[float]] = {"p_idle": [], "p_busy": [], "d_idle": [], "d_busy": []}
+    async def run() -> list[dict[str, list[float]]]:
+        rounds_out = []
         async with AsyncClient(cluster.addr, timeout=300.0) as client:
             await client.generate(token_ids=ids(32), max_tokens=4, ignore_eos=True)  # warm-up
-            for k in range(rounds):  # ABBA: a drift of the machine's load hits both sides
+            for k in range(rounds):  # idle, busy / busy, idle: a drift hits both sides
+                got: dict[str, list[float]] = {}
                 order = (False, True) if k % 2 == 0 else (True, False)
                 for busy in order:
-                    got["p_busy" if busy else "p_idle"] += await prefill_phase(client, busy)
+                    got["p_busy" if busy else "p_idle"] = await prefill_phase(client, busy)
                 for busy in order:
-                    got["d_busy" if busy else "d_idle"] += await decode_phase(client, busy)
-        return got
+                    got["d_busy" if busy else "d_idle"] = await decode_phase(client, busy)
+                rounds_out.append(got)
+        return rounds_out
 
     try:
         got = asyncio.run(run())
     finally:
         cluster.stop()
-    med = {k: statistics.median(v) for k, v in got.items()}
-    raw = {"prefill": med["p_busy"] / med["p_idle"], "decode": med["d_busy"] / med["d_idle"]}
+    # per round, busy over idle (medians of that round); the factor: the median over rounds
+    med = statistics.median
+    per_round = [{"prefill": med(g["p_busy"]) / med(g["p_idle"]),
+                  "decode": med(g["d_busy"]) / med(g["d_idle"])} for g in got]  # fmt: skip
+    raw = {k: med(r[k] for r in per_round) for k in ("prefill", "decode")}
     return {
         "prefill_factor": max(1.0, raw["prefill"]),
         "decode_factor": max(1.0, raw["decode"]),
         "raw_factors": raw,
-        "medians": med,  # prefill: served / engine-only; decode: TPOT seconds
-        "samples": got,
+        "per_round": per_round,
+        "samples": got,  # per round: prefill served / engine-only, decode TPOT seconds
     }
 
 

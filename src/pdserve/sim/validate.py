@@ -24,6 +24,8 @@ METRICS: tuple[tuple[str, tuple[str, ...], float], ...] = (
     ("TTFT p90 (ms)", ("summary", "ttft_ms", "p90"), 1.0),
     ("TPOT p50 (ms)", ("summary", "tpot_ms", "p50"), 1.0),
     ("TPOT p90 (ms)", ("summary", "tpot_ms", "p90"), 1.0),
+    ("E2E p50 (ms)", ("summary", "e2e_ms", "p50"), 1.0),
+    ("E2E p90 (ms)", ("summary", "e2e_ms", "p90"), 1.0),
     ("goodput vLLM (req/s)", ("goodput", "vllm_req_s"), 1.0),
     ("goodput DistServe (req/s)", ("goodput", "distserve", "interpolated"), 1.0),
     ("prefill s/req", ("summary", "stages", "per_request", "prefill_ms"), 1e-3),
