@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -31,20 +32,26 @@ def hardware_from_name(device_name: str) -> str | None:
     return None
 
 
+def _p2(x: float) -> int:
+    """x rounded to the nearest power of two (shapes are grouped by it)."""
+    return 1 << max(0, round(math.log2(max(1.0, x))))
+
+
 def shape_key(batch: list[list[int]]) -> str:
-    """A readable key for one step's (start, new) entries."""
+    """A readable group for one step's (start, new) entries: prompt tokens and the start of
+    the latest chunk, decodes and their median context, each rounded to a power of two."""
     pre = [(s, n) for s, n in batch if n > 1]
     dec = [(s, n) for s, n in batch if n == 1]
     parts = []
     if pre:
-        news = sorted({n for _, n in pre})
         start = max(s for s, _ in pre)
+        tokens = sum(n for _, n in pre)
         parts.append(
-            f"prefill {len(pre)}x{'/'.join(map(str, news))}" + (f" @{start}" if start else "")
+            f"prefill {len(pre)}x ~{_p2(tokens)} tok" + (f" @~{_p2(start)}" if start else "")
         )
     if dec:
-        ctx = round(statistics.median(s + 1 for s, _ in dec))
-        parts.append(f"decode {len(dec)} @ctx~{ctx}")
+        ctx = statistics.median(s + 1 for s, _ in dec)
+        parts.append(f"decode {_p2(len(dec))} @ctx~{_p2(ctx)}")
     return " + ".join(parts)
 
 
@@ -101,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(out, sys.stdout, indent=1)
         print()
         return 0
-    print(f"{'step shape':<44}{'steps':>6}{'measured ms':>13}{'roofline ms':>13}{'ratio':>8}")
+    print(f"{'step shape':<52}{'steps':>6}{'measured ms':>13}{'roofline ms':>13}{'ratio':>8}")
     for r in out["rows"]:
-        print(f"{r['shape']:<44}{r['steps']:>6}{r['measured_ms']:>13.3f}{r['roofline_ms']:>13.3f}"
+        print(f"{r['shape']:<52}{r['steps']:>6}{r['measured_ms']:>13.3f}{r['roofline_ms']:>13.3f}"
               f"{r['ratio']:>8.2f}")  # fmt: skip
     s = out["summary"]
     print(f"{hw}: median ratio {s['median_ratio']:.2f} (min {s['min_ratio']:.2f}, max "
