@@ -21,6 +21,7 @@ from pdserve.engine.sequence import Sequence as Seq
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.kv.cache_manager import KVCacheManager
 from pdserve.kv.window_group import lone_request_blocks, window_pool_sizes
+from pdserve.model.kernel_settings import KernelSettings
 
 KVSink = Callable[[int, Any], None]  # (layer, kv [n_blocks, 2, bs, kvh, hd])
 
@@ -45,6 +46,8 @@ class EngineConfig:
     # pool whose blocks before the window are freed (kv/window_group.py); False = one pool
     window_pool: bool = True
     window_blocks: int | None = None  # the window pool's size; default: see _num_blocks
+    # the kernel switches (pdserve.model.kernel_settings); None: the PDSERVE_* environment
+    kernels: KernelSettings | None = None
 
 
 class LLMEngine:
@@ -96,6 +99,8 @@ class LLMEngine:
             self.runner = backend.make_runner(  # type: ignore[call-arg]
                 self.spec, self.num_blocks, config, window_blocks=self.num_window_blocks
             )
+        # what the forward pass runs (pdserve.model.kernels.KernelSelection; None: emulated)
+        self.kernels: Any = getattr(self.runner, "kernels", None)
         # stored layer -> True when it lives in the window group
         self._in_window = [
             self.window is not None and self.spec.in_window_group(i)

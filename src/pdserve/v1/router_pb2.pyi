@@ -84,7 +84,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("instance_id", "address", "role", "state", "load", "heartbeat_age_s", "model_fingerprint", "dtype")
+    __slots__ = ("instance_id", "address", "role", "state", "load", "heartbeat_age_s", "model_fingerprint", "dtype", "kernels")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class InstanceStatus(_message.Message):
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     role: _common_pb2.Role
@@ -101,7 +102,8 @@ class InstanceStatus(_message.Message):
     heartbeat_age_s: float
     model_fingerprint: str
     dtype: str
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    kernels: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("instances", "requests_total", "requests_running", "prompt_tokens_total", "cached_tokens_total", "model", "kvstore_address", "vocab_size", "context_length", "block_size", "dtype", "predictor", "predictor_kendall_tau", "predictor_observed", "queue_waiting", "checkpoint_dtype")
@@ -140,7 +142,7 @@ class StatusResponse(_message.Message):
     def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_running: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., model: _Optional[str] = ..., kvstore_address: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., predictor: _Optional[str] = ..., predictor_kendall_tau: _Optional[float] = ..., predictor_observed: _Optional[int] = ..., queue_waiting: _Optional[int] = ..., checkpoint_dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("instance_id", "address", "role", "model_fingerprint", "block_size", "load", "dtype")
+    __slots__ = ("instance_id", "address", "role", "model_fingerprint", "block_size", "load", "dtype", "kernels")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +150,7 @@ class RegisterRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     role: _common_pb2.Role
@@ -155,7 +158,8 @@ class RegisterRequest(_message.Message):
     block_size: int
     load: _common_pb2.WorkerLoad
     dtype: str
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    kernels: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., dtype: _Optional[str] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s", "kvstore_address")
