@@ -145,7 +145,8 @@ def loaded_llama(tiny_llama_dir):
 def make_engine(loaded_llama):
     """Factory for engines sharing one loaded tiny llama (or `loaded=`); checks block accounting
     returns to its initial state at teardown (every block of every pool free, integrity holds)."""
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
 
     engines = []
 

@@ -28,7 +28,8 @@ def serving_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def reference_engine(serving_model_dir):
     """The in-process engine on the same checkpoint (the expected tokens)."""
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
 
     return LLMEngine(
         EngineConfig(

@@ -27,7 +27,8 @@ def make_model(root: Path, seed: int = 0) -> Path:
 
 
 def make_engine(model_dir: Path, num_blocks: int = 256):
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
 
     return LLMEngine(
         EngineConfig(

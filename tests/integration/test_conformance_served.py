@@ -68,7 +68,8 @@ async def _all_at_once(addr: str, reqs: list[dict]) -> list[list[int]]:
 
 
 def _in_process(model_dir, reqs: list[dict]) -> list[list[int]]:
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
     from pdserve.engine.params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_dir, dtype="auto", enable_prefix_caching=False))

@@ -33,7 +33,8 @@ def _cluster(**kw):
 def _reference(requests: list[dict]) -> list[list[int]]:
     """The same emulated model in process (no clock: the fake one of a zero time scale)."""
     from pdserve.emulate.backend import EmulatedBackend, EmulateOptions, read_model_config
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
     from pdserve.engine.params import SamplingParams
 
     class NoWait:

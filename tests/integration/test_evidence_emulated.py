@@ -1,4 +1,4 @@
-"""`pdserve.sim.evidence --emulate` end to end, small: one seed, two arms (FCFS and SJF with
+"""`python -m benchmarks.evidence --emulate` end to end, small: one seed, two arms (FCFS and SJF with
 the online predictor behind a router queue) of 20 real Arena prompts on an emulated 1P1D
 (`pdserve up --emulate h100 --model-config llama3-8b --time-scale 2`, real processes), each
 arm also simulated on the same request list. Both sides complete every request, the emulated
@@ -19,8 +19,8 @@ LENGTHS = Path("/work/shared/data/lengths/arena_train_val.jsonl.gz")
 
 @pytest.mark.skipif(not LENGTHS.exists(), reason="the length data is not on this machine")
 def test_one_seed_two_arms_simulated_and_emulated(tmp_path, monkeypatch):
-    from pdserve.sim import evidence
-    from pdserve.sim.evidence_emu import EmuOptions, emulated_arm, tokenizer_dir
+    from benchmarks.evidence import run as evidence
+    from benchmarks.evidence.emulated import EmuOptions, emulated_arm, tokenizer_dir
 
     monkeypatch.setattr(evidence, "LENGTH_SCALE", [0.05])  # answers of ~10-200 tokens
     q = "--queue-max-running-per-decode=2"

@@ -46,7 +46,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
 
     cfg = EngineConfig(model_dir=str(model_dir), dtype="float32", num_blocks=256, block_size=16)
     return LLMEngine(cfg)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.client import Client
-from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.kv.spec import KVSpec
 from pdserve.launcher import Cluster, ClusterConfig

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.bench.cachesim import simulate
 from pdserve.bench.storereplay import store_replay
-from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
+from pdserve.workload.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("ucxx")

@@ -116,7 +116,8 @@ def long_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def long_reference(long_model_dir):
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig(model_dir=str(long_model_dir), dtype="float32", num_blocks=2048))
 

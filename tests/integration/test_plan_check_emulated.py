@@ -1,4 +1,4 @@
-"""`python -m pdserve.sim.plan_check` end to end, tiny: `plan` on 2 H100s (2 colocated and
+"""`python -m benchmarks.plan_check` end to end, tiny: `plan` on 2 H100s (2 colocated and
 1P1D, the only configurations of M + N <= 2), 24 short requests per rate, each
 configuration's goodput searched in the simulator and then on fresh emulated clusters
 (`pdserve up --emulate h100 --model-config llama3-8b --time-scale 2`, real processes), at
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_plan_check_two_configurations_end_to_end(tmp_path, capsys):
-    from pdserve.sim import plan_check
+    from benchmarks.plan_check import check as plan_check
 
     out = tmp_path / "check.json"
     argv = ["--model-config", "llama3-8b", "--hardware", "h100:2", "--max-unit", "2",

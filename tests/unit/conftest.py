@@ -3,8 +3,8 @@ command (README, "Development": `pytest tests/unit -m "not slow"`) stays under a
 `make test` still runs everything. Marked here, in one list with the measurement, rather than
 in each file. A name that no longer exists fails the run (tests/unit/test_test_layout.py).
 
-Measured with `pytest tests/unit -v` piped through a timestamper (2 shared cores, other jobs
-running, load average 8-20): seconds per test or per file, setup included."""
+Measured with `pytest tests/unit -v` piped through a timestamper (2 shared cores under load,
+load average 8-20): seconds per test or per file, setup included."""
 
 from __future__ import annotations
 

@@ -181,7 +181,8 @@ def test_tied_head_rows_are_invariant(dtype, tmp_path):
 def test_worker_flag_and_engine_config_reach_the_runner(monkeypatch, tmp_path):
     """`--no-batch-invariant` / PDSERVE_BATCH_INVARIANT=0 -> EngineConfig -> attention + linears."""
     from pdserve.config import load_settings
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
     from pdserve.model.tiny import TinySpec, make_tiny
     from pdserve.worker.settings import WorkerSettings
 

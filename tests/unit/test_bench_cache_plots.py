@@ -15,7 +15,7 @@ from pdserve.bench.cachesim import StoreCache, parse_capacity, parse_tiers, simu
 from pdserve.bench.cluster import ClusterError, UpProcess
 from pdserve.bench.plots import plot_attainment, plot_capacity_curve, plot_latency_cdfs
 from pdserve.bench.report import format_ratio_table, ratio_table
-from pdserve.bench.traces import TraceRecord
+from pdserve.workload.traces import TraceRecord
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pdserve.bench.lengths import length_requests
 from pdserve.bench.loadgen import send_one
+from pdserve.workload.lengths import length_requests
 
 
 def write_rows(path, rows):
@@ -64,7 +64,7 @@ class FakeClient:
 
 
 def test_text_prompts_and_oracle_lengths_are_sent():
-    from pdserve.bench.workload import BenchRequest
+    from pdserve.workload.requests import BenchRequest
 
     client = FakeClient()
     req = BenchRequest(0, [], 3, prompt_text="hello", oracle_tokens=3)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pdserve.bench.goodput import (
+from pdserve.workload.goodput import (
     SLO,
     SweepPoint,
     attainment,
@@ -15,7 +15,7 @@ from pdserve.bench.goodput import (
     search_goodput_rate,
     vllm_goodput,
 )
-from pdserve.bench.metrics import RequestRecord, itl_stats_ms, stats_ms, summarize
+from pdserve.workload.metrics import RequestRecord, itl_stats_ms, stats_ms, summarize
 
 
 def rec(i: int, send: float, times: list[float], n_in: int = 10, **kw) -> RequestRecord:

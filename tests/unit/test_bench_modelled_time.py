@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.metrics import RequestRecord, summarize
 from pdserve.bench.modelled_time import stretch_arrivals, time_scale_of, to_modelled
-from pdserve.bench.workload import BenchRequest
+from pdserve.workload.metrics import RequestRecord, summarize
+from pdserve.workload.requests import BenchRequest
 
 
 def test_time_scale_of_up_flags():

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from pdserve.bench.goodput import SLO
-from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.rescore import rescore
 from pdserve.cli.main import main
+from pdserve.workload.goodput import SLO
+from pdserve.workload.metrics import RequestRecord
 
 
 def _record(i: int, ttft_s: float, tpot_s: float, n_out: int = 11) -> dict:

@@ -15,7 +15,7 @@ import pytest
 from pdserve.bench import multiturn, serve
 from pdserve.bench.loadgen import run_load
 from pdserve.bench.sessions import SessionPlan, run_sessions, turn_report
-from pdserve.bench.workload import BenchRequest
+from pdserve.workload.requests import BenchRequest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -3,8 +3,8 @@ left by the previous run and flatter every rate after the first."""
 
 from __future__ import annotations
 
-from pdserve.bench.serve import workload_at
 from pdserve.cli.main import build_parser
+from pdserve.workload.spec import workload_at
 
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.traces import TraceFormatError, read_azure_csv, read_mooncake_jsonl, read_trace
+from pdserve.workload.traces import (
+    TraceFormatError,
+    read_azure_csv,
+    read_mooncake_jsonl,
+    read_trace,
+)
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
@@ -94,7 +99,7 @@ def test_unknown_format(tmp_path):
 def test_trace_offset_replays_a_later_window(tmp_path):
     import argparse
 
-    from pdserve.bench.serve import add_workload_args, trace_window, workload_at
+    from pdserve.workload.spec import add_workload_args, trace_window, workload_at
 
     rows = "".join(f"2023-11-16 18:16:{i:02d}.0,{100 + i},{10 + i}\n" for i in range(10))
     path = write(tmp_path, "w.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)

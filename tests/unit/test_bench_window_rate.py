@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.arrivals import mean_rate, replay_arrivals, replay_window
-from pdserve.bench.serve import offered_rate, workload_at
 from pdserve.cli.main import build_parser
+from pdserve.workload.arrivals import mean_rate, replay_arrivals, replay_window
+from pdserve.workload.spec import offered_rate, workload_at
 
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 

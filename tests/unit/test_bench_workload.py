@@ -5,15 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdserve.bench.arrivals import (
+from pdserve.workload.arrivals import (
     arrivals_for_duration,
     gamma_arrivals,
     mean_rate,
     poisson_arrivals,
     replay_arrivals,
 )
-from pdserve.bench.traces import TraceRecord
-from pdserve.bench.workload import (
+from pdserve.workload.requests import (
     TOKEN_LO,
     LengthDist,
     clip_lengths,
@@ -23,6 +22,7 @@ from pdserve.bench.workload import (
     synthetic_requests,
     trace_requests,
 )
+from pdserve.workload.traces import TraceRecord
 
 
 def test_poisson_seeded_and_mean_rate():

@@ -28,7 +28,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.model.loader import load_model
 from pdserve.model.tiny import TinySpec, make_tiny

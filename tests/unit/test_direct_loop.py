@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.model.direct_loop import DirectLoop
 from pdserve.model.kernel_settings import KernelSettings

@@ -12,7 +12,8 @@ from pdserve.emulate.backend import EmulatedBackend, EmulateOptions, read_model_
 from pdserve.emulate.runner import KVMismatchError
 from pdserve.emulate.tokens import token_for
 from pdserve.emulate.worker import build_engine
-from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

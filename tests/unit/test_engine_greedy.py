@@ -4,7 +4,8 @@ well past several block boundaries, all prompts batched together in one engine."
 import pytest
 import torch
 
-from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.model.loader import load_model
 from tests.conftest import FAMILIES, VOCAB, assert_greedy_matches, hf_greedy

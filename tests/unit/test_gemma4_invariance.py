@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.tiny import TinySpec, make_tiny
 

@@ -92,8 +92,7 @@ def test_layered_fingerprint_names_layer_shapes():
 
 
 def test_sim_uses_footprint_for_layered_models():
-    from pdserve.kv.footprint import layers_of_hf
-    from pdserve.sim.hardware import MODEL_CONFIG_DIR, load_model_config
+    from pdserve.costmodel.shapes import MODEL_CONFIG_DIR, layers_of_hf, load_model_config
 
     for name in ("gemma4-31b", "gemma4-e2b"):
         shape = load_model_config(name)

@@ -24,12 +24,12 @@ from .test_kvstore_store import BS, chain, payload, put
 def flush(store: BlockStore, files: DiskFiles) -> int:
     """Run the write-through queue synchronously (what DiskWorker does in a thread)."""
     n = 0
-    while blocks := store.take_writes(1 << 30):
+    while blocks := store.disk.take_writes(1 << 30):
         for blk in blocks:
             files.write(blk.disk_name, blk.meta(), store.arena.view(blk.slot))
-        store.finish_writes(blocks, [True] * len(blocks))
+        store.disk.finish_writes(blocks, [True] * len(blocks))
         n += len(blocks)
-    for name in store.take_unlinks():
+    for name in store.disk.take_unlinks():
         files.unlink(name)
     return n
 
@@ -39,7 +39,7 @@ def read(store: BlockStore, files: DiskFiles, hashes: list[bytes]) -> tuple[int,
     out = np.zeros(len(blocks) * BS, np.uint8)
     good = store.gather(blocks, out, files)
     if good < len(blocks):
-        store.mark_bad(blocks[good])
+        store.disk.mark_bad(blocks[good])
     store.release(blocks)
     return good, out[: good * BS]
 
@@ -89,7 +89,7 @@ def test_a_corrupt_disk_block_is_a_miss(tmp_path: Path, damage: str) -> None:
     a = chain(1, 4)
     put(store, a), flush(store, files)
     put(store, chain(2, 4)), flush(store, files)  # a is on disk only now
-    victim = store._blocks[("ns", a[1])]
+    victim = store.index.blocks[("ns", a[1])]
     assert victim.slot is None
     path = files.path(victim.disk_name)
     raw = bytearray(path.read_bytes())
@@ -133,8 +133,8 @@ def test_restart_finds_the_disk_tier(tmp_path: Path) -> None:
     lost = next(m for m in metas if m.hash == chains[2][0])
     metas = [m for m in metas if m is not lost]
     again = BlockStore(2 * BS, BS, disk_bytes=16 * BS)
-    assert again.adopt(metas) == 6
-    assert len(again.take_unlinks()) == 2  # the orphans' files
+    assert again.disk.adopt(metas) == 6
+    assert len(again.disk.take_unlinks()) == 2  # the orphans' files
     for c in chains[:2]:
         good, data = read(again, files, c)
         assert good == 3
@@ -142,7 +142,7 @@ def test_restart_finds_the_disk_tier(tmp_path: Path) -> None:
     assert again.contains("ns", chains[2]) == 0
     again.check_integrity()
     smaller = BlockStore(2 * BS, BS, disk_bytes=4 * BS)  # restart with a smaller budget
-    assert smaller.adopt(DiskFiles(tmp_path).scan()[0]) == 4
+    assert smaller.disk.adopt(DiskFiles(tmp_path).scan()[0]) == 4
     smaller.check_integrity()
 
 
@@ -188,7 +188,7 @@ async def test_service_fetches_from_disk_promotes_and_survives_a_restart(tmp_pat
         s = service.stats()
         assert s.promotions == 4 and s.disk_blocks == 16
         assert service.metrics.fetch_tier_seconds.labels("disk")._sum.get() > 0
-        victim = service.store._blocks[("ns", chains[1][2])]
+        victim = service.store.index.blocks[("ns", chains[1][2])]
         path = service.disk.files.path(victim.disk_name)
         path.write_bytes(path.read_bytes()[:-1])
         n, data = await _fetch(service, chains[1])

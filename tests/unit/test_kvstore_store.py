@@ -75,15 +75,15 @@ def test_pins_protect_blocks_and_ancestors() -> None:
     store = BlockStore(capacity_bytes=4 * BS, block_bytes=BS)
     a, x = chain(1, 3), chain(2, 2)
     put(store, a)
-    assert store.pin("ns", a[:2]) == 2
+    assert store.admin.pin("ns", a[:2]) == 2
     assert put(store, x) == 2  # one free slot + a2 (the only unpinned leaf)
     assert store.contains("ns", a) == 2
-    assert store.pin("ns", x) == 2
+    assert store.admin.pin("ns", x) == 2
     res = store.begin_put("ns", chain(3, 1), 0, BS)  # all pinned: no room
     assert res is not None and not res.slots
     s = store.snapshot()
     assert s.put_rejected == 1 and s.pinned_blocks == 4
-    assert store.pin("ns", a, delta=-1) == 2
+    assert store.admin.pin("ns", a, delta=-1) == 2
     assert put(store, chain(3, 1)) == 1  # a1: the unpinned leaf
     assert store.contains("ns", a) == 1 and store.contains("ns", x) == 2
     store.check_integrity()
@@ -101,7 +101,7 @@ def test_capacity_never_exceeded_under_random_load() -> None:
         elif op < 0.8:
             store.lookup("ns", c)
         elif op < 0.9:
-            store.pin("ns", c[:1], delta=rng.choice((1, -1)))
+            store.admin.pin("ns", c[:1], delta=rng.choice((1, -1)))
         else:
             blocks = store.acquire("ns", c)
             store.release(blocks)
@@ -118,7 +118,7 @@ def test_namespaces_are_isolated() -> None:
     assert store.lookup("y", h) == 0
     put(store, h, ns="y")  # same hashes, other namespace: stored separately
     assert store.snapshot().num_blocks == 4
-    assert store.clear("x") == 2
+    assert store.admin.clear("x") == 2
     assert store.lookup("x", h) == 0 and store.lookup("y", h) == 2
 
 

@@ -40,28 +40,28 @@ def put_parts(store: BlockStore, hashes: list[bytes], first: int, nbytes: int = 
 
 def parts_of(store: BlockStore, hashes: list[bytes]) -> list[bool]:
     wns = window_namespace("ns")
-    return [(wns, h) in store._blocks for h in hashes]
+    return [(wns, h) in store.index.blocks for h in hashes]
 
 
 def test_a_hit_needs_the_window_parts_before_it() -> None:
     store = BlockStore(capacity_bytes=64 * BS, extent_bytes=8 * BS)
     a = chain(1, 10)
     assert put(store, a) == 10
-    assert store.lookup_window("ns", a, WB) == (0, 10)  # main parts only: no hit
+    assert store.windows.lookup("ns", a, WB) == (0, 10)  # main parts only: no hit
     assert put_parts(store, a, 10 - WB) == WB
-    assert store.lookup_window("ns", a, WB) == (10, 10)
-    assert store.lookup_window("ns", [*a, *chain(2, 2)], WB) == (10, 10)  # a longer prompt
+    assert store.windows.lookup("ns", a, WB) == (10, 10)
+    assert store.windows.lookup("ns", [*a, *chain(2, 2)], WB) == (10, 10)  # a longer prompt
     # a prompt diverging before the window parts: main hit 9, but parts [6, 9) missing
-    assert store.lookup_window("ns", [*a[:9], *chain(3, 1)], WB) == (0, 9)
+    assert store.windows.lookup("ns", [*a[:9], *chain(3, 1)], WB) == (0, 9)
     assert store.lookup("ns", a) == 10  # the main chain itself is unchanged
     # a short chain: a hit at k < wb needs the parts of [0, k)
     b = chain(4, 2)
     assert put(store, b) == 2 and put_parts(store, b, 0) == 2
-    assert store.lookup_window("ns", b, WB) == (2, 2)
+    assert store.windows.lookup("ns", b, WB) == (2, 2)
     # parts without their main blocks serve nothing
     c = chain(5, 6)
     assert put(store, c[:3]) == 3 and put_parts(store, c, 3) == 3
-    assert store.lookup_window("ns", c, WB) == (0, 3)
+    assert store.windows.lookup("ns", c, WB) == (0, 3)
     s = store.snapshot()
     assert s.used_bytes == (10 + 2 + 3) * BS + (WB + 2 + 3) * PART
     store.check_integrity()
@@ -75,13 +75,13 @@ def test_the_largest_hit_whose_window_is_whole() -> None:
     assert put(store, a[:6]) == 6 and put_parts(store, a[:6], 6 - WB) == WB
     assert put(store, a) == 4 and put_parts(store, a, 10 - WB) == WB
     assert parts_of(store, a) == [False] * 3 + [True] * 3 + [False] + [True] * 3
-    assert store.lookup_window("ns", a, WB) == (10, 10)
-    assert store.lookup_window("ns", [*a[:8], *chain(9, 1)], WB) == (6, 8)  # turn 1's end
+    assert store.windows.lookup("ns", a, WB) == (10, 10)
+    assert store.windows.lookup("ns", [*a[:8], *chain(9, 1)], WB) == (6, 8)  # turn 1's end
     assert put_parts(store, a, 10 - WB) == 0  # all there: nothing wanted
-    store._remove(store._blocks[(window_namespace("ns"), a[8])])
-    assert store.lookup_window("ns", a, WB) == (6, 10)
+    store.index.remove(store.index.blocks[(window_namespace("ns"), a[8])])
+    assert store.windows.lookup("ns", a, WB) == (6, 10)
     assert put_parts(store, a, 7) == 1  # only the missing part is stored again
-    assert store.lookup_window("ns", a, WB) == (10, 10)
+    assert store.windows.lookup("ns", a, WB) == (10, 10)
     store.check_integrity()
 
 
@@ -89,7 +89,7 @@ def test_acquire_window_references_the_hit_and_release_frees_it() -> None:
     store = BlockStore(capacity_bytes=64 * BS, extent_bytes=8 * BS)
     a = chain(1, 5)
     assert put(store, a) == 5 and put_parts(store, a, 5 - WB) == WB
-    main, parts = store.acquire_window("ns", a, WB)
+    main, parts = store.windows.acquire("ns", a, WB)
     assert (len(main), len(parts)) == (5, WB)
     assert all(b.refs == 1 for b in main + parts)
     out = np.empty(5 * BS + WB * PART, np.uint8)
@@ -108,21 +108,21 @@ def test_window_parts_are_leaves_evicted_by_lru_and_with_their_main_block() -> N
     assert put(store, a) == 4 and put_parts(store, a, 1, BS) == 3  # 7 slots
     wns = window_namespace("ns")
     for h in a[1:]:
-        part = store._blocks[(wns, h)]
+        part = store.index.blocks[(wns, h)]
         assert part.parent is None and part.depth == 0 and part.children == 0
     assert put(store, chain(2, 3)) == 3  # fills the store: nothing evicted yet
-    assert store.lookup_window("ns", a, WB) == (4, 4)  # touches a's hit (main, then parts)
+    assert store.windows.lookup("ns", a, WB) == (4, 4)  # touches a's hit (main, then parts)
     assert put(store, chain(3, 2)) == 2  # evicts chain 2 (least recently used leaves)
     assert store.contains("ns", a) == 4 and parts_of(store, a) == [False, True, True, True]
     assert store.contains("ns", chain(2, 3)) == 1
     # evicting a main leaf drops its window part too (it can serve no hit without it)
-    store.pin("ns", a[:3])  # a's leaf a[3] is evictable, its ancestors are not
+    store.admin.pin("ns", a[:3])  # a's leaf a[3] is evictable, its ancestors are not
     assert store.snapshot().num_blocks == 10
     assert put(store, chain(4, 2)) == 2  # evicts chain 2's last block, then a[3]
     assert store.contains("ns", a) == 3 and parts_of(store, a) == [False, True, True, False]
-    assert store.lookup_window("ns", a, WB) == (0, 3)  # parts [0, 3) are not all there
+    assert store.windows.lookup("ns", a, WB) == (0, 3)  # parts [0, 3) are not all there
     assert store.snapshot().num_blocks == 10 - 3 + 2  # a[3]'s part went with it
-    store.pin("ns", a[:3], -1)
+    store.admin.pin("ns", a[:3], -1)
     store.check_integrity()
 
 
@@ -135,8 +135,8 @@ def test_clear_and_purge_take_the_window_parts() -> None:
     sums = [checksum(data[i * BS : (i + 1) * BS]) for i in range(4)]
     assert store.write_put(res, data, sums) and store.commit_put(res.put_id, sums) == 4
     assert put_parts(store, b, 2) == 2  # an anonymous writer's parts of the bad chain
-    assert store.purge_writer("bad") == (6, 0)  # 4 main blocks + the 2 parts with them
-    assert store.clear("ns") == 7
+    assert store.admin.purge_writer("bad") == (6, 0)  # 4 main blocks + the 2 parts with them
+    assert store.admin.clear("ns") == 7
     assert store.snapshot().num_blocks == 0 and store.snapshot().used_bytes == 0
     store.check_integrity()
 
@@ -149,7 +149,7 @@ def test_window_puts_are_validated_and_rejected_without_room() -> None:
     assert res is not None and not res.slots and fixed.stats.put_rejected == 1
     full = BlockStore(capacity_bytes=4 * BS, block_bytes=BS)
     assert put(full, a) == 4
-    full.pin("ns", a)
+    full.admin.pin("ns", a)
     res = full.begin_put("ns", a, 1, BS, window=True)
     assert res is not None and not res.slots  # no room: nothing reserved, nothing leaked
     full.check_integrity()
@@ -165,7 +165,7 @@ def test_window_parts_on_the_disk_tier_read_back_and_survive_a_restart(tmp_path:
     for t in range(2, 5):  # push a out of RAM (demotions: it stays on disk)
         assert put(store, chain(t, 4)) == 4
         flush(store, files)
-    main, parts = store.acquire_window("ns", a, WB)
+    main, parts = store.windows.acquire("ns", a, WB)
     assert (len(main), len(parts)) == (6, WB)
     assert any(b.slot is None for b in main + parts)  # read from disk
     out = np.empty((6 + WB) * BS, np.uint8)
@@ -177,9 +177,9 @@ def test_window_parts_on_the_disk_tier_read_back_and_survive_a_restart(tmp_path:
     again = BlockStore(capacity_bytes=16 * BS, block_bytes=BS, disk_bytes=64 * BS)
     metas, bad = DiskFiles(tmp_path).scan()
     assert not bad
-    again.adopt(metas)
+    again.disk.adopt(metas)
     again.check_integrity()
-    assert again.lookup_window("ns", a, WB) == (6, 6)
+    assert again.windows.lookup("ns", a, WB) == (6, 6)
 
 
 def _service(**kw) -> KVStoreService:
@@ -209,7 +209,7 @@ async def test_service_fetch_sends_main_then_window_parts() -> None:
     t.post_recv(out, tag)
     r = await service.fetch("ns", a[:4], b"peer", tag, WB)
     assert r.num_blocks == 0 and r.checksums == []
-    assert all(b.refs == 0 for b in store._blocks.values())  # nothing left referenced
+    assert all(b.refs == 0 for b in store.index.blocks.values())  # nothing left referenced
     store.check_integrity()
 
 
@@ -229,9 +229,9 @@ async def test_service_window_fetch_of_a_corrupt_file_is_a_miss(tmp_path: Path) 
                 pass
             assert put(store, chain(t, 4)) == 4
         part = next(
-            store._blocks[(window_namespace("ns"), h)]
+            store.index.blocks[(window_namespace("ns"), h)]
             for h in a[1:]
-            if store._blocks[(window_namespace("ns"), h)].slot is None
+            if store.index.blocks[(window_namespace("ns"), h)].slot is None
         )
         path = service.disk.files.path(part.disk_name)
         path.write_bytes(path.read_bytes()[:-1])
@@ -241,8 +241,8 @@ async def test_service_window_fetch_of_a_corrupt_file_is_a_miss(tmp_path: Path) 
         r = await service.fetch("ns", a, b"peer", tag, WB)
         assert r.num_blocks == 0 and r.num_window_blocks == 0
         assert service.stats().disk_corrupt == 1
-        assert all(b.refs == 0 for b in store._blocks.values() if not b.writing)
-        assert store.lookup_window("ns", a, WB)[0] < 4  # the lost part shortens the hit
+        assert all(b.refs == 0 for b in store.index.blocks.values() if not b.writing)
+        assert store.windows.lookup("ns", a, WB)[0] < 4  # the lost part shortens the hit
         store.check_integrity()
     finally:
         await service.close()

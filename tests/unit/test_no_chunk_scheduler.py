@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.bench.workload import BenchRequest
+from pdserve.costmodel.costs import CostModel, StepCost
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.kv.cache_manager import KVCacheManager
 from pdserve.sim.cluster import SimCluster
-from pdserve.sim.costs import CostModel, StepCost
 from pdserve.sim.run import spec_from_up_flags
+from pdserve.workload.requests import BenchRequest
 
 BS = 4
 

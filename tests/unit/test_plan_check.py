@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from pdserve.sim.plan import Budget, candidates
-from pdserve.sim.plan_check_configs import config_name, configurations, pick_of, up_flags
-from pdserve.sim.plan_check_search import format_table, ranks, search_rate, verdict
+from benchmarks.plan_check.configs import config_name, configurations, pick_of, up_flags
+from benchmarks.plan_check.search import format_table, ranks, search_rate, verdict
+from pdserve.sim.candidates import Budget, candidates
 from pdserve.sim.run import spec_from_up_flags
 
 
@@ -140,8 +140,8 @@ def test_a_decode_cap_other_than_the_prefill_pools_is_refused():
 
 
 def test_emulated_cluster_flags_name_the_planned_hardware_and_model(tmp_path):
-    from pdserve.sim.evidence_emu import EMULATE, EmuOptions
-    from pdserve.sim.evidence_emu import up_flags as emu_flags
+    from benchmarks.evidence.emulated import EMULATE, EmuOptions
+    from benchmarks.evidence.emulated import up_flags as emu_flags
 
     up = ["--mode", "colocated", "--colocated", "4"]
     default = emu_flags(up, EmuOptions(time_scale=10), tmp_path)

@@ -10,11 +10,12 @@ import math
 
 import pytest
 
-from pdserve.bench.goodput import SLO, search_goodput_rate
-from pdserve.bench.serve import add_workload_args, workload_at
 from pdserve.sim import parallel, plan_search, run
-from pdserve.sim.plan import NOCHUNK, Budget, candidates, latency_at, plan, unit_goodput
+from pdserve.sim.candidates import NOCHUNK, Budget, candidates, latency_at
+from pdserve.sim.plan import plan, unit_goodput
 from pdserve.sim.plan_search import BISECT_STEPS, MAX_STEPS, sweep_need
+from pdserve.workload.goodput import SLO, search_goodput_rate
+from pdserve.workload.spec import add_workload_args, workload_at
 
 
 def _args(**kw) -> argparse.Namespace:

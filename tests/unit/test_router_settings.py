@@ -1,4 +1,4 @@
-"""RouterSettings in groups: every flag and PDSERVE_<FIELD> name users, BENCHMARKS.md and the
+"""RouterSettings in groups: every flag and PDSERVE_<FIELD> name users, docs/studies and the
 k8s files rely on still works and lands in its group; cross-field checks; one default."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pdserve.router.scheduling.admission import AdmissionConfig
 from pdserve.router.scheduling.overload_queue import OverloadQueue
 from pdserve.router.settings import RouterSettings
 
-# Names used by docs/BENCHMARKS.md, compose.yaml and deploy/k8s (a sample of each group).
+# Names used by docs/studies, compose.yaml and deploy/k8s (a sample of each group).
 OLD_FLAGS = {
     "--max-request-bytes": ("limits", "max_request_bytes", "4096", 4096),
     "--key-max-concurrent": ("keys", "key_max_concurrent", "3", 3),

@@ -287,8 +287,8 @@ def test_purge_writer_drops_its_blocks_and_everything_chained_after():
     assert put(shared[:2], "evil") == 2
     assert put(shared, "honest") == 2  # blocks 2-3 chained after evil's
     assert put(other, "honest") == 2
-    assert store.blocks_by_writer() == {"evil": 2, "honest": 4}
-    removed, in_use = store.purge_writer("evil")
+    assert store.admin.blocks_by_writer() == {"evil": 2, "honest": 4}
+    removed, in_use = store.admin.purge_writer("evil")
     assert (removed, in_use) == (4, 0)
     assert store.lookup("ns", shared) == 0 and store.lookup("ns", other) == 2
     store.check_integrity()

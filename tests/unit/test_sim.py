@@ -8,12 +8,12 @@ from collections.abc import Sequence
 
 import pytest
 
-from pdserve.bench.workload import BenchRequest, LengthDist, synthetic_requests
+from pdserve.costmodel.costs import CostModel, LinkCost, StepCost
 from pdserve.router.cluster.registry import Instance
 from pdserve.router.scheduling.policies import PlacementPolicy, RoundRobin, RouteRequest
 from pdserve.sim.cluster import ClusterSpec, PoolSpec, SimCluster
-from pdserve.sim.costs import CostModel, LinkCost, StepCost
 from pdserve.sim.instance import InstanceConfig
+from pdserve.workload.requests import BenchRequest, LengthDist, synthetic_requests
 
 # step = 10 ms + 1 ms per new token; nothing else costs anything
 COSTS = CostModel(step=StepCost(base_s=0.010, per_token_s=0.001), kv_bytes_per_token=100)
@@ -95,7 +95,7 @@ def test_queueing_behind_a_busy_instance():
 
 
 def _workload(seed: int) -> list[BenchRequest]:
-    from pdserve.bench.arrivals import gamma_arrivals
+    from pdserve.workload.arrivals import gamma_arrivals
 
     reqs = synthetic_requests(
         40, LengthDist.parse("lognormal:200,0.6"), LengthDist.parse("uniform:4,40"), 1000, seed
@@ -190,7 +190,7 @@ def test_step_cost_fit_recovers_coefficients():
 
 
 def test_early_stop_only_when_the_target_is_out_of_reach():
-    from pdserve.bench.goodput import SLO, attainment
+    from pdserve.workload.goodput import SLO, attainment
 
     # 40 requests 5 ms apart on one instance: each waits behind the earlier prefills
     reqs = [_req(i, 64, 8, at=0.005 * i) for i in range(40)]
@@ -236,11 +236,11 @@ def test_flip_policy_moves_a_decode_instance_to_a_starved_prefill_pool():
 
 
 def test_simulated_run_writes_bench_serve_json_that_rescore_reads(tmp_path):
-    from pdserve.bench.goodput import SLO
     from pdserve.bench.rescore import rescore
     from pdserve.bench.serve import save_result
     from pdserve.cli.main import build_parser
     from pdserve.sim.run import simulate_benchmark, spec_from_up_flags
+    from pdserve.workload.goodput import SLO
 
     args = build_parser().parse_args(
         [

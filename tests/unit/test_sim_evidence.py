@@ -6,9 +6,10 @@ import math
 
 import pytest
 
+from benchmarks.evidence.run import NoisyOracle
+from benchmarks.evidence.stats import ci
 from pdserve.router.scheduling.predictor import LengthQuery
 from pdserve.router.scheduling.predictor.stats import kendall_tau
-from pdserve.sim.evidence import NoisyOracle, ci
 
 
 def test_ci_is_student_t_over_seeds():
@@ -29,7 +30,7 @@ def test_noisy_oracle_quality_falls_with_noise():
 
 
 def test_trace_seeds_replay_disjoint_windows(monkeypatch):
-    from pdserve.sim import evidence
+    from benchmarks.evidence import run as evidence
 
     seen = []
     monkeypatch.setattr(evidence, "workload_at", lambda a, rate, salt: seen.append(a) or [])
@@ -43,7 +44,7 @@ def test_trace_seeds_replay_disjoint_windows(monkeypatch):
 
 
 def test_emulated_flips_are_counted_from_the_router_log(tmp_path):
-    from pdserve.sim.evidence_emu import router_flips
+    from benchmarks.evidence.emulated import router_flips
 
     assert router_flips(tmp_path) == 0
     (tmp_path / "router.log").write_text(

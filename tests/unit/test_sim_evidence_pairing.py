@@ -10,10 +10,10 @@ import math
 
 import pytest
 
-from pdserve.bench.workload import BenchRequest
-from pdserve.sim import evidence
-from pdserve.sim.evidence_emu import requests_digest
-from pdserve.sim.evidence_stats import PairingError, arm_stats, setup_rows, table
+from benchmarks.evidence import run as evidence
+from benchmarks.evidence.emulated import requests_digest
+from benchmarks.evidence.stats import PairingError, arm_stats, setup_rows, table
+from pdserve.workload.requests import BenchRequest
 
 SETUP = ("sjf", "lengths", "1P1D", ["--mode", "disagg"], 10.0, 4, "ttft:2000 tpot:60",
          {"fcfs": ["--queue-order=fcfs"], "sjf": ["--queue-order=sjf"],

@@ -6,14 +6,11 @@ import json
 
 import pytest
 
-from pdserve.sim.hardware import (
-    ACCELERATORS,
-    RooflineStep,
-    load_model_config,
-    pool_costs,
-    roofline_costs,
-)
-from pdserve.sim.plan import Budget, candidates, cost_per_m_tokens
+from pdserve.costmodel.hardware import ACCELERATORS
+from pdserve.costmodel.roofline import RooflineStep, pool_costs, roofline_costs
+from pdserve.costmodel.shapes import load_model_config
+from pdserve.sim.candidates import Budget, candidates
+from pdserve.sim.plan import cost_per_m_tokens
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from pdserve.bench.workload import BenchRequest
+from pdserve.costmodel.costs import CostModel, StepCost
 from pdserve.sim.cluster import ClusterSpec, PoolSpec, SimCluster
-from pdserve.sim.costs import CostModel, StepCost
 from pdserve.sim.instance import InstanceConfig
 from pdserve.sim.validate import error_rows, median_rows
+from pdserve.workload.requests import BenchRequest
 
 OVERHEAD = 0.004
 COSTS = CostModel(step=StepCost(base_s=0.010, per_token_s=0.001), router_overhead_s=OVERHEAD)

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.bench.workload import BenchRequest
+from pdserve.costmodel.costs import CostModel, StepCost
 from pdserve.engine.params import SamplingParams
 from pdserve.kv.hashing import block_hashes
 from pdserve.load import LoadReport
@@ -28,10 +28,10 @@ from pdserve.router.cluster.registry import ROLE_DECODE, ROLE_PREFILL
 from pdserve.router.frontdoor.auth import ANONYMOUS
 from pdserve.router.job import Job
 from pdserve.sim.cluster import SimCluster
-from pdserve.sim.costs import CostModel, StepCost
 from pdserve.sim.router_side import router_settings
 from pdserve.sim.run import spec_from_up_flags
 from pdserve.v1 import common_pb2, worker_pb2
+from pdserve.workload.requests import BenchRequest
 from tests.unit.test_router_placement import StreamCall, UnaryCall
 
 PREFILL_S = 1 / 64  # every prefill takes this long (binary fractions: exact sums)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pdserve.bench.workload import BenchRequest
+from pdserve.costmodel.costs import CostModel, StepCost
 from pdserve.router.app import RouterApp
 from pdserve.router.scheduling.admission import Admission
 from pdserve.router.scheduling.policies import PredictedFootprint, SessionAffinity
 from pdserve.router.scheduling.predictor import OraclePredictor
 from pdserve.router.scheduling.predictor.online import OnlineLengthPredictor
 from pdserve.sim.cluster import SimCluster
-from pdserve.sim.costs import CostModel, StepCost
 from pdserve.sim.router_side import (
     build_admission,
     build_length,
@@ -17,6 +16,7 @@ from pdserve.sim.router_side import (
     router_settings,
 )
 from pdserve.sim.run import spec_from_up_flags, text_prompt_ids
+from pdserve.workload.requests import BenchRequest
 
 COSTS = CostModel(step=StepCost(base_s=0.01, per_token_s=0.0001), kv_bytes_per_token=100)
 FLAGS = [

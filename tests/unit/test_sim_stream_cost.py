@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from pdserve.sim.costs import CostModel, StepCost, plan_features
+from pdserve.costmodel.costs import CostModel, StepCost, plan_features
 from pdserve.sim.instance import InstanceConfig, SimInstance
 
 

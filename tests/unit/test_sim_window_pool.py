@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.workload import BenchRequest
+from pdserve.costmodel.costs import CostModel, StepCost
+from pdserve.costmodel.roofline import roofline_costs
+from pdserve.costmodel.shapes import ModelShape, load_model_config
 from pdserve.sim.cluster import ClusterSpec, PoolSpec, SimCluster
-from pdserve.sim.costs import CostModel, StepCost
-from pdserve.sim.hardware import ModelShape, load_model_config, roofline_costs
 from pdserve.sim.instance import InstanceConfig
 from pdserve.sim.run import instance_kv_config, spec_from_up_flags
+from pdserve.workload.requests import BenchRequest
 
 BS = 4
 
@@ -176,7 +177,7 @@ def test_kvstore_keeps_window_parts_of_the_chain_end_only(shape):
     ceil(24 / 4) + 1 = 7 blocks (as kv.footprint's store stage), and serves the hit from them."""
     from dataclasses import replace
 
-    from pdserve.sim.costs import LinkCost
+    from pdserve.costmodel.costs import LinkCost
 
     pool = _pool(shape, "colocated", 400_000, True)
     costs = replace(pool.costs, kvstore_fetch=LinkCost(0.002, 1e9))

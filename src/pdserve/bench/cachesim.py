@@ -21,8 +21,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
 from pdserve.kvstore.store import HASH_BYTES, BlockStore
+from pdserve.workload.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
 
 _UNITS = {
     "": 1,
@@ -109,9 +109,9 @@ class StoreCache:
         if res is None or not res.slots:
             return 0
         stored = self.store.commit_put(res.put_id, [b""] * len(res.slots))
-        while blocks := self.store.take_writes(1 << 62):  # write-through, at once
-            self.store.finish_writes(blocks, [True] * len(blocks))
-        self.store.take_unlinks()
+        while blocks := self.store.disk.take_writes(1 << 62):  # write-through, at once
+            self.store.disk.finish_writes(blocks, [True] * len(blocks))
+        self.store.disk.take_unlinks()
         return stored
 
     def check_integrity(self) -> None:

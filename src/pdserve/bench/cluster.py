@@ -37,7 +37,7 @@ class UpProcess:
         """`launcher` replaces `python -m pdserve.cli.main up` (tests use a fake).
 
         An arm starts without a kvstore unless its flags say `--kvstore` (they come later and
-        win): the arms in docs/BENCHMARKS.md were measured so, before `up` turned it on."""
+        win): the arms in docs/RESULTS.md were measured so."""
         base = launcher or [sys.executable, "-m", "pdserve.cli.main", "up", "--no-kvstore"]
         self.cmd = [*base, *up_args, "--port", str(port)]
         self.port = port

@@ -22,7 +22,8 @@ from pdserve.bench.report import (
     ratio_table,
     write_json,
 )
-from pdserve.bench.serve import add_workload_args, run_benchmark
+from pdserve.bench.serve import run_benchmark
+from pdserve.workload.spec import add_workload_args
 
 DEFAULT_ARMS = {
     "colocated": "--mode colocated --colocated 2 --pin-cpus",

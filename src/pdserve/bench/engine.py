@@ -155,7 +155,7 @@ def bench_hf(
 
 def parse_dtypes(text: str) -> list[str]:
     """ "auto,float32" -> resolved names, in order, without repeats."""
-    from pdserve.model.dtypes import DTYPE_NAMES
+    from pdserve.dtypes import DTYPE_NAMES
     from pdserve.model.loader import auto_dtype
 
     out: list[str] = []
@@ -297,7 +297,8 @@ def _label(row: dict[str, Any]) -> str:
 def _engine(
     model_dir: Path, dtype: str, max_b: int, plen: int, glen: int, invariant: bool = True
 ) -> Any:
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
 
     return LLMEngine(
         EngineConfig(

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pdserve.dtypes import torch_dtype
 from pdserve.kv.footprint import kv_bytes_per_token, layers_of
 from pdserve.model.config import ModelConfig
-from pdserve.model.dtypes import torch_dtype
 
 BANDWIDTH_BYTES = 256 << 20  # >= 4x the L3 of common server CPUs (32-64 MiB per CCD/socket)
 GEMM_SHAPES = ((1024, 1024, 2048), (512, 2048, 2048))  # (M, K, N), weights stay in cache

@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from pdserve.bench.metrics import STAGE_FIELDS, RequestRecord
-from pdserve.bench.workload import BenchRequest
+from pdserve.workload.metrics import STAGE_FIELDS, RequestRecord
+from pdserve.workload.requests import BenchRequest
 
 
 class StreamingClient(Protocol):

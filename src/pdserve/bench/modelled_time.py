@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from pdserve.bench.metrics import RequestRecord
+from pdserve.workload.metrics import RequestRecord
 
 
 def stretch_arrivals(reqs: list[Any], scale: float) -> list[Any]:

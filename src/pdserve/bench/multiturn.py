@@ -21,18 +21,18 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import arrivals
 from pdserve.bench.cachesim import parse_tiers, simulate
 from pdserve.bench.cluster import UpProcess
 from pdserve.bench.loadgen import open_client, run_load
-from pdserve.bench.metrics import summarize
 from pdserve.bench.plots import plot_capacity_curve, plot_latency_cdfs
 from pdserve.bench.report import latency_arrays, write_json
 from pdserve.bench.sessions import SessionPlan, run_sessions, turn_report
-from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, read_mooncake_jsonl
-from pdserve.bench.workload import trace_requests
+from pdserve.dtypes import ITEMSIZE
 from pdserve.kv.spec import QUANT_KV_DTYPES, KVSpec
-from pdserve.model.dtypes import ITEMSIZE
+from pdserve.workload import arrivals
+from pdserve.workload.metrics import summarize
+from pdserve.workload.requests import trace_requests
+from pdserve.workload.traces import MOONCAKE_BLOCK_TOKENS, read_mooncake_jsonl
 
 DEFAULT_KV_BYTES_PER_TOKEN = 8192  # bench50m: K,V x 8 layers x 2 kv heads x 64 dims x fp32
 

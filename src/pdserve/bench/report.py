@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.metrics import RequestRecord
+from pdserve.workload.metrics import RequestRecord
 
 
 def write_json(path: str | Path, data: Any) -> Path:

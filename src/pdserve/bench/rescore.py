@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.goodput import SLO, SweepPoint, attainment, distserve_goodput
-from pdserve.bench.metrics import RequestRecord
+from pdserve.workload.goodput import SLO, SweepPoint, attainment, distserve_goodput
+from pdserve.workload.metrics import RequestRecord
 
 
 def add_parser(subparsers: Any) -> None:

@@ -46,12 +46,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--duration", type=float, default=10.0, help="wall seconds per level")
     p.add_argument("--stream-tokens", type=int, default=4000)
     p.add_argument("--profile-router", action="store_true", help="cProfile the router")
-    p.add_argument(
-        "--compare-relay",
-        action="store_true",
-        help="also run each worker count with the old relay (PDSERVE_RELAY_WAIT_FOR=1: an "
-        "asyncio.wait_for per relayed message) and print new / old",
-    )
     p.add_argument("--skip-short", action="store_true", help="streamed tokens only")
     p.add_argument(
         "--router-cpu-quota",
@@ -259,16 +253,6 @@ def main(args: argparse.Namespace) -> int:
     for n in [int(x) for x in args.workers.split(",") if x.strip()]:
         print(f"== {n} emulated workers, one router", flush=True)
         rows.append(measure(n, args, None))
-        if args.compare_relay:
-            print(f"== {n} emulated workers, old relay (PDSERVE_RELAY_WAIT_FOR=1)", flush=True)
-            old = measure(n, args, None, {"PDSERVE_RELAY_WAIT_FOR": "1"})
-            old["relay"] = "wait_for"
-            rows.append(old)
-            new = rows[-2]
-            for kind, key in (("short", "requests_per_s"), ("streams", "tokens_per_s")):
-                for c in new[kind]:
-                    a, b = new[kind][c][key], old[kind][c][key]
-                    print(f"   {kind} C={c}: {key} new/old = {a / b if b else float('nan'):.2f}")
     profile = None
     if args.profile_router:
         n = int(args.workers.split(",")[0])

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from pdserve.bench.loadgen import StreamingClient, send_one
-from pdserve.bench.metrics import RequestRecord, stats_ms
-from pdserve.bench.workload import BenchRequest, random_tokens
+from pdserve.workload.metrics import RequestRecord, stats_ms
+from pdserve.workload.requests import BenchRequest, random_tokens
 
 
 @dataclass(frozen=True)

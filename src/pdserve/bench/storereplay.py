@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from pdserve.bench.cachesim import block_key, full_blocks, parse_tiers
-from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
 from pdserve.kv.store_client import KVStoreClient
 from pdserve.kv.transfer import UcxTransport
 from pdserve.rpc.ready import parse_ready_line
+from pdserve.workload.traces import MOONCAKE_BLOCK_TOKENS, TraceRecord
 
 NS = "store-replay"
 

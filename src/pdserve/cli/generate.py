@@ -44,7 +44,7 @@ def add_parser(subparsers: Any) -> None:
         "--no-batch-invariant",
         dest="batch_invariant",
         action="store_false",
-        help="with --model: the faster batch-variant attention (see docs/BENCHMARKS.md)",
+        help="with --model: the batch-variant path (see docs/studies/batch-invariance.md)",
     )
     p.set_defaults(func=run)
 
@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> dict[str, Any]:
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
     from pdserve.engine.params import SamplingParams, validate_params
 
     params = SamplingParams(

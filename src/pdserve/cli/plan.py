@@ -12,7 +12,7 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> None:
-    from pdserve.bench.serve import add_workload_args
+    from pdserve.workload.spec import add_workload_args
 
     p = subparsers.add_parser("plan", help="how many prefill/decode instances, by simulation")
     p.add_argument("--slo", dest="goodput", nargs="*", default=[], metavar="KEY:MS",
@@ -57,8 +57,9 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
 def main(args: argparse.Namespace) -> int:
     from pdserve.bench.plots import plot_attainment
     from pdserve.bench.report import write_json
-    from pdserve.sim.hardware import load_model_config
-    from pdserve.sim.plan import Budget, plan
+    from pdserve.costmodel.shapes import load_model_config
+    from pdserve.sim.candidates import Budget
+    from pdserve.sim.plan import plan
 
     try:
         budget = Budget.parse(args.hardware, args.prices)

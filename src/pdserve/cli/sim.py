@@ -34,7 +34,7 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: Any) -> None:
-    from pdserve.bench.serve import add_workload_args
+    from pdserve.workload.spec import add_workload_args
 
     p = subparsers.add_parser("sim", help="cluster simulator calibrated on profiles")
     sub = p.add_subparsers(dest="sim_command", required=True)
@@ -91,7 +91,7 @@ def max_model_len(args: argparse.Namespace, default: int = 4096) -> int:
 
 def costs_from_args(args: argparse.Namespace) -> Any:
     """A CostModel (or one per role) from --profile, or from --model-config + --hardware."""
-    from pdserve.sim.costs import CostModel, StepCost
+    from pdserve.costmodel.costs import CostModel, StepCost
 
     if args.profile:
         from pdserve.sim.run import load_profile
@@ -103,7 +103,7 @@ def costs_from_args(args: argparse.Namespace) -> Any:
             costs.step = StepCost(**{k: v for k, v in prof["step_floor"].items() if k in fields})
         return costs
     if args.model_config and args.hardware:
-        from pdserve.sim.hardware import pool_costs
+        from pdserve.costmodel.roofline import pool_costs
 
         return pool_costs(
             args.model_config, args.hardware, args.network, args.dtype, None, args.kv_dtype
@@ -113,7 +113,7 @@ def costs_from_args(args: argparse.Namespace) -> Any:
 
 def calibrated_costs(profile: str, factor: float) -> Any:
     """The profile's costs with its floor (uncontended) step model x `factor`."""
-    from pdserve.sim.costs import CostModel, StepCost
+    from pdserve.costmodel.costs import CostModel, StepCost
     from pdserve.sim.run import load_profile
 
     prof = load_profile(profile)
@@ -129,7 +129,7 @@ def _defaults_from_costs(args: argparse.Namespace, costs: Any) -> None:
     if args.model or args.vocab_size:
         return
     if args.model_config:
-        from pdserve.sim.hardware import load_model_config
+        from pdserve.costmodel.shapes import load_model_config
 
         m = load_model_config(args.model_config)
         args.vocab_size = m.vocab_size

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.costmodel.costs import CostModel, LinkCost
+from pdserve.costmodel.roofline import roofline_costs
+from pdserve.costmodel.shapes import BUILTIN_CONFIGS, ModelShape, itemsize_of
 from pdserve.emulate.runner import Clock, EmulatedRunner
 from pdserve.kv.spec import KVSpec
 from pdserve.model.config import ModelConfig
-from pdserve.sim.costs import CostModel, LinkCost
-from pdserve.sim.hardware import BUILTIN_CONFIGS, ModelShape, itemsize_of, roofline_costs
 
 if TYPE_CHECKING:
-    from pdserve.engine.engine import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class EmulateOptions:
     model_config: str | None = None  # built-in name (llama3-8b, ...) or config.json / dir
     profile: str | None = None  # `pdserve profile` JSON: its step and link costs instead
     time_scale: float = 1.0  # wall seconds per modelled second
-    network: str = "nvlink"  # the KV push link (sim.hardware.NETWORKS)
+    network: str = "nvlink"  # the KV push link (costmodel.hardware.NETWORKS)
     dtype: str = "bfloat16"  # the modelled serving dtype
     wire_layers: int = 1  # KV messages per push (one per wire layer)
     wire_head_dim: int = 1  # wire bytes per block per layer = 2 * block_size * head_dim * 2

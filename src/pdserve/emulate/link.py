@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from pdserve.sim.costs import LinkCost
+from pdserve.costmodel.costs import LinkCost
 
 T = TypeVar("T")
 

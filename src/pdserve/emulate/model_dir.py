@@ -61,7 +61,7 @@ _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
 
 def wire_ratio(model_dir: str | Path, block_size: int = 16, wire_layers: int = 1) -> float:
     """Wire bytes per modelled KV byte (for sizing a kvstore in modelled bytes)."""
-    from pdserve.sim.hardware import ModelShape, itemsize_of
+    from pdserve.costmodel.shapes import ModelShape, itemsize_of
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     modelled = ModelShape.from_config(raw).kv_bytes_per_token(itemsize_of("bfloat16"))

@@ -32,7 +32,7 @@ _MOD = 2039  # prime < 2048: every value is exact in float16
 KV_DTYPE = np.float16
 
 
-class StepModel(Protocol):  # sim.costs.CostModel
+class StepModel(Protocol):  # costmodel.costs.CostModel
     def step_time_s(self, batch: Sequence[tuple[int, int]], num_streamed: int) -> float: ...
 
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from pdserve.emulate.backend import EmulatedBackend, EmulateOptions
 from pdserve.emulate.link import EmulatedLink
-from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from pdserve.engine.engine import EngineConfig
+    from pdserve.engine.config import EngineConfig
     from pdserve.engine.scheduler import SchedulerPlan
     from pdserve.kv.spec import KVSpec
     from pdserve.model.config import ModelConfig

@@ -6,14 +6,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.dtypes import torch_dtype
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.kv.spec import KVSpec, LayerKV
-from pdserve.model.dtypes import torch_dtype
 from pdserve.model.loader import allocate_kv_caches
 
 if TYPE_CHECKING:
-    from pdserve.engine.engine import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
 
 class TorchBackend:

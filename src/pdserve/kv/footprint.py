@@ -1,6 +1,6 @@
 """KV bytes of a request by layer type and stage: the one place that computes them. Torch-free.
 
-Used by the engine's KVSpec (transfer sizes), the simulator (`sim.hardware.ModelShape`) and the
+Used by the engine's KVSpec (transfer sizes), the cost model (`costmodel.shapes.ModelShape`) and the
 bench cost models. Stages (what each holds for a request of n tokens, block granularity):
 - naive:     every model layer, K and V, every block (the all-layers layout);
 - one_pool:  a paged cache with one block pool for every layer (`EngineConfig(window_pool=
@@ -48,13 +48,6 @@ def layers_of(config: Any) -> list[KVLayer]:
         s = config.layer_kv(i)
         out.append(KVLayer(s.num_kv_heads, s.head_dim, s.window, s.source != i, s.k_eq_v))
     return out
-
-
-def layers_of_hf(raw: dict[str, Any]) -> list[KVLayer]:
-    """Per model layer, from an HF config.json dict (any supported family)."""
-    from pdserve.model.config import ModelConfig
-
-    return layers_of(ModelConfig.from_dict(raw))
 
 
 def _blocks(layer: KVLayer, n: int, bs: int, trim: bool, stage: str) -> int:
@@ -133,36 +126,3 @@ def report(
         b = kv_bytes(layers, context, itemsize, block_size, stage)
         out[stage] = {"bytes": b, "bytes_per_token": b / context, "vs_naive": b / naive}
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m pdserve.kv.footprint MODEL [--context N] [--dtype D]`: MODEL is a checkpoint
-    directory, a config.json, or a name under pdserve/sim/model_configs; prints a markdown
-    table of KV bytes per token by stage."""
-    import argparse
-    import json
-    from pathlib import Path
-
-    ap = argparse.ArgumentParser(prog="python -m pdserve.kv.footprint")
-    ap.add_argument("model")
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--block-size", type=int, default=16)
-    args = ap.parse_args(argv)
-    path = Path(args.model)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        path = Path(__file__).parents[1] / "sim" / "model_configs" / f"{args.model}.json"
-    layers = layers_of_hf(json.loads(path.read_text()))
-    itemsize = 4 if args.dtype == "float32" else 2
-    rows = report(layers, itemsize, args.context, args.block_size)
-    print(f"{args.model} ({args.dtype}, {args.context}-token context, block {args.block_size})")
-    print("| stage | KV bytes / token | vs naive |\n|---|---:|---:|")
-    for stage, r in rows.items():
-        print(f"| {stage} | {r['bytes_per_token']:,.0f} | {r['vs_naive']:.3f} |")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from pdserve.model.dtypes import ITEMSIZE as _ITEMSIZE
+from pdserve.dtypes import ITEMSIZE as _ITEMSIZE
 
 KV_LAYOUT = "NHD:[blocks,2,block_size,kv_heads,head_dim]"
 # quantized KV (pdserve.kv.quant): a block of a layer is one row of elements + per-head scales

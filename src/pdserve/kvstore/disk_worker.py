@@ -33,10 +33,10 @@ class DiskWorker:
         metas, bad = await asyncio.to_thread(self.files.scan)
         for name in bad:
             log.warning("kvstore disk: unreadable block file dropped", file=name)
-        n = self.store.adopt(metas)
-        self.store._unlinks.extend(bad)
+        n = self.store.disk.adopt(metas)
+        self.store.disk.drop_files(bad)
         log.info("kvstore disk tier opened", dir=str(self.files.dir), blocks=n,
-                 bytes=self.store.disk_used)  # fmt: skip
+                 bytes=self.store.index.disk_used)  # fmt: skip
         self.wake()
         return n
 
@@ -55,15 +55,15 @@ class DiskWorker:
 
     async def run_once(self) -> bool:
         """Write one batch and delete the pending files; False when there was nothing."""
-        blocks = self.store.take_writes(BATCH_BYTES)
-        unlinks = self.store.take_unlinks()
+        blocks = self.store.disk.take_writes(BATCH_BYTES)
+        unlinks = self.store.disk.take_unlinks()
         if not blocks and not unlinks:
             return False
         ok = [False] * len(blocks)
         try:
             ok = await asyncio.to_thread(self._io, blocks, unlinks)
         finally:  # also when cancelled: the blocks' refs must go back
-            self.store.finish_writes(blocks, ok)
+            self.store.disk.finish_writes(blocks, ok)
         return True
 
     def _io(self, blocks: list[Block], unlinks: list[str]) -> list[bool]:

@@ -103,7 +103,7 @@ class KVStoreService:
         self, namespace: str, hashes: Sequence[bytes], window_blocks: int
     ) -> tuple[int, int]:
         """A layered model's hit: (k, stored main prefix), see BlockStore.lookup_window."""
-        k, main = self.store.lookup_window(namespace, hashes, window_blocks)
+        k, main = self.store.windows.lookup(namespace, hashes, window_blocks)
         self.metrics.lookups.inc()
         self.metrics.hit_blocks.inc(k)
         self.metrics.miss_blocks.inc(len(hashes) - k)
@@ -121,7 +121,7 @@ class KVStoreService:
         started = time.perf_counter()
         empty = FetchResult(0, self.settings.block_bytes, [])
         if window_blocks:
-            main, parts = self.store.acquire_window(namespace, hashes, window_blocks)
+            main, parts = self.store.windows.acquire(namespace, hashes, window_blocks)
             if len({b.nbytes for b in main}) > 1 or len({b.nbytes for b in parts}) > 1:
                 self.store.release(main + parts)  # one size per part: mixed layouts
                 return empty
@@ -150,7 +150,7 @@ class KVStoreService:
             good = await asyncio.to_thread(self.store.gather, blocks, staging, files)
             if good < len(blocks):  # a corrupt or short file: a miss from that block on
                 log.warning("kvstore disk: corrupt block file", file=blocks[good].disk_name)
-                self.store.mark_bad(blocks[good])
+                self.store.disk.mark_bad(blocks[good])
                 keep = 0 if parts else good  # a layered hit needs every part it names
                 self.store.release(blocks[keep:])
                 blocks, parts = blocks[:keep], []
@@ -188,7 +188,7 @@ class KVStoreService:
 
     async def _promote(self, blocks: list[Block], staging: np.ndarray) -> None:
         """Copy the disk-only blocks a fetch read (now in `staging`) back into RAM slots."""
-        pairs = self.store.reserve_promotions(blocks)
+        pairs = self.store.disk.reserve_promotions(blocks)
         if not pairs:
             return
         offset, pos = {}, 0  # blocks lie back to back in `staging` (sizes may differ)
@@ -204,7 +204,7 @@ class KVStoreService:
         try:
             await asyncio.to_thread(copy)
         finally:
-            self.store.finish_promotions(pairs)
+            self.store.disk.finish_promotions(pairs)
 
     # ----------------------------------------------------------------- puts
     def begin_put(
@@ -311,14 +311,14 @@ class KVStoreService:
 
     # ----------------------------------------------------------------- admin
     def purge_writer(self, writer: str) -> tuple[int, int]:
-        removed, in_use = self.store.purge_writer(writer)
+        removed, in_use = self.store.admin.purge_writer(writer)
         self._wake_disk()  # delete the removed blocks' files
         log.warning("purged writer", writer=writer, blocks=removed, in_use=in_use)
         self.metrics.sync(self.store.snapshot())
         return removed, in_use
 
     def pin(self, namespace: str, hashes: Sequence[bytes], delta: int) -> int:
-        return self.store.pin(namespace, hashes, delta)
+        return self.store.admin.pin(namespace, hashes, delta)
 
     def stats(self) -> StoreStats:
         s = self.store.snapshot()
@@ -327,7 +327,7 @@ class KVStoreService:
         return s
 
     def clear(self, namespace: str) -> int:
-        n = self.store.clear(namespace)
+        n = self.store.admin.clear(namespace)
         self._wake_disk()
         self.metrics.sync(self.store.snapshot())
         return n

@@ -14,6 +14,11 @@ Invariants (checked by `check_integrity`):
   and a block never goes while a longer chain through it stays; pins protect ancestors for free.
 - Bytes in use (reserved + stored slots) never exceed the arena, which never exceeds capacity.
 
+The parts, composed (no mixins): `BlockIndex` (index.py) owns every block record, the LRU
+heaps and eviction; `DiskTier` (tiers.py) the disk copies' bookkeeping; `WindowParts`
+(window.py) the window parts; `StoreAdmin` (admin.py) pins, clears and purges. Each holds the
+one index; this class is the put and fetch path over them.
+
 Layered models (Gemma 4's sliding layers, window.py): a block's *main* part (full-attention
 layers) lives in the client's namespace under the rules above; its *window* part (sliding
 layers) in a second namespace, `window_namespace(ns)`, same hashes, unchained (parent None,
@@ -36,26 +41,24 @@ serves both tiers:
 
 from __future__ import annotations
 
-import heapq
 import itertools
-from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 
 from pdserve.errors import InvalidRequestError
-from pdserve.kvstore.admin import AdminMixin
-from pdserve.kvstore.arena import Arena, Slot
-from pdserve.kvstore.blocks import HASH_BYTES, Block, Key, PutReservation, checksum
+from pdserve.kvstore.admin import StoreAdmin
+from pdserve.kvstore.blocks import HASH_BYTES, Block, PutReservation, checksum
 from pdserve.kvstore.disk import DiskFiles
+from pdserve.kvstore.index import BlockIndex
 from pdserve.kvstore.stats import StoreStats
-from pdserve.kvstore.tiers import TierMixin
-from pdserve.kvstore.window import WindowMixin
+from pdserve.kvstore.tiers import DiskTier
+from pdserve.kvstore.window import WindowParts, is_window_namespace
 
 __all__ = ["HASH_BYTES", "Block", "BlockStore", "PutReservation", "checksum"]
 
 
-class BlockStore(TierMixin, AdminMixin, WindowMixin):
+class BlockStore:
     def __init__(
         self,
         capacity_bytes: int,
@@ -63,58 +66,31 @@ class BlockStore(TierMixin, AdminMixin, WindowMixin):
         extent_bytes: int = 0,
         disk_bytes: int = 0,
     ) -> None:
-        """`block_bytes` > 0: only that block size, one extent = the whole arena. Otherwise
-        extents of `extent_bytes` (default capacity/16, at least 1 MiB) serve any size.
-        `disk_bytes` > 0: a disk tier of that many block bytes (module docstring)."""
-        if block_bytes > 0:
-            extent_bytes = (capacity_bytes // block_bytes) * block_bytes
-        elif extent_bytes <= 0:
-            extent_bytes = min(capacity_bytes, max(capacity_bytes // 16, 1 << 20))
-        self.block_bytes = block_bytes
-        self.arena = Arena(capacity_bytes, extent_bytes)
-        self.stats = StoreStats(
-            capacity_bytes=self.arena.capacity_bytes, disk_capacity_bytes=disk_bytes
-        )
-        self.disk_capacity = disk_bytes
-        self.disk_used = 0  # block bytes on disk or being written
-        self._blocks: dict[Key, Block] = {}
-        self._lru: dict[int, list[tuple[int, int, Block]]] = {}  # RAM: size -> heap
-        self._disk_lru: list[tuple[int, int, Block]] = []
-        self._unwritten: deque[Block] = deque()  # committed, not yet scheduled for disk
-        self._unlinks: list[str] = []  # files of removed blocks, to delete (service, thread)
-        self._generation = itertools.count(1)
-        self._tick = itertools.count(1)
+        """See `BlockIndex` for the sizes; `disk_bytes` > 0: a disk tier of that many block
+        bytes (module docstring)."""
+        self.index = BlockIndex(capacity_bytes, block_bytes, extent_bytes, disk_bytes)
+        self.disk = DiskTier(self.index)
+        self.windows = WindowParts(self.index)
+        self.admin = StoreAdmin(self.index)
+        self.stats = self.index.stats
+        self.arena = self.index.arena
         self._put_ids = itertools.count(1)
         self.puts: dict[int, PutReservation] = {}
 
     # ------------------------------------------------------------------ queries
-    def _prefix(self, namespace: str, hashes: Sequence[bytes]) -> list[Block]:
-        out: list[Block] = []
-        for h in hashes:
-            blk = self._blocks.get((namespace, bytes(h)))
-            if blk is None or blk.ghost:
-                break
-            out.append(blk)
-        return out
-
-    def _touch(self, blocks: list[Block]) -> None:
-        for blk in blocks:  # chain order: a child is always more recent than its parent
-            blk.last_used = next(self._tick)
-            self._maybe_evictable(blk)
-
     def contains(self, namespace: str, hashes: Sequence[bytes]) -> int:
         """Longest stored prefix, without touching or counting (inspection)."""
-        return len(self._prefix(namespace, hashes))
+        return len(self.index.prefix(namespace, hashes))
 
     def block_bytes_of(self, namespace: str, hashes: Sequence[bytes]) -> int:
         """Size of the chain's first block (0 when not stored)."""
-        blocks = self._prefix(namespace, hashes[:1])
+        blocks = self.index.prefix(namespace, hashes[:1])
         return blocks[0].nbytes if blocks else 0
 
     def lookup(self, namespace: str, hashes: Sequence[bytes]) -> int:
         """Longest stored prefix of the chain (touches it; counts hits/misses in blocks)."""
-        hit = self._prefix(namespace, hashes)
-        self._touch(hit)
+        hit = self.index.prefix(namespace, hashes)
+        self.index.touch(hit)
         self.stats.hits += len(hit)
         self.stats.disk_hits += sum(1 for b in hit if b.slot is None)
         self.stats.misses += len(hashes) - len(hit)
@@ -122,16 +98,14 @@ class BlockStore(TierMixin, AdminMixin, WindowMixin):
 
     def acquire(self, namespace: str, hashes: Sequence[bytes]) -> list[Block]:
         """Reference the stored prefix for a fetch (no eviction until `release`)."""
-        blocks = self._prefix(namespace, hashes)
-        self._touch(blocks)
+        blocks = self.index.prefix(namespace, hashes)
+        self.index.touch(blocks)
         for blk in blocks:
             blk.refs += 1
         return blocks
 
     def release(self, blocks: Sequence[Block]) -> None:
-        for blk in blocks:
-            blk.refs -= 1
-            self._maybe_evictable(blk)
+        self.index.release(blocks)
 
     def gather(
         self, blocks: Sequence[Block], out: np.ndarray, disk: DiskFiles | None = None
@@ -164,25 +138,33 @@ class BlockStore(TierMixin, AdminMixin, WindowMixin):
         missing, wrong size, or no room). `window`: the blocks' window parts (window.py)."""
         self._validate(hashes, first_block, block_bytes)
         if window:
-            return self._begin_window_put(namespace, hashes, first_block, block_bytes, writer)
-        start = len(self._prefix(namespace, hashes))
+            planned = self.windows.plan_put(
+                next(self._put_ids), namespace, hashes, first_block, block_bytes, writer
+            )
+            if planned is None:
+                return None
+            res, todo = planned
+            return self._reserve(res, todo) if todo else res
+        start = len(self.index.prefix(namespace, hashes))
         if start == len(hashes):
             return None
         res = PutReservation(
             next(self._put_ids), namespace, [], start, block_bytes, None, writer=writer
         )
-        if start < first_block or (self.block_bytes and block_bytes != self.block_bytes):
+        if start < first_block or (
+            self.index.block_bytes and block_bytes != self.index.block_bytes
+        ):
             self.stats.put_rejected += 1  # parent not stored: the chain would have a hole
             return res
         if start > 0:
-            res.parent = self._blocks[(namespace, bytes(hashes[start - 1]))]
+            res.parent = self.index.blocks[(namespace, bytes(hashes[start - 1]))]
             res.parent.refs += 1
         return self._reserve(res, hashes[start:])
 
     def _reserve(self, res: PutReservation, hashes: Sequence[bytes]) -> PutReservation:
         """Slots for `hashes` in order, as room allows; none = rejected (released)."""
         for h in hashes:
-            slot = self._alloc(res.block_bytes)
+            slot = self.index.alloc(res.block_bytes)
             if slot is None:
                 break
             res.slots.append(slot)
@@ -214,7 +196,7 @@ class BlockStore(TierMixin, AdminMixin, WindowMixin):
         parent, stored = res.parent, 0
         for i, (h, slot) in enumerate(zip(res.hashes, res.slots, strict=True)):
             key = (res.namespace, h)
-            blk = self._blocks.get(key)
+            blk = self.index.get(key)
             if blk is not None and not blk.ghost:
                 self.arena.free(slot)
                 parent = blk if res.chained else None
@@ -227,12 +209,10 @@ class BlockStore(TierMixin, AdminMixin, WindowMixin):
                     key, parent, slot, bytes(checksums[i]), depth,
                     nbytes=res.block_bytes, writer=res.writer,
                 )  # fmt: skip
-                self._blocks[key] = blk
-                if parent is not None:
-                    parent.children += 1
-            if self.disk_capacity:
-                self._unwritten.append(blk)
-            self._touch([blk])
+                self.index.add(blk)
+            if self.disk.enabled:
+                self.disk.queue_write(blk)
+            self.index.touch([blk])
             parent, stored = (blk if res.chained else None), stored + 1
         res.slots = []
         self._release_put(res)
@@ -252,7 +232,7 @@ class BlockStore(TierMixin, AdminMixin, WindowMixin):
 
     def _release_put(self, res: PutReservation) -> None:
         if res.parent is not None:
-            self.release([res.parent])
+            self.index.release([res.parent])
             res.parent = None
 
     def _validate(self, hashes: Sequence[bytes], first_block: int, block_bytes: int) -> None:
@@ -263,96 +243,32 @@ class BlockStore(TierMixin, AdminMixin, WindowMixin):
         if block_bytes <= 0:
             raise InvalidRequestError("bytes_per_block", "must be > 0")
 
-    # ------------------------------------------------------------------ eviction
-    def _maybe_evictable(self, blk: Block) -> None:
-        """Queue `blk` in the LRU heaps it now qualifies for (entries are checked on pop)."""
-        if self._blocks.get(blk.key) is not blk or blk.refs:
-            return
-        if blk.ghost:
-            if blk.children == 0:
-                self._remove(blk)
-            return
-        if blk.pins:
-            return
-        entry = (blk.last_used, id(blk), blk)
-        if blk.slot is not None and (blk.children == 0 or blk.on_disk):
-            heap = self._lru.setdefault(blk.nbytes, [])
-            heapq.heappush(heap, entry)
-            if len(heap) > 4 * len(self._blocks) + 64:
-                self._lru[blk.nbytes] = self._live(lambda b: self._ram_ok(b, blk.nbytes))
-        if blk.on_disk and blk.children == 0:
-            heapq.heappush(self._disk_lru, entry)
-            if len(self._disk_lru) > 4 * len(self._blocks) + 64:
-                self._disk_lru = self._live(self._disk_ok)
+    # ------------------------------------------------------------------ whole-store views
+    def snapshot(self) -> StoreStats:
+        s, ix = self.stats, self.index
+        s.used_bytes = ix.arena.used_bytes
+        s.num_blocks = len(ix)
+        s.pinned_blocks = sum(1 for b in ix if b.pins > 0)
+        s.disk_used_bytes = ix.disk_used
+        s.disk_blocks = sum(1 for b in ix if b.on_disk)
+        return s
 
-    def _ram_ok(self, b: Block, size: int) -> bool:
-        """May `b`'s RAM copy go (dropped if on disk, else `b` is evicted)?"""
-        return (
-            b.slot is not None
-            and b.nbytes == size
-            and not (b.refs or b.pins)
-            and (b.children == 0 or b.on_disk)
-        )
-
-    @staticmethod
-    def _disk_ok(b: Block) -> bool:
-        return b.on_disk and not (b.children or b.refs or b.pins)
-
-    def _live(self, ok) -> list[tuple[int, int, Block]]:
-        live = [(b.last_used, id(b), b) for b in self._blocks.values() if ok(b)]
-        heapq.heapify(live)
-        return live
-
-    def _pop(self, heap: list[tuple[int, int, Block]], ok) -> Block | None:
-        while heap:
-            stamp, _, blk = heapq.heappop(heap)
-            if ok(blk) and stamp == blk.last_used and self._blocks.get(blk.key) is blk:
-                return blk
-        return None
-
-    def _evict_one(self, size: int) -> bool:
-        """Free one RAM slot of `size`: demote an LRU block that is on disk, or evict an LRU
-        leaf that is not."""
-        blk = self._pop(self._lru.get(size, []), lambda b: self._ram_ok(b, size))
-        if blk is None:
-            return False
-        if blk.on_disk:
-            assert blk.slot is not None
-            self.arena.free(blk.slot)
-            blk.slot = None
-            self.stats.demotions += 1
-            self._maybe_evictable(blk)
-        else:
-            self._remove(blk)
-            self.stats.evictions += 1
-        return True
-
-    def _remove(self, blk: Block) -> None:
-        del self._blocks[blk.key]
-        if blk.slot is not None:
-            self.arena.free(blk.slot)
-            blk.slot = None
-        if blk.on_disk:
-            self.disk_used -= blk.nbytes
-            self._unlinks.append(blk.disk_name)
-            blk.on_disk = False
-        if blk.parent is not None:
-            blk.parent.children -= 1
-            self._maybe_evictable(blk.parent)
-        self._drop_window_part(blk)
-
-    def _alloc(self, size: int) -> Slot | None:
-        while True:
-            slot = self.arena.alloc(size)
-            if slot is not None:
-                return slot
-            if self._evict_one(size):
-                continue
-            # another block size holds the extents: evict its LRU leaves until one empties
-            if self.arena.reclaim(keep=size):
-                continue
-            others = sorted(
-                (n, s) for s, n in self.arena.extent_counts().items() if s != size and n
-            )
-            if not others or not self._evict_one(others[-1][1]):
-                return None
+    def check_integrity(self) -> None:
+        ix = self.index
+        children: dict[int, int] = {}
+        for blk in ix:
+            if blk.parent is not None:
+                assert ix.holds(blk.parent), "orphan block"
+                children[id(blk.parent)] = children.get(id(blk.parent), 0) + 1
+        for blk in ix:
+            assert blk.children == children.get(id(blk), 0), "child count drift"
+            assert not blk.ghost or blk.children or blk.refs, "ghost left behind"
+            if is_window_namespace(blk.key[0]):  # window parts: unchained leaves
+                assert blk.parent is None and blk.depth == 0, "chained window part"
+        reserved = sum(r.nbytes for r in self.puts.values())
+        stored = sum(b.nbytes for b in ix if b.slot is not None)
+        assert ix.arena.used_bytes == reserved + stored, "slot accounting drift"
+        assert ix.arena.used_bytes <= self.stats.capacity_bytes
+        on_disk = sum(b.nbytes for b in ix if b.on_disk or b.writing)
+        assert ix.disk_used == on_disk, "disk accounting drift"
+        assert ix.disk_used <= max(ix.disk_capacity, 0)

@@ -1,4 +1,5 @@
-"""Window parts of a layered model's blocks (a mixin of store.py's BlockStore; bookkeeping only).
+"""WindowParts: the window parts of a layered model's blocks, over the store's BlockIndex
+(bookkeeping only).
 
 A layered KV layout (Gemma 4: sliding-window layers beside full-attention layers) splits each
 block in two parts (the client splits and joins them, kv/store_parts.py):
@@ -21,7 +22,7 @@ a main block (eviction, clear, purge) also removes the window part of the same h
 is referenced or pinned (then the LRU takes it later).
 
 Main and window parts differ in size, so they live in different arena extents: the LRU is
-exact within each size (BlockStore._alloc evicts the slot's own size first; extents change
+exact within each size (BlockIndex.alloc evicts the slot's own size first; extents change
 size only when one empties, `Arena.reclaim`).
 
 Invariants (checked by `check_integrity`): a window part has no parent, no children and
@@ -32,12 +33,9 @@ suffix holds a NUL, which a client namespace (printable only, kvstore/checks.py)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from pdserve.kvstore.blocks import Block, PutReservation
-
-if TYPE_CHECKING:
-    from pdserve.kvstore.store import BlockStore
+from pdserve.kvstore.index import BlockIndex
 
 WINDOW_SUFFIX = "\x00window"
 
@@ -51,9 +49,15 @@ def is_window_namespace(namespace: str) -> bool:
     return namespace.endswith(WINDOW_SUFFIX)
 
 
-class WindowMixin:
+class WindowParts:
+    """Lookups, fetches and puts of window parts; removing a main block drops its part."""
+
+    def __init__(self, index: BlockIndex) -> None:
+        self.index = index
+        index.on_remove.append(self._drop_part)
+
     def _window_hit(
-        self: BlockStore,
+        self,
         namespace: str,
         hashes: Sequence[bytes],
         main: list[Block],
@@ -64,7 +68,7 @@ class WindowMixin:
         wns = window_namespace(namespace)
         parts: list[Block | None] = []
         for h in hashes[: len(main)]:
-            blk = self._blocks.get((wns, bytes(h)))
+            blk = self.index.get((wns, bytes(h)))
             parts.append(None if blk is None or blk.ghost else blk)
         run = [0] * (len(parts) + 1)  # run[j]: stored parts ending at block j - 1
         for j, part in enumerate(parts, 1):
@@ -75,68 +79,70 @@ class WindowMixin:
                 return k, [p for p in parts[k - need : k] if p is not None]
         return 0, []
 
-    def lookup_window(
-        self: BlockStore, namespace: str, hashes: Sequence[bytes], window_blocks: int
+    def lookup(
+        self, namespace: str, hashes: Sequence[bytes], window_blocks: int
     ) -> tuple[int, int]:
         """(hit k, stored main prefix) of a layered chain; touches the hit (its main blocks,
-        then its window parts) and counts hits/misses in blocks, as `lookup`."""
-        main = self._prefix(namespace, hashes)
+        then its window parts) and counts hits/misses in blocks, as `BlockStore.lookup`."""
+        main = self.index.prefix(namespace, hashes)
         k, parts = self._window_hit(namespace, hashes, main, window_blocks)
-        self._touch(main[:k])
-        self._touch(parts)
-        self.stats.hits += k
-        self.stats.disk_hits += sum(1 for b in main[:k] if b.slot is None)
-        self.stats.misses += len(hashes) - k
+        self.index.touch(main[:k])
+        self.index.touch(parts)
+        self.index.stats.hits += k
+        self.index.stats.disk_hits += sum(1 for b in main[:k] if b.slot is None)
+        self.index.stats.misses += len(hashes) - k
         return k, len(main)
 
-    def acquire_window(
-        self: BlockStore, namespace: str, hashes: Sequence[bytes], window_blocks: int
+    def acquire(
+        self, namespace: str, hashes: Sequence[bytes], window_blocks: int
     ) -> tuple[list[Block], list[Block]]:
         """Reference a layered hit for a fetch: (main blocks [0, k), window parts of
         [max(0, k - window_blocks), k)); `release` both lists after."""
-        main = self._prefix(namespace, hashes)
+        main = self.index.prefix(namespace, hashes)
         k, parts = self._window_hit(namespace, hashes, main, window_blocks)
         main = main[:k]
-        self._touch(main)
-        self._touch(parts)
+        self.index.touch(main)
+        self.index.touch(parts)
         for blk in (*main, *parts):
             blk.refs += 1
         return main, parts
 
-    def _drop_window_part(self: BlockStore, blk: Block) -> None:
+    def _drop_part(self, blk: Block) -> None:
         """`blk` (a main block) left the store: its window part can serve no hit now."""
         if is_window_namespace(blk.key[0]):
             return
-        part = self._blocks.get((window_namespace(blk.key[0]), blk.key[1]))
+        part = self.index.get((window_namespace(blk.key[0]), blk.key[1]))
         if part is not None and not (part.refs or part.pins or part.writing):
-            self._remove(part)
+            self.index.remove(part)
 
-    def _begin_window_put(
-        self: BlockStore,
+    def plan_put(
+        self,
+        put_id: int,
         namespace: str,
         hashes: Sequence[bytes],
         first_block: int,
         block_bytes: int,
         writer: str,
-    ) -> PutReservation | None:
-        """Reserve the window parts of blocks [s, len) of the chain, s = the first block at or
-        after `first_block` whose part is not stored (no parent rule). A part stored between
-        s and the end keeps its slot reserved until commit, which skips it."""
+    ) -> tuple[PutReservation, Sequence[bytes]] | None:
+        """The put of the window parts of blocks [s, len) of the chain, s = the first block
+        at or after `first_block` whose part is not stored (no parent rule), and the hashes to
+        reserve slots for (none: rejected). None = nothing wanted. A part stored between s and
+        the end keeps its slot reserved until commit, which skips it."""
         wns = window_namespace(namespace)
         start = next(
             (
                 i
                 for i in range(first_block, len(hashes))
-                if (blk := self._blocks.get((wns, bytes(hashes[i])))) is None or blk.ghost
+                if (blk := self.index.get((wns, bytes(hashes[i])))) is None or blk.ghost
             ),
             None,
         )
         if start is None:
             return None
         res = PutReservation(
-            next(self._put_ids), wns, [], start, block_bytes, None, writer=writer, chained=False
+            put_id, wns, [], start, block_bytes, None, writer=writer, chained=False
         )
-        if self.block_bytes and block_bytes != self.block_bytes:
-            self.stats.put_rejected += 1  # a store of one block size holds no second part
-            return res
-        return self._reserve(res, hashes[start:])
+        if self.index.block_bytes and block_bytes != self.index.block_bytes:
+            self.index.stats.put_rejected += 1  # a store of one block size holds no second part
+            return res, []
+        return res, hashes[start:]

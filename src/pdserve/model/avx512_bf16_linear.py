@@ -2,7 +2,7 @@
 (csrc/avx512_bf16_linear.cpp) and its loader.
 
 Why it exists: on such a CPU oneDNN's packed bf16 linear is NOT reliably row-invariant: on
-this repository's AMD EPYC (Zen 4, 2026-12-02) a 2048 x 512 packed linear (bench50m's MLP down
+an AMD EPYC (Zen 4) a 2048 x 512 packed linear (bench50m's MLP down
 projection) gives row 0 other bits alone than among 2-300 rows, and 25 of 300 rows of a call
 other bits than alone (tests/unit/test_avx512_bf16_linear.py probes it); 512-input shapes were
 invariant. It is also slow for decode: a batch-1 decode step spends ~77 % of its time in it,
@@ -21,7 +21,7 @@ the MLP's silu(gate) * up computed in the product's epilogue (same bits as the t
 Serving it: `pdserve.model.kernels.select_kernels` chooses it for an invariant bf16 engine on
 such a CPU unless `PDSERVE_AVX512_BF16_LINEAR=0` (oneDNN then, and the reason says bf16 is not
 invariant here). Against oneDNN in bench50m's engine: decode 1.1-2.1x faster, prefill at
-parity (docs/BENCHMARKS.md "Batch invariance on AVX512-BF16 without AMX").
+parity (docs/studies/cpu-kernels.md "The linear kernels").
 
 Build: `pdserve.model.cpp_ext.CppKernel` (`KERNEL`), by `pdserve kernels build`. `load()` returns
 None (and `KERNEL.why_unavailable()` says why) when the CPU has no AVX512-BF16 or it is not

@@ -6,7 +6,7 @@ repository's CI machine (one thread, 48 weights of 512x4096, more than the L3), 
 `F.linear` of one row streams its weight at ~8.5 GB/s and fp32 at ~10.5 GB/s, while a
 weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
 the same call Inductor's CPU freezing pass makes) streams at ~15 GB/s; at 8-256 rows the packed
-fp32 GEMM is ~2x `F.linear`. See docs/BENCHMARKS.md "bf16 on CPU" for the end-to-end figures.
+fp32 GEMM is ~2x `F.linear`. End-to-end figures: docs/studies/cpu-kernels.md "bf16 against fp32".
 
 `pack_linears(model)` swaps every `nn.Linear` in a model for a `PackedLinear` in place (same
 parameters, same dtype; the plain weight is dropped, so memory does not grow). The packed
@@ -34,8 +34,8 @@ oneDNN's bf16 linear is not reliably invariant either (measured on this reposito
 measured on an earlier EPYC), so an invariant engine serves bf16 on
 `pdserve.model.avx512_bf16_linear` there: invariant by construction, its weights packed back
 to back in model order, and faster for decode (it streams a one-row product's weights at
-~2-2.5x oneDNN's GB/s; near parity from 128 rows; docs/BENCHMARKS.md "Batch invariance on
-AVX512-BF16 without AMX"). `PDSERVE_AVX512_BF16_LINEAR=0` keeps oneDNN (the selection's
+~2-2.5x oneDNN's GB/s; near parity from 128 rows; docs/studies/cpu-kernels.md "The linear
+kernels"). `PDSERVE_AVX512_BF16_LINEAR=0` keeps oneDNN (the selection's
 reason and a warning say bf16 is then not invariant).
 A tied lm_head gets a packed copy of the embedding
 (`model.tied_head`) when invariant: on a Xeon even fp32 MKL has more row classes than

@@ -4,8 +4,8 @@ the paged attention kernel).
 
 The module loop (`llama.DecoderLayer`) reaches each kernel through an `nn.Module.__call__`, an
 ops object and a backend method: ~20 Python frames per layer that cost ~1 ms of a bench50m
-prefill step on one core (2 % of it; measured: `BENCHMARKS.md`, "The layer loop without its
-Python frames"). This loop resolves those frames once, when the runner has packed the
+prefill step on one core (2 % of it; measured: docs/studies/cpu-kernels.md, "The direct layer
+loop"). This loop resolves those frames once, when the runner has packed the
 weights (`DirectLoop.build`), and then calls the kernel entries with the same arguments, in
 the same order, on the same tensors: its bits equal the module loop's by construction, and
 `tests/unit/test_direct_loop.py` checks them on mixed steps.

@@ -162,7 +162,6 @@ class Gemma4Model(nn.Module):
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.backends: dict[tuple[int, int], AttentionBackend] = {}
         self.batch_invariant = True  # set_batch_invariant: every backend and the K = V layers
-        self.kernels: Any = None  # the engine's KernelSelection, once use_kernels ran
         # layers whose KV source is a K = V layer attend over its one-tensor cache
         self.keqv = [config.layer_kv(i).k_eq_v for i in range(n)]
         for i, layer in enumerate(self.layers):
@@ -192,26 +191,10 @@ class Gemma4Model(nn.Module):
     def use_kernels(self, selection: Any) -> Any:
         """The attention of the engine's `KernelSelection` (pdserve.model.kernels), for every
         backend; its layers have their own ops and loop. Returns the selection."""
-        self.kernels = selection
         for be in self.backends.values():
             if hasattr(be, "use_kernels"):
                 be.use_kernels(selection)
         return selection
-
-    def store_k_and_v(self) -> None:
-        """Serve K = V layers from an ordinary K + V cache through the attention backend (the
-        baseline of `python -m pdserve.bench.keqv`; caches then need 2 tensors on every
-        stored layer). Same outputs, twice the bytes on those layers."""
-        self.keqv = [False] * len(self.layers)
-        for layer in self.layers:
-            key = (layer.kv_heads, layer.head_dim)
-            if key not in self.backends:
-                be = select_backend(self.embed_tokens.weight.device, self.config.num_heads, *key)
-                be.scale = 1.0
-                self.backends[key] = be
-        self.set_batch_invariant(self.batch_invariant)
-        if self.kernels is not None:
-            self.use_kernels(self.kernels)
 
     def forward(
         self,

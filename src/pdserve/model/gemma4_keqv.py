@@ -4,7 +4,7 @@ On a K = V layer (attention_k_eq_v, full-attention layers) one projection p = k_
 both sides: V = v_norm(p) (RMS norm, no scale) and K = rope(k_norm(p)) = rope(w * V), where w is
 k_norm's weight. So the cache keeps V only, `[num_blocks, 1, block_size, kv_heads, head_dim]`,
 half the bytes, and K is rebuilt on read: one multiply by w and one RoPE over the gathered
-context per layer and step (the decode cost, measured in docs/BENCHMARKS.md). In float32 the
+context per layer and step (the decode cost, measured in docs/studies/gemma4-kv.md). In float32 the
 rebuilt K equals transformers' bit for bit (the same products in the same order).
 
 Built only from AttentionMetadata (not from a backend's private plan), so it works whichever

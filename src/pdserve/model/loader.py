@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
+from pdserve.dtypes import DTYPE_NAMES, torch_dtype
 from pdserve.errors import ModelLoadError
 from pdserve.kv.spec import QUANT_KV_DTYPES
 from pdserve.model import gemma4_weights
 from pdserve.model.attention import AttentionBackend
 from pdserve.model.config import ModelConfig
-from pdserve.model.dtypes import DTYPE_NAMES, torch_dtype
 from pdserve.model.gemma4 import Gemma4Model
 from pdserve.model.llama import LlamaModel
 
@@ -51,7 +51,7 @@ def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     """The serving dtype `--dtype auto` picks for a device: bfloat16 where it is the faster
     one, else float32. CPU: bfloat16 when oneDNN runs packed bf16 linears natively (AVX512-BF16
     or AMX; measured ~1.7x fp32 prefill and ~1.8x fp32 decode on the bench50m preset, see
-    docs/BENCHMARKS.md "bf16 on CPU"); CUDA: bfloat16 when the GPU supports it."""
+    docs/studies/cpu-kernels.md "bf16 against fp32"); CUDA: bfloat16 when the GPU supports it."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32

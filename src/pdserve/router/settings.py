@@ -98,7 +98,7 @@ class AdmissionSettings(SettingsGroup):
 
 class PlacementSettings(SettingsGroup):
     """Where a request runs (scheduling/policies.py) and how much decode KV it reserves.
-    Defaults by docs/BENCHMARKS.md, "Evidence for the defaults" (its defaults table):
+    Defaults by docs/studies/scheduling-policies.md, "The defaults":
     prefix_aware wins over least_loaded on the Mooncake trace (with and without the kvstore);
     predicted decode placement and KV headroom win nowhere, simulated or emulated, so both
     stay off."""
@@ -203,7 +203,7 @@ class LifecycleSettings(SettingsGroup):
 
 class FlipSettings(SettingsGroup):
     """The flip controller (flip/): moves workers between the prefill and decode pools.
-    Off by default (docs/BENCHMARKS.md, "Evidence for the defaults"): on a prefill-heavy to
+    Off by default (docs/studies/scheduling-policies.md, "The defaults"): on a prefill-heavy to
     decode-heavy shift it raises goodput by 44 % but mean E2E by 9 %, more than the 5 % loss
     the defaults rule allows; turn it on where SLO attainment matters more than latency."""
 

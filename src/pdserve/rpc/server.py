@@ -396,7 +396,7 @@ def install_event_loop() -> bool:
 def serve(app: ServiceApp, settings: ServiceSettings) -> int:
     """Blocking entry point for a service's __main__: uvloop if present, run_service, and
     the exit status (0 after a clean shutdown, 1 if the service failed to start)."""
-    from pdserve.launcher import die_with_parent
+    from pdserve.rpc.parent import die_with_parent
 
     die_with_parent()  # started by `pdserve up`: exit with it
     install_event_loop()

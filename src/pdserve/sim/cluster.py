@@ -34,8 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.workload import BenchRequest
+from pdserve.costmodel.costs import CostModel
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.errors import OverloadedError
@@ -55,9 +54,10 @@ from pdserve.router.scheduling.policies import PlacementPolicy, RouteRequest, ma
 from pdserve.router.scheduling.predictor import EwmaPredictor, OutputLengthPredictor
 from pdserve.router.settings import RouterSettings
 from pdserve.sim import router_side
-from pdserve.sim.costs import CostModel
 from pdserve.sim.events import EventLoop
 from pdserve.sim.instance import SAMPLED_TOKEN, InstanceConfig, SimInstance, SimSeq
+from pdserve.workload.metrics import RequestRecord
+from pdserve.workload.requests import BenchRequest
 
 ROLE_BY_NAME = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE, "colocated": ROLE_COLOCATED}
 
@@ -205,7 +205,7 @@ class SimCluster:
         """Stop as soon as more than `max_misses` finished requests missed the SLOs: the
         run's attainment is then known to be below the target (the unfinished requests
         count as failures, so the reported attainment is a lower bound). A miss is judged
-        as `bench.goodput.meets` judges it (value in ms > limit in ms; `limits_ms`: the
+        as `workload.goodput.meets` judges it (value in ms > limit in ms; `limits_ms`: the
         SLOs exactly as given), so a run that stops early is one that fails."""
         self.stop_slo = (ttft_s, tpot_s)
         self._stop_ms = limits_ms or (ttft_s * 1000.0, tpot_s * 1000.0)
@@ -487,7 +487,7 @@ class SimCluster:
             if self._parts is None:
                 n_store = self.store.lookup(ns, keys)
             else:  # the hit's window parts must be stored too
-                n_store, _ = self.store.lookup_window(ns, keys, self._parts[2])
+                n_store, _ = self.store.windows.lookup(ns, keys, self._parts[2])
             if n_store > n_local:
                 wanted = hashes[n_local:n_store]
                 delay = inst.costs.kvstore_fetch.time_s(self._fetch_bytes(len(wanted)))
@@ -675,7 +675,7 @@ class SimCluster:
         store lacks, then window parts of the last window_blocks blocks stored."""
         assert self.store is not None and self._parts is not None
         main_b, win_b, wb = self._parts
-        hit, n_main = self.store.lookup_window(ns, hashes, wb)
+        hit, n_main = self.store.windows.lookup(ns, hashes, wb)
         if hit >= len(hashes):
             return
         res = self.store.begin_put(ns, hashes, n_main, main_b)

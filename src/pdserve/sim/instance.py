@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from operator import attrgetter, mul
 from typing import Any
 
+from pdserve.costmodel.costs import CostModel
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerPlan
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.errors import OverloadedError
 from pdserve.kv.cache_manager import KVCacheManager
 from pdserve.load import LoadReport
-from pdserve.sim.costs import CostModel
 
 _START = attrgetter("start")
 _NEW = attrgetter("num_new_tokens")

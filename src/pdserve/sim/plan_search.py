@@ -1,5 +1,5 @@
 """`plan`'s searches as point tasks on `parallel.Scheduler`: every candidate unit's goodput
-search (`bench.goodput.search_goodput_rate`, replayed: `sweep_need`) and, per kind, the
+search (`workload.goodput.search_goodput_rate`, replayed: `sweep_need`) and, per kind, the
 full-scale 10 % walk of the best unit, started as soon as that best unit is decided (its own
 search over and no unfinished search of the kind able to beat it), while other units'
 searches still run. The answer is that of running the searches one after the other: each
@@ -13,12 +13,12 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.goodput import SweepPoint, distserve_goodput, search_goodput_rate
 from pdserve.sim import parallel
 from pdserve.sim.run import simulate_once
+from pdserve.workload.goodput import SweepPoint, distserve_goodput, search_goodput_rate
 
 if TYPE_CHECKING:
-    from pdserve.sim.plan import Budget, Candidate
+    from pdserve.sim.candidates import Budget, Candidate
 
 MAX_STEPS = 10  # doublings (or halvings) before the bracket gives up
 BISECT_STEPS = 3
@@ -193,7 +193,7 @@ def _point_task(i: int, rate: float) -> dict[str, Any]:
 
 def _full_task(i: int, replicas: int, rate: float) -> dict[str, Any]:
     """One point of a full-scale walk: candidate i replicated `replicas` times."""
-    from pdserve.sim.plan import latency_at
+    from pdserve.sim.candidates import latency_at
 
     c = parallel.CONTEXT
     # a failing point's figures are never reported (only the highest passing one's): stop it

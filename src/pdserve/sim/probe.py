@@ -28,9 +28,10 @@ def run_probe(
     import numpy as np
     import torch
 
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.costmodel.costs import StepCost
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
     from pdserve.engine.params import SamplingParams
-    from pdserve.sim.costs import StepCost
     from pdserve.sim.profile import timed_steps
 
     if cpu is not None and hasattr(os, "sched_setaffinity"):

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.sim.costs import CostModel, LinkCost, StepCost
+from pdserve.costmodel.costs import CostModel, LinkCost, StepCost
 
 MIB = 1 << 20
 
@@ -68,7 +68,8 @@ def profile_engine(
 ) -> dict[str, Any]:
     import torch
 
-    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
     from pdserve.engine.params import SamplingParams
 
     if threads > 0:
@@ -393,10 +394,9 @@ def fit_served_prefill(samples: list[dict[str, float]]) -> tuple[float, float]:
 # ---------------------------------------------------------------------------- limits
 def limits_call_site(dtype: str, threads: int) -> dict[str, Any] | None:
     """Machine limits (memory read bandwidth, GEMM peak in `dtype`) from
-    `pdserve.bench.limits.measure_limits(dtype=, threads=)` (helper i12b's module for issue 12:
-    returns {"bandwidth_bytes_s", "gemm_flops_s", ...}). None where that module is absent
-    (this branch alone); after the merge `pdserve profile` records the limits and the engine's
-    achieved fractions in the same run."""
+    `pdserve.bench.limits.measure_limits(dtype=, threads=)` (returns {"bandwidth_bytes_s",
+    "gemm_flops_s", ...}), or None where that module is absent; `pdserve profile` records the
+    limits and the engine's achieved fractions in the same run."""
     try:
         from pdserve.bench import limits  # type: ignore[attr-defined]
     except ImportError:

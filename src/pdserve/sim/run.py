@@ -21,20 +21,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import arrivals
-from pdserve.bench.goodput import (
+from pdserve.bench.serve import sweep_result
+from pdserve.config import SettingsError
+from pdserve.costmodel.costs import CostModel
+from pdserve.kv.window_group import window_pool_sizes
+from pdserve.sim.cluster import ClusterSpec, PoolSpec, SimCluster
+from pdserve.sim.instance import InstanceConfig
+from pdserve.sim.router_side import flip_thresholds, router_settings
+from pdserve.workload import arrivals
+from pdserve.workload.goodput import (
     SLO,
     attainment,
     vllm_goodput,
 )
-from pdserve.bench.metrics import summarize
-from pdserve.bench.serve import offered_rate, sweep_result, workload_at
-from pdserve.config import SettingsError
-from pdserve.kv.window_group import window_pool_sizes
-from pdserve.sim.cluster import ClusterSpec, PoolSpec, SimCluster
-from pdserve.sim.costs import CostModel
-from pdserve.sim.instance import InstanceConfig
-from pdserve.sim.router_side import flip_thresholds, router_settings
+from pdserve.workload.metrics import summarize
+from pdserve.workload.spec import offered_rate, workload_at
 
 # worker defaults (pdserve.worker.settings) the simulated engines copy
 WORKER_MAX_BATCHED_TOKENS = 512
@@ -210,8 +211,8 @@ class LazyTrace:
     trace draws only the window's prompts."""
 
     def __init__(self, args: argparse.Namespace, salt: int) -> None:
-        from pdserve.bench.serve import model_limits, prompt_seed, trace_window
-        from pdserve.bench.workload import iter_trace_requests
+        from pdserve.workload.requests import iter_trace_requests
+        from pdserve.workload.spec import model_limits, prompt_seed, trace_window
 
         vocab, max_len = model_limits(args)
         records = trace_window(args)
@@ -269,7 +270,7 @@ def text_prompt_ids(reqs: list[Any], vocab: int) -> list[Any]:
 
     import numpy as np
 
-    from pdserve.bench.workload import TOKEN_LO
+    from pdserve.workload.requests import TOKEN_LO
 
     for r in reqs:
         if r.prompt_ids or not r.prompt_text:
@@ -282,7 +283,7 @@ def text_prompt_ids(reqs: list[Any], vocab: int) -> list[Any]:
 
 def allowed_misses(n: int, target: float) -> int:
     """The most of `n` requests that may miss while the attainment, computed as
-    `bench.goodput.attainment` computes it ((n - misses) / n), still reaches `target`: one
+    `workload.goodput.attainment` computes it ((n - misses) / n), still reaches `target`: one
     more miss decides that the run fails. (`int((1 - target) * n)` is one short when
     1 - target rounds down, e.g. 0.1 * 540 -> 53: a run with 54 misses, attainment exactly
     0.9, was stopped as a failure.)"""

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import UnavailableError
 from pdserve.kv.transfer import UcxTransport

@@ -90,7 +90,9 @@ class WorkerSettings(ServiceSettings):
     time_scale: float = Field(
         1.0, gt=0, description="emulation: wall seconds per modelled second (>1: slower)"
     )
-    emulate_network: str = Field("nvlink", description="emulation: KV link (sim.hardware)")
+    emulate_network: str = Field(
+        "nvlink", description="emulation: KV link (costmodel.hardware.NETWORKS)"
+    )
     emulate_dtype: str = Field("bfloat16", description="emulation: modelled serving dtype")
     emulate_kv_layers: int = Field(
         1, ge=1, le=64, description="emulation: KV messages per push (wire layers)"

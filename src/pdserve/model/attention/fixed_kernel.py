@@ -12,9 +12,9 @@ block table was built.
 
 The math: fp32 (scores as FMA chains, P.V in fp32), except for a bf16 q and cache on a CPU with
 AVX512-BF16, where q.k and P.V are bf16 dot products with fp32 accumulation (P rounded to bf16
-for P.V, as flash attention does): 1.3-1.7x the fp32 kernel (docs/BENCHMARKS.md). Either way a
-row's bits depend only on the row. The bits differ between the builds, so every instance of a
-deployment must run on CPUs of one kind (as for the linear kernels).
+for P.V, as flash attention does): 1.3-1.7x the fp32 kernel (docs/studies/cpu-kernels.md).
+Either way a row's bits depend only on the row. The bits differ between the builds, so every
+instance of a deployment must run on CPUs of one kind (as for the linear kernels).
 
 Build: `pdserve.model.cpp_ext.CppKernel` (`KERNEL`), one module per ISA variant: "avx512bf16"
 (AVX-512 with AVX512-BF16), "avx512" (without BF16; `PDSERVE_ATTN_KERNEL=avx512` forces it) or

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
+from pdserve.dtypes import DTYPE_NAMES
 from pdserve.errors import InvalidRequestError, OverloadedError, PermissionDeniedError
-from pdserve.model.dtypes import DTYPE_NAMES
 from pdserve.rpc.authz import current_peer
 from pdserve.rpc.ids import check_id
 from pdserve.v1 import common_pb2, router_pb2

@@ -29,8 +29,6 @@ front door, which ordered the admission queue by it) and what the predictor lear
 from __future__ import annotations
 
 import asyncio
-import math
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -73,9 +71,6 @@ STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 
 
 DECODE_WATCH_S = 0.25  # how often a running Prefill checks that its decode still lives
-# The relay's read deadline: by the stream's watchdog (default), or the old asyncio.wait_for
-# around every read (PDSERVE_RELAY_WAIT_FOR=1: the baseline of `bench router-saturation`).
-RELAY_WAIT_FOR = os.environ.get("PDSERVE_RELAY_WAIT_FOR", "0") == "1"
 
 
 class _DecodeLost(Exception):
@@ -467,7 +462,7 @@ class Orchestrator:
         too, by the registry's word (`lost()`)."""
         first, finished = True, False
         # the watchdog flags `watch.lost` / `watch.expired` before it cancels the call
-        limit_s = math.inf if RELAY_WAIT_FOR else self.deadlines.first_token_s
+        limit_s = self.deadlines.first_token_s
         watch = self.streams.watch(call, inst.instance_id, limit_s)
 
         def lost() -> bool:  # (the sweep may cut the call before the watchdog's tick)
@@ -477,15 +472,8 @@ class Orchestrator:
             while True:
                 wait = self.deadlines.first_token_s if first else self.deadlines.decode_idle_s
                 try:
-                    if RELAY_WAIT_FOR:  # the old per-message timer (A/B baseline)
-                        msg = await asyncio.wait_for(call.read(), wait)
-                    else:
-                        msg = await call.read()
-                        watch.seen(self.deadlines.decode_idle_s)
-                except asyncio.TimeoutError:
-                    raise DeadlineError(
-                        f"{what} instance {inst.instance_id} sent nothing for {wait:g} s"
-                    ) from None
+                    msg = await call.read()
+                    watch.seen(self.deadlines.decode_idle_s)
                 except asyncio.CancelledError:
                     # The call was cancelled, not this task: by the watchdog (`lost`, or
                     # silent past its deadline), or by the close of a dropped instance's

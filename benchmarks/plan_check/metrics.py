@@ -1,0 +1,23 @@
+"""The figures `plan_check` keeps of one run, simulated or emulated (modelled time): SLO
+attainment (both SLOs, and each alone, to say which one binds), TTFT and TPOT p50 / p90."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.workload.goodput import SLO, attainment
+from pdserve.workload.metrics import summarize
+
+
+def run_metrics(records: Sequence[Any], reqs: Sequence[Any], slo: SLO) -> dict[str, Any]:
+    ends = [r.finish_s for r in records if r.finish_s is not None]
+    s = summarize(records, max(ends) if ends else 0.0)
+    return {
+        "attainment": attainment(records, slo),
+        "attainment_ttft": attainment(records, slo.only("ttft")),
+        "attainment_tpot": attainment(records, slo.only("tpot")),
+        "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p90_ms": s["ttft_ms"]["p90"],
+        "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p90_ms": s["tpot_ms"]["p90"],
+        "completed": s["completed"], "num_requests": len(reqs),
+    }  # fmt: skip

@@ -1,0 +1,159 @@
+"""Roofline step costs: an engine step's time on an accelerator from its peak FLOP/s and
+memory bandwidth, scaled by efficiency factors and a per-step overhead.
+
+Roofline of one engine step (batch of (start, new) entries):
+    flops = 2 * matmul_params * new_tokens + 4 * layers * heads * head_dim * attention_pairs
+    bytes = weight_bytes + context_tokens * kv_bytes_per_token
+    step_s = step_overhead_s + max(flops / (peak_flops * compute_eff),
+                                   bytes / (mem_bw * memory_eff))
+The efficiency factors default to commonly reported fractions (see DEFAULT_EFFICIENCY) and
+are calibrated from a real profile with `calibrate` where one exists (only this CPU here).
+KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * KV dtype bytes, the KV
+dtype apart from the weights' (`kv_dtype`: fp8/int8 KV halves the bytes a decode step reads,
+the KV that fits beside the weights, and what moves prefill -> decode; pdserve's quantized KV
+adds one float32 scale per block, K/V and kv head: `shapes.kv_bytes_per_token_of`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pdserve.costmodel.costs import CostModel, LinkCost, StepCost, plan_features
+from pdserve.costmodel.hardware import NETWORKS, Accelerator, parse_hardware
+from pdserve.costmodel.shapes import (
+    ModelShape,
+    itemsize_of,
+    kv_bytes_per_token_of,
+    load_model_config,
+)
+
+# Fractions of peak an engine reaches (prefill MFU ~0.5-0.6 and decode ~0.6-0.8 of HBM
+# bandwidth are typical of vLLM/SGLang-class engines on these parts; DistServe and Vidur
+# calibrate per GPU). Override with `calibrate` from a real profile.
+DEFAULT_EFFICIENCY = {"compute": 0.55, "memory": 0.75, "step_overhead_s": 0.002}
+
+
+@dataclass(frozen=True)
+class RooflineStep:
+    """Step cost of `model` on `tp` x `hw` (tensor parallel; its all-reduces not modelled)."""
+
+    model: ModelShape
+    hw: Accelerator
+    itemsize: int = 2
+    tp: int = 1
+    compute_eff: float = DEFAULT_EFFICIENCY["compute"]
+    memory_eff: float = DEFAULT_EFFICIENCY["memory"]
+    step_overhead_s: float = DEFAULT_EFFICIENCY["step_overhead_s"]
+    kv_bytes: int = 0  # KV bytes per token (0 = the weights' itemsize)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_bytes or self.model.kv_bytes_per_token(self.itemsize)
+
+    @property
+    def peak_flops(self) -> float:
+        tflops = (
+            self.hw.fp8_tflops if self.itemsize == 1 and self.hw.fp8_tflops else self.hw.bf16_tflops
+        )
+        return tflops * 1e12 * self.tp
+
+    def step_s(self, batch: Sequence[tuple[int, int]]) -> float:
+        if not batch:
+            return 0.0
+        return self.features_s(plan_features(batch))
+
+    def features_s(self, features: tuple[float, float, float, float, float]) -> float:
+        """A non-empty step from its `plan_features`."""
+        _, new, _, ctx, pairs = features
+        m = self.model
+        flops = 2.0 * m.matmul_params * new + 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs
+        nbytes = m.matmul_params * self.itemsize + ctx * self.kv_bytes_per_token
+        t_c = flops / (self.peak_flops * self.compute_eff)
+        t_m = nbytes / (self.hw.mem_bw_TBps * 1e12 * self.tp * self.memory_eff)
+        return self.step_overhead_s + max(t_c, t_m)
+
+    def kv_capacity_bytes(self, mem_fraction: float = 0.9) -> int:
+        total = self.hw.mem_GB * 1e9 * self.tp * mem_fraction
+        return max(0, int(total - self.model.params * self.itemsize))
+
+
+def roofline_costs(
+    model: ModelShape | str,
+    hardware: str,
+    network: str = "nvlink",
+    dtype: str = "bfloat16",
+    efficiency: dict[str, float] | None = None,
+    kv_dtype: str | None = None,
+) -> CostModel:
+    """`dtype`: the weights'; `kv_dtype`: the KV cache's (None = the weights')."""
+    shape = load_model_config(model) if isinstance(model, str) else model
+    hw, tp = parse_hardware(hardware)
+    eff = DEFAULT_EFFICIENCY | (efficiency or {})
+    kv_bytes = kv_bytes_per_token_of(shape, kv_dtype or dtype)
+    step = RooflineStep(shape, hw, itemsize_of(dtype), tp, eff["compute"], eff["memory"],
+                        eff["step_overhead_s"], kv_bytes)  # fmt: skip
+    if network not in NETWORKS:
+        raise ValueError(f"unknown network {network!r}; known: {sorted(NETWORKS)}")
+    net = NETWORKS[network]
+    window, window_bytes = shape.window_group(itemsize_of(kv_dtype or dtype)) or (0, 0)
+    costs = CostModel(
+        step=step,  # type: ignore[arg-type]  # duck-typed: step_s, features_s
+        transfer=LinkCost(net.latency_s, net.bandwidth_GBps * 1e9 * tp),
+        kvstore_fetch=LinkCost(20e-6, 25e9),  # host memory over PCIe Gen5 x16 (~25 GB/s used)
+        kvstore_publish=LinkCost(20e-6, 25e9),
+        router_overhead_s=0.0005,
+        kv_bytes_per_token=kv_bytes,
+        kv_window=window,
+        kv_window_bytes_per_token=window_bytes,
+        name=f"{shape.name}@{hardware}/{dtype}" + (f"/kv={kv_dtype}" if kv_dtype else ""),
+        kv_capacity_bytes=step.kv_capacity_bytes(),
+        devices=tp,
+    )
+    if costs.kv_capacity_bytes <= 0:
+        raise ValueError(f"{shape.name} in {dtype} does not fit on {hardware}: use NAMExTP")
+    return costs
+
+
+def pool_costs(
+    model: str,
+    hardware: str,
+    network: str = "nvlink",
+    dtype: str = "bfloat16",
+    efficiency: dict[str, float] | None = None,
+    kv_dtype: str | None = None,
+) -> dict[str, CostModel]:
+    """Per-role costs; 'h100' for every pool, or 'PREFILL_HW,DECODE_HW' (heterogeneous:
+    colocated instances use the first)."""
+    parts = [p.strip() for p in hardware.split(",") if p.strip()]
+    pre, dec = parts[0], parts[-1]
+    p = roofline_costs(model, pre, network, dtype, efficiency, kv_dtype)
+    d = p if dec == pre else roofline_costs(model, dec, network, dtype, efficiency, kv_dtype)
+    return {"prefill": p, "decode": d, "colocated": p}  # fmt: skip
+
+
+def calibrate(profile: dict[str, Any], peak_flops: float, mem_bw_Bps: float) -> dict[str, float]:
+    """Efficiency factors of a real profile against its machine's limits: the compute
+    efficiency from a 512-token prefill step, the memory efficiency from a 16 x 512-context
+    decode step (both from the fitted step model, overhead excluded)."""
+    st = StepCost(**{k: v for k, v in profile["costs"]["step"].items()
+                     if k in StepCost.__dataclass_fields__})  # fmt: skip
+    eng = profile["engine"]
+    params = eng["params"]
+    mc = eng["model_config"]
+    itemsize = 2 if "16" in mc["dtype"] else 4
+    pre = st.step_s([(0, 512)]) - st.base_s
+    dec = st.step_s([(512, 1)] * 16) - st.base_s
+    flops = 2.0 * params * 512
+    nbytes = params * itemsize + 16 * 513 * eng["kv_bytes_per_token"]
+    return {
+        "compute": min(1.0, flops / pre / peak_flops) if pre > 0 else math.nan,
+        "memory": min(1.0, nbytes / dec / mem_bw_Bps) if dec > 0 else math.nan,
+        "step_overhead_s": st.base_s,
+    }
+
+
+def with_efficiency(step: RooflineStep, eff: dict[str, float]) -> RooflineStep:
+    return replace(step, compute_eff=eff["compute"], memory_eff=eff["memory"])
