@@ -260,7 +260,7 @@ def test_build_command_without_a_compiler_exits_0_naming_each_fallback(
     assert "an engine here" in out
     assert main(["kernels", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["compiler"].startswith("no C++ compiler") and shown["summary"]
+    assert shown["compiler"].startswith("none: no C++ compiler") and shown["summary"]
 
 
 # ---------------------------------------------------------------------------- what runs

@@ -53,7 +53,7 @@ def _header() -> dict[str, str]:
 
     return {
         "cpu": CpuFeatures.detect().describe(),
-        "compiler": missing_tool() or compiler(),
+        "compiler": f"none: {missing}" if (missing := missing_tool()) else compiler(),
         "cache": str(build_dir("x", "y").parent),
     }
 
@@ -93,7 +93,7 @@ def run_build(args: argparse.Namespace) -> int:
                           "engine": where, "summary": sel.summary()}, indent=2))  # fmt: skip
         return 0
     head = _header()
-    print(f"pdserve kernels build: cpu {head['cpu']}; compiler {head['compiler']}")
+    print(f"pdserve kernels build: cpu {head['cpu']}; compiler: {head['compiler']}")
     width = max(len(r.kernel) for r in results)
     for r in results:
         if r.state == "built":
