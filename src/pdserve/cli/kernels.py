@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.model.cpp_ext import BuildResult
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -83,19 +86,18 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_build(args: argparse.Namespace) -> int:
-    from pdserve.model.kernel_settings import KernelSettings
-    from pdserve.model.kernels import FALLBACK, build_all
+    import os
+    import threading
 
-    results = build_all(KernelSettings.from_env(), all_variants=args.all, force=args.force)
-    where, sel = _selection(args)
-    if args.json:
-        print(json.dumps({**_header(), "results": [vars(r) for r in results],
-                          "engine": where, "summary": sel.summary()}, indent=2))  # fmt: skip
-        return 0
-    head = _header()
-    print(f"pdserve kernels build: cpu {head['cpu']}; compiler: {head['compiler']}")
-    width = max(len(r.kernel) for r in results)
-    for r in results:
+    from pdserve.model.kernel_settings import KernelSettings
+    from pdserve.model.kernels import FALLBACK, build_all, build_targets
+
+    settings = KernelSettings.from_env()
+    targets = build_targets(settings, args.all)
+    width = max(len(k.name) for k, _ in targets)
+    lock = threading.Lock()
+
+    def line(r: BuildResult) -> None:
         if r.state == "built":
             what = f"built in {r.seconds:.0f} s"
         elif r.state == "cached":
@@ -104,7 +106,23 @@ def run_build(args: argparse.Namespace) -> int:
             what = f"not used here: {r.reason}"
         else:
             what = f"falls back to {FALLBACK[r.kernel]}: {r.reason}"
-        print(f"  {r.kernel:<{width}}  {r.variant or '-':<10}  {what}")
+        with lock:
+            print(f"  {r.kernel:<{width}}  {r.variant or '-':<10}  {what}", flush=True)
+
+    head = _header()
+    if not args.json:
+        print(f"pdserve kernels build: cpu {head['cpu']}; compiler: {head['compiler']}")
+        todo = [f"{k.name} ({v})" for k, v in targets if v and (args.force or not k.is_built(v))]
+        if todo and not head["compiler"].startswith("none"):
+            at_once = min(len(todo), os.cpu_count() or 1)
+            print(f"  compiling {len(todo)} ({at_once} at a time, ~30 s of CPU each; cached "
+                  f"afterwards): {', '.join(todo)}", flush=True)  # fmt: skip
+    results = build_all(settings, args.all, args.force, None if args.json else line)
+    where, sel = _selection(args)
+    if args.json:
+        print(json.dumps({**head, "results": [vars(r) for r in results],
+                          "engine": where, "summary": sel.summary()}, indent=2))  # fmt: skip
+        return 0
     print(f"an engine here ({where}) runs: {sel.summary()}")
     if sel.warning:
         print(f"  warning: {sel.warning}")

@@ -252,6 +252,10 @@ class CppKernel:
             return LoadStatus(None, "refused", f"{what} ({variant}): {refused}")
         return LoadStatus(module, "loaded", None)
 
+    def is_built(self, variant: str) -> bool:
+        """A current build of `variant` is cached (then `build` only reports it)."""
+        return self._state(variant)[0] == "built"
+
     def _state(self, variant: str) -> tuple[str, str | None]:
         """("built", None) when a current build of `variant` lies in its build dir, else
         (state, what is wrong): missing, stale or failed."""
@@ -280,7 +284,7 @@ class CppKernel:
             lacks = self.cpu_lacks(variant) if variant else self._import(None).reason
             return BuildResult(self.name, variant, "unsupported", str(lacks))
         d, stamp = self.build_dir(variant), self.stamp(variant)
-        if not force and self._state(variant)[0] == "built":
+        if not force and self.is_built(variant):
             return BuildResult(self.name, variant, "cached", str(d))
         missing = missing_tool()
         if missing is not None:

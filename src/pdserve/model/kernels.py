@@ -260,11 +260,22 @@ def build_targets(
 
 
 def build_all(
-    settings: KernelSettings, all_variants: bool = False, force: bool = False
+    settings: KernelSettings,
+    all_variants: bool = False,
+    force: bool = False,
+    on_done: Callable[[BuildResult], None] | None = None,
 ) -> list[BuildResult]:
-    """Build `build_targets` (in parallel, one compiler per core); never raises: a kernel
-    that cannot build is a result that names why (its fallback then runs)."""
+    """Build `build_targets` (in parallel, one compiler per core; `on_done` hears each result
+    as it comes); never raises: a kernel that cannot build is a result that names why (its
+    fallback then runs). Results in `build_targets` order."""
     targets = build_targets(settings, all_variants)
+
+    def one(target: tuple[CppKernel, str | None]) -> BuildResult:
+        result = target[0].build(target[1], force=force)
+        if on_done is not None:
+            on_done(result)
+        return result
+
     workers = max(1, min(len(targets), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda kv: kv[0].build(kv[1], force=force), targets))
+        return list(pool.map(one, targets))
