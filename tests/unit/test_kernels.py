@@ -7,6 +7,7 @@ runs."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -212,6 +213,7 @@ def test_a_kernel_without_a_compiler_is_named_and_never_fatal(fresh_kernels, mon
 
 
 def test_stale_failed_and_foreign_builds_are_told_apart(fresh_kernels, monkeypatch):
+    monkeypatch.setenv("CXX", sys.executable)  # a binary that exists: "a compiler is here"
     k = fixed_kernel.KERNEL
     d = k.build_dir("scalar")
     d.mkdir(parents=True)
