@@ -99,6 +99,9 @@ def select_kernels(
     cpu: CpuFeatures | None = None,
     probe: Probe = _probe,
 ) -> KernelSelection:
+    """What an engine with these switches, dtype, device and invariance runs on this CPU (or
+    `cpu`), given which prebuilt kernels load (`probe`). Pure apart from `probe`, which loads
+    a kernel's module (never compiles). The table: docs/INTERNALS.md "Choosing the kernels"."""
     dtype, device = _dtype(dtype), torch.device(device)
     cpu = cpu or CpuFeatures.detect()
     family = getattr(model, "family", "llama")
