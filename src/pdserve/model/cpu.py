@@ -1,4 +1,5 @@
-"""What this CPU runs natively: the facts the kernel choices depend on."""
+"""What this CPU runs natively: the facts the kernel choices depend on (the ISA extensions,
+and whether this torch build packs a linear's weights for oneDNN in a dtype)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,24 @@ class CpuFeatures:
         names = [n for n, on in (("AVX-512", self.avx512), ("AVX512-BF16", self.avx512_bf16),
                                  ("AMX", self.amx)) if on]  # fmt: skip
         return ", ".join(names) or "no AVX-512"
+
+
+# the batch size oneDNN tunes a packed layout for; any row count works at run time
+BATCH_HINT = 64
+
+
+@functools.cache
+def packing_supported(dtype: torch.dtype) -> bool:
+    """True when this torch build and CPU can run a packed linear in `dtype` (tried once)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        w = torch.ones(8, 4, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4, dtype=dtype), packed, None,
+                                               "none", [], "")  # fmt: skip
+    except (RuntimeError, AttributeError):
+        return False
+    return bool((y.float() == 4.0).all())

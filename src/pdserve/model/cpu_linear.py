@@ -44,16 +44,15 @@ A tied lm_head gets a packed copy of the embedding
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model import amx_linear, avx512_bf16_linear
+from pdserve.model.cpu import BATCH_HINT, packing_supported
+from pdserve.model.kernel_settings import KernelSettings
+from pdserve.model.kernels import select_kernels
 
-# the batch size oneDNN tunes the packed layout for; any row count works at run time
-BATCH_HINT = 64
 MIN_MKL_ROWS = 4  # MKL's fp32 GEMM: one kernel for >= 4 rows, others below
 FP32_MIN_ROWS = 4  # packed fp32 linears: >= 2 rows for invariance, 4 for speed (module doc)
 
@@ -68,23 +67,6 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x [M, K], weight) computed with at least MIN_MKL_ROWS rows (batch-invariant)."""
     m = x.shape[0]
     return F.linear(pad_rows(x, MIN_MKL_ROWS), weight)[:m]
-
-
-@functools.cache
-def packing_supported(dtype: torch.dtype) -> bool:
-    """True when this torch build and CPU can run a packed linear in `dtype` (tried once)."""
-    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False
-    try:
-        w = torch.ones(8, 4, dtype=dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4, dtype=dtype), packed, None,
-                                               "none", [], "")  # fmt: skip
-    except (RuntimeError, AttributeError):
-        return False
-    return bool((y.float() == 4.0).all())
 
 
 def cpu_has_native_bf16() -> bool:
@@ -157,9 +139,6 @@ def pack_linears(
     weights = [child.weight for _, _, child in targets] + ([head] if head is not None else [])
     bf16 = any(w.dtype == torch.bfloat16 for w in weights)
     if bf16 and kernel is None:
-        from pdserve.model.kernel_settings import KernelSettings
-        from pdserve.model.kernels import select_kernels
-
         settings = KernelSettings.from_env()
         kernel = select_kernels(settings, torch.bfloat16, "cpu", batch_invariant).linear
     amx = bf16 and kernel == "amx"

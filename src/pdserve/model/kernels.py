@@ -26,7 +26,7 @@ import torch
 from pdserve.model import amx_linear, avx512_bf16_linear, pointwise
 from pdserve.model.attention import auto_backend_name, fixed_kernel
 from pdserve.model.cpp_ext import BuildResult, CppKernel
-from pdserve.model.cpu import CpuFeatures
+from pdserve.model.cpu import CpuFeatures, packing_supported
 from pdserve.model.kernel_settings import KernelSettings
 
 # every C++ kernel of the package, with what runs when it is not there
@@ -180,8 +180,6 @@ def _attention(
 def _linear(
     s: KernelSettings, dtype: torch.dtype, batch_invariant: bool, cpu: CpuFeatures, probe: Probe
 ) -> tuple[str, str]:
-    from pdserve.model.cpu_linear import packing_supported
-
     if not s.pack_weights:
         gap = f": plain torch linears are {NOT_INVARIANT}" if batch_invariant else ""
         return "torch", s.switch("pack_weights") + gap
