@@ -22,7 +22,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "kernels", help="the C++ kernels here and what an engine runs (build: compile them)"
     )
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    p.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+        help="the engine dtype the choice is shown for (auto: what a worker here serves)",
+    )  # fmt: skip
     p.add_argument(
         "--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
         help="the engine setting the choice is shown for (default: on)",
