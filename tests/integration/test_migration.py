@@ -1,4 +1,4 @@
-"""Streams survive a dead decode (issue 11): 2 prefill + 2 decode worker processes under the
+"""Streams survive a dead decode: 2 prefill + 2 decode worker processes under the
 launcher's Supervisor (what `pdserve up` runs), 32 concurrent streams (greedy and seeded), a
 decode killed with SIGKILL mid-stream three times. Expected: no client-visible failure, every
 stream's tokens identical to the in-process engine's, no KV block leaked on any live worker,

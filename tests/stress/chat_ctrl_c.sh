@@ -1,5 +1,5 @@
 #!/bin/bash
-# The Ctrl-C proof of `pdserve chat` (issue: "must pass 50 of 50 runs with a CPU hog beside it"):
+# The Ctrl-C proof of `pdserve chat` (it must pass 50 of 50 runs with a CPU hog beside it):
 # runs tests/integration/test_cli_chat_pty.py N times (default 50) while `python -c 'while 1:
 # pass'` keeps a core busy, and prints pass/fail counts; each run's output goes to $LOGS/run_I.log.
 # Usage (repository root): tests/stress/chat_ctrl_c.sh [N]   (PYTHON=... to pick the interpreter)

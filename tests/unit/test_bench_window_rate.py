@@ -1,5 +1,5 @@
 """Trace replay with --rate and --duration: the window actually replayed is offered at the
-labelled rate (issue 12, item 6). The fixture is bursty: 12 requests in its first 3 s, then
+labelled rate. The fixture is bursty: 12 requests in its first 3 s, then
 one every 20 s, so rescaling the whole file to the mean rate and cutting it (the old way)
 offers the opening window at several times the label."""
 

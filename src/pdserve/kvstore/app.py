@@ -40,7 +40,7 @@ class KVStoreApp(ServiceApp):
             extent_bytes=s.arena.extent_bytes,
             block_bytes=self.settings.block_bytes,
             disk_dir=self.settings.disk_dir,
-            disk_bytes=s.disk_capacity,
+            disk_bytes=s.index.disk_capacity,
         )
 
     async def close(self) -> None:

@@ -147,7 +147,7 @@ def workload_at(
         reqs = base if base is not None else base_requests(args, salt=salt)
         stamps = [r.arrival_s for r in reqs]
         if rate is not None and args.duration:
-            # rescale the window actually replayed, not the whole file (issue 12, item 6)
+            # rescale the window actually replayed, not the whole file
             n, times = arrivals.replay_window(stamps, rate, args.duration)
             reqs = reqs[:n]
         else:
