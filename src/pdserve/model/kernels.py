@@ -242,18 +242,25 @@ def linear_bound(selection: KernelSelection, actual: str) -> KernelSelection:
     return replace(selection, linear=actual, linear_why=why)
 
 
+SERVED_ELSEWHERE = "not served on a CPU with AMX (amx_linear is; `--all` builds it)"
+
+
 def build_targets(
     settings: KernelSettings, all_variants: bool
 ) -> list[tuple[CppKernel, str | None]]:
-    """(kernel, variant) pairs to build: each kernel's variant for this CPU (the attention
-    kernel's as `settings` force it), or with `all_variants` every variant this CPU runs (the
-    tests also run the attention kernel's fp32-math build); variant None: none runs here."""
+    """(kernel, variant) pairs to build: the variants an engine here can serve (the attention
+    kernel's as `settings` force it; not the AVX512-BF16 linear on a CPU with AMX), or with
+    `all_variants` every variant this CPU runs (the tests also run the attention kernel's
+    fp32-math build and the AVX512-BF16 linear); variant None: none is built."""
+    cpu = CpuFeatures.detect()
     out: list[tuple[CppKernel, str | None]] = []
     for kernel in ALL:
         if all_variants:
             variants: list[str | None] = list(kernel.runnable_variants()) or [None]
         elif kernel is fixed_kernel.KERNEL:
-            variants = [attention_isa(settings.attn_kernel, CpuFeatures.detect())[0]]
+            variants = [attention_isa(settings.attn_kernel, cpu)[0]]
+        elif kernel is avx512_bf16_linear.KERNEL and cpu.amx:
+            variants = [None]
         else:
             variants = [kernel.default_variant()]
         out += [(kernel, v) for v in variants]
@@ -272,7 +279,11 @@ def build_all(
     targets = build_targets(settings, all_variants)
 
     def one(target: tuple[CppKernel, str | None]) -> BuildResult:
-        result = target[0].build(target[1], force=force)
+        kernel, variant = target
+        if variant is None and kernel.default_variant() is not None:
+            result = BuildResult(kernel.name, None, "unsupported", SERVED_ELSEWHERE)
+        else:
+            result = kernel.build(variant, force=force)
         if on_done is not None:
             on_done(result)
         return result
