@@ -289,6 +289,8 @@ class CppKernel:
         missing = missing_tool()
         if missing is not None:
             return BuildResult(self.name, variant, "failed", missing)
+        if force:  # ninja would find the old objects up to date
+            shutil.rmtree(d, ignore_errors=True)
         t0 = time.perf_counter()
         try:
             build(f"pdserve_{self.name}", variant, self.source, self.flags[variant])
