@@ -59,6 +59,15 @@ class WorkerSettings(ServiceSettings):
         None, description="host the router should dial (default: host, or this host's IP)"
     )
     heartbeat_interval_s: float = Field(1.0, gt=0, description="load report period")
+    router_discovery: Literal["static", "dns"] = Field(
+        "static",
+        description="static: register with each --router-addr entry; dns: resolve each "
+        "entry's host every --router-resolve-s and register with every address it "
+        "resolves to (router replicas behind a headless Service)",
+    )
+    router_resolve_s: float = Field(
+        5.0, gt=0, description="with --router-discovery dns: resolve the routers this often, s"
+    )
     lease_s: float = Field(
         120.0,
         gt=0,
