@@ -245,6 +245,29 @@ def test_a_variant_this_cpu_cannot_run_is_never_loaded():
     assert k.build().state == "unsupported"
 
 
+def test_a_kernel_no_engine_here_serves_is_built_only_by_all(fresh_kernels, monkeypatch):
+    """The AVX512-BF16 linear where AMX is: `kernels build` skips it, naming why, `--all`
+    builds it, and its missing build points at `--all` (on any CPU: the CPU is patched)."""
+    monkeypatch.setenv("CXX", sys.executable)  # "a compiler is here": the hint, not no-compiler
+    k = avx512_bf16_linear.KERNEL
+    for cpu, served in ((SPR, False), (ZEN4, True)):
+        monkeypatch.setattr(CpuFeatures, "detect", staticmethod(lambda cpu=cpu: cpu))
+        monkeypatch.setattr(avx512_bf16_linear, "cpu_has_avx512_bf16", lambda: True)
+        k.forget()
+        assert (k.not_served() is None) == served
+        default = dict((t.name, v) for t, v in kernels.build_targets(KernelSettings(), False)
+                       if t is k)  # fmt: skip
+        assert default == {k.name: "avx512bf16" if served else None}
+        assert (k, "avx512bf16") in kernels.build_targets(KernelSettings(), True)
+        hint = "(run `pdserve kernels build`)" if served else "(run `pdserve kernels build --all`)"
+        assert str(k.why_unavailable()).endswith(f"not built {hint}")
+    monkeypatch.setattr(CpuFeatures, "detect", staticmethod(lambda: SPR))
+    monkeypatch.setenv("CXX", NO_CXX)  # the others fail at once instead of compiling
+    skipped = kernels.build_all(KernelSettings())
+    r = next(r for r in skipped if r.kernel == k.name)
+    assert (r.state, r.reason) == ("unsupported", avx512_bf16_linear.SERVED_ELSEWHERE)
+
+
 def test_build_command_without_a_compiler_exits_0_naming_each_fallback(
     fresh_kernels, monkeypatch, capsys
 ):

@@ -38,8 +38,10 @@ import torch
 from torch import nn
 
 from pdserve.model.cpp_ext import CppKernel
+from pdserve.model.cpu import CpuFeatures
 
 _CSRC = Path(__file__).parent / "csrc"
+SERVED_ELSEWHERE = "not served on a CPU with AMX (amx_linear is; `--all` builds it)"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
 
@@ -53,6 +55,7 @@ KERNEL = CppKernel(
     {"avx512bf16": _FLAGS},
     headers=[_CSRC / "avx512_math.h"],
     cpu_lacks=lambda variant: None if cpu_has_avx512_bf16() else "no AVX512-BF16 on this CPU",
+    not_served=lambda: SERVED_ELSEWHERE if CpuFeatures.detect().amx else None,
 )
 
 

@@ -149,6 +149,7 @@ class CppKernel:
         headers: Sequence[Path] = (),
         cpu_lacks: Callable[[str], str | None] = lambda variant: None,
         init: Callable[[Any], str | None] | None = None,
+        not_served: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.name = name  # short name: fixed_attn, amx_linear, ...
         self.source = source
@@ -156,6 +157,7 @@ class CppKernel:
         self.headers = tuple(headers)
         self._cpu_lacks = cpu_lacks
         self._init = init
+        self._not_served = not_served  # why no engine here serves it (then only --all builds it)
         self._lock = threading.Lock()
         self._loaded: dict[str, LoadStatus] = {}  # variant -> what load found
 
@@ -172,6 +174,11 @@ class CppKernel:
     def default_variant(self) -> str | None:
         """The preferred variant this CPU runs, or None."""
         return next((v for v in self.variants if self.cpu_lacks(v) is None), None)
+
+    def not_served(self) -> str | None:
+        """Why no engine on this CPU serves this kernel although it runs here (e.g. the
+        AVX512-BF16 linear where AMX is), or None; `pdserve kernels build` then skips it."""
+        return self._not_served()
 
     def runnable_variants(self) -> list[str]:
         return [v for v in self.variants if self.cpu_lacks(v) is None]
@@ -260,7 +267,8 @@ class CppKernel:
         """("built", None) when a current build of `variant` lies in its build dir, else
         (state, what is wrong): missing, stale or failed."""
         d = self.build_dir(variant)
-        hint = BUILD_HINT if variant == self.default_variant() else BUILD_HINT[:-1] + " --all`"
+        served = variant == self.default_variant() and self.not_served() is None
+        hint = BUILD_HINT if served else BUILD_HINT[:-1] + " --all`"
         try:
             record = json.loads((d / STAMP).read_text())
         except (OSError, ValueError):

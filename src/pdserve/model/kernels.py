@@ -242,9 +242,6 @@ def linear_bound(selection: KernelSelection, actual: str) -> KernelSelection:
     return replace(selection, linear=actual, linear_why=why)
 
 
-SERVED_ELSEWHERE = "not served on a CPU with AMX (amx_linear is; `--all` builds it)"
-
-
 def build_targets(
     settings: KernelSettings, all_variants: bool
 ) -> list[tuple[CppKernel, str | None]]:
@@ -259,7 +256,7 @@ def build_targets(
             variants: list[str | None] = list(kernel.runnable_variants()) or [None]
         elif kernel is fixed_kernel.KERNEL:
             variants = [attention_isa(settings.attn_kernel, cpu)[0]]
-        elif kernel is avx512_bf16_linear.KERNEL and cpu.amx:
+        elif kernel.not_served() is not None:
             variants = [None]
         else:
             variants = [kernel.default_variant()]
@@ -281,7 +278,7 @@ def build_all(
     def one(target: tuple[CppKernel, str | None]) -> BuildResult:
         kernel, variant = target
         if variant is None and kernel.default_variant() is not None:
-            result = BuildResult(kernel.name, None, "unsupported", SERVED_ELSEWHERE)
+            result = BuildResult(kernel.name, None, "unsupported", str(kernel.not_served()))
         else:
             result = kernel.build(variant, force=force)
         if on_done is not None:
