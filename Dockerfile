@@ -5,9 +5,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     PDSERVE_LOG_FORMAT=json
 
 WORKDIR /app
-# g++: the batch-invariant attention kernel (pdserve.model.attention.fixed_kernel) is a C++
-# torch extension built on first use; without a compiler the engine falls back to its slower
-# torch path.
+# g++: the C++ kernels (`pdserve kernels build`, below); without a compiler a worker runs
+# their torch / oneDNN fallbacks, slower and (bf16 on a CPU with AMX) not batch-invariant.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 # torch first, pinned: its wheel is the big layer and changes least.
@@ -20,11 +19,11 @@ COPY src ./src
 COPY services ./services
 RUN pip install '.[engine,ucx]' \
     && pip install ./services/router ./services/prefill ./services/decode ./services/kvstore
-# build the kernel into the image (a worker then loads it in well under a second instead of
-# compiling for ~35 s of CPU at start-up); a CPU without AVX-512 builds its scalar variant on
-# first use
+# the kernels are built into the image for the build machine's CPU (a worker only loads
+# prebuilt kernels, never compiles); build the image on the kind of CPU it serves on
+# (`pdserve kernels` in a container says what loads there and what falls back, and why)
 ENV TORCH_EXTENSIONS_DIR=/opt/pdserve/torch_extensions
-RUN python -c "from pdserve.model.attention import fixed_kernel as k; k.available()"
+RUN pdserve kernels build
 
 # Model checkpoints are mounted at /model (see compose.yaml); none is baked in.
 VOLUME ["/model"]

@@ -14,7 +14,6 @@ fixed_attn_math.h and, where it exists, model/csrc/avx512_math.h) is built once 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 
 from pdserve.model import cpp_ext
 from pdserve.model.attention import fixed_kernel
+from pdserve.model.kernel_settings import KernelSettings
 
 BS = 16
 _CSRC = "src/pdserve/model/attention/csrc"
@@ -42,7 +42,7 @@ def build_baseline(rev: str) -> Any:
     ).stdout.strip()
     # the repository's layout under src/, so that relative includes resolve as in the tree
     # (fixed_attn_math.h includes ../../csrc/avx512_math.h from the shared helpers)
-    variant = fixed_kernel.variant_for(os.environ.get("PDSERVE_ATTN_KERNEL", "1"))
+    variant = fixed_kernel.variant_for(KernelSettings.from_env().attn_kernel)
     tree = cpp_ext.build_dir("pdserve_fixed_attn_base", f"{sha}_{variant}") / "src"
     for rel in (f"{_CSRC}/fixed_attn.cpp", f"{_CSRC}/fixed_attn_math.h", _SHARED_HEADER):
         shown = subprocess.run(

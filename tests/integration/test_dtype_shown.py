@@ -1,6 +1,8 @@
 """The dtype actually served is what every surface shows: a worker started with `--dtype auto`
 logs the resolved dtype at start-up, registers it, and `pdserve status` (table and JSON) and
-`generate --json` (served and in process) name it, next to the checkpoint's own dtype."""
+`generate --json` (served and in process) name it, next to the checkpoint's own dtype. So do
+the kernels its forward pass runs (pdserve.model.kernels): the start-up log (each choice and
+its reason), the registration, `pdserve status` and `generate --json` in process."""
 
 from __future__ import annotations
 
@@ -64,6 +66,29 @@ def test_worker_log_names_the_resolved_dtype(auto_cluster, resolved):
     assert loaded[0]["dtype"] == resolved and loaded[0]["dtype_setting"] == "auto"
 
 
+def test_status_and_log_name_the_kernels(auto_cluster, resolved, serving_model_dir):
+    from pdserve.cli.status import format_table
+    from pdserve.client import Client
+    from pdserve.model.config import ModelConfig
+    from pdserve.model.kernel_settings import KernelSettings
+    from pdserve.model.kernels import select_kernels
+
+    config = ModelConfig.from_dir(serving_model_dir)
+    want = select_kernels(KernelSettings.from_env(), resolved, "cpu", True, model=config)
+    with Client(auto_cluster.addr) as client:
+        status = client.status()
+    assert [i.kernels for i in status.instances] == [want.summary()]
+    assert f"kernels: {want.summary()}" in format_table(status).splitlines()
+    assert status.to_dict()["instances"][0]["kernels"] == want.summary()
+    lines = [json.loads(x) for x in (auto_cluster.log_dir / "colocated0.log").read_text().splitlines()
+             if x.startswith("{")]  # fmt: skip
+    chosen = [x for x in lines if x.get("event") == "kernels"]
+    assert chosen and chosen[0]["summary"] == want.summary()
+    assert {k: chosen[0][k] for k in want.reasons()} == want.reasons()  # every reason, logged
+    loaded = [x for x in lines if x.get("event") == "worker loaded"]
+    assert loaded[0]["kernels"] == want.summary()
+
+
 def _args(**kw) -> argparse.Namespace:
     base = dict(
         prompt=None, prompt_ids="1,2,3", max_tokens=3, temperature=0.0, top_p=1.0, top_k=0,
@@ -79,5 +104,6 @@ def test_generate_json_names_the_dtype(auto_cluster, resolved, serving_model_dir
     assert remote["dtype"] == resolved
     local = run_local(_args(model=str(serving_model_dir), dtype="auto"))
     assert local["dtype"] == resolved
+    assert local["kernels"].startswith("loop=")  # what the in-process engine ran
     pinned = run_local(_args(model=str(serving_model_dir), dtype="float32"))
     assert pinned["dtype"] == "float32"

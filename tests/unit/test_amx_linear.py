@@ -1,5 +1,6 @@
 """The AMX bf16 linear (pdserve.model.amx_linear): invariant by construction, correct, and what
-`pack_linears` serves on a CPU with AMX. Skipped where the CPU has no AMX or it cannot be built.
+`pack_linears` serves on a CPU with AMX. Skipped, with the reason, where the CPU has no AMX, the
+kernel is not built (no compiler) or the OS refuses AMX.
 
 Why it exists is measured here too: on a CPU with AMX, oneDNN's packed bf16 linear gives a
 row other bits inside a batch than alone (`test_onednn_bf16_is_batch_variant_on_this_cpu`)."""
@@ -13,8 +14,9 @@ from torch import nn
 
 from pdserve.model import amx_linear
 from pdserve.model.cpu_linear import PackedLinear, pack_linears
+from tests.unit.kernel_skip import unless_loads
 
-pytestmark = pytest.mark.skipif(not amx_linear.available(), reason="no AMX on this CPU")
+pytestmark = unless_loads(amx_linear.KERNEL)
 
 BF16 = torch.bfloat16
 # (K, N, bias): a tail in K and N, bench50m's MLP down projection, a tied-head-like shape

@@ -1,6 +1,7 @@
 """The AVX512-BF16 bf16 linear (pdserve.model.avx512_bf16_linear): invariant by construction,
-correct, and what `pack_linears` serves on a CPU with AVX512-BF16 and no AMX. Skipped where
-the CPU has no AVX512-BF16 or the kernel cannot be built (no compiler).
+correct, and what `pack_linears` serves when the selection (`pdserve.model.kernels`) picks it:
+an invariant bf16 engine on a CPU with AVX512-BF16 and no AMX. Skipped, with the reason, where
+the CPU has no AVX512-BF16 or the kernel is not built (no compiler).
 
 Why it exists is probed here too: on this repository's AMD EPYC, oneDNN's packed bf16 linear
 gives a row other bits inside a batch than alone (`test_onednn_bf16_is_batch_variant_...`)."""
@@ -12,13 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model import amx_linear, avx512_bf16_linear
+from pdserve.model import avx512_bf16_linear, pointwise
 from pdserve.model.avx512_bf16_linear import Avx512Bf16Linear
+from pdserve.model.cpu import CpuFeatures
 from pdserve.model.cpu_linear import PackedLinear, pack_linears
+from pdserve.model.kernel_settings import KernelSettings
+from pdserve.model.kernels import select_kernels
+from tests.unit.kernel_skip import require, unless_loads
 
-pytestmark = pytest.mark.skipif(
-    not avx512_bf16_linear.available(), reason="no AVX512-BF16 on this CPU, or no build"
-)
+pytestmark = unless_loads(avx512_bf16_linear.KERNEL)
+ZEN4 = CpuFeatures(avx512=True, avx512_bf16=True, amx=False)  # the CPU it is served on
 
 BF16 = torch.bfloat16
 ROWS = (1, 2, 3, 5, 17, 64, 300)
@@ -69,32 +73,32 @@ def test_it_computes_the_linear(shape):
     assert torch.allclose(got, ref, rtol=8e-3, atol=8e-3 * ref.abs().max().item())
 
 
-def test_pack_linears_serves_bf16_on_it_and_keeps_onednn_when_not_invariant(monkeypatch):
-    if amx_linear.cpu_has_amx():
-        pytest.skip("a CPU with AMX gets the AMX kernel (test_amx_linear.py)")
-    monkeypatch.setenv(avx512_bf16_linear.ENV, "1")
+def _kernel_on_zen4(batch_invariant: bool, settings: KernelSettings | None = None) -> str:
+    """The linear the selection picks for bf16 on a CPU with AVX512-BF16 and no AMX."""
+    s = settings or KernelSettings()
+    return select_kernels(s, BF16, "cpu", batch_invariant, cpu=ZEN4).linear
+
+
+def test_pack_linears_serves_bf16_on_it_and_keeps_onednn_when_not_invariant():
     torch.manual_seed(0)
 
     def model() -> nn.Sequential:
         return nn.Sequential(nn.Linear(64, 96).to(BF16), nn.Linear(96, 64).float())
 
     inv, var = model(), model()
-    pack_linears(inv, batch_invariant=True)
-    pack_linears(var, batch_invariant=False)
+    pack_linears(inv, batch_invariant=True, kernel=_kernel_on_zen4(True))
+    pack_linears(var, batch_invariant=False, kernel=_kernel_on_zen4(False))
     assert isinstance(inv[0], Avx512Bf16Linear) and isinstance(inv[1], PackedLinear)
     assert isinstance(var[0], PackedLinear) and isinstance(var[1], PackedLinear)
 
 
-def test_a_tied_bf16_head_gets_the_kernel(tmp_path, monkeypatch):
+def test_a_tied_bf16_head_gets_the_kernel(tmp_path):
     from pdserve.model.loader import load_model
     from pdserve.model.tiny import TinySpec, make_tiny
 
-    if amx_linear.cpu_has_amx():
-        pytest.skip("a CPU with AMX gets the AMX kernel (test_amx_linear.py)")
-    monkeypatch.setenv(avx512_bf16_linear.ENV, "1")
     spec = TinySpec(hidden=256, vocab=1000, tie=True)
     model = load_model(make_tiny(tmp_path / "m", spec), "bfloat16").model
-    pack_linears(model, batch_invariant=True)
+    pack_linears(model, batch_invariant=True, kernel="avx512bf16")
     assert isinstance(model.tied_head, Avx512Bf16Linear)  # rows: test_batch_invariant_ops
     h = torch.randn(8, 256).to(BF16)
     with torch.inference_mode():
@@ -102,16 +106,15 @@ def test_a_tied_bf16_head_gets_the_kernel(tmp_path, monkeypatch):
         assert torch.allclose(model.compute_logits(h), ref, rtol=8e-3, atol=0.05)
 
 
-def test_the_env_var_turns_it_on_and_off(monkeypatch):
-    if amx_linear.cpu_has_amx():
-        pytest.skip("a CPU with AMX gets the AMX kernel (test_amx_linear.py)")
+def test_the_switch_turns_it_on_and_off():
+    """PDSERVE_AVX512_BF16_LINEAR=0 / 1 (on by default): oneDNN, named not invariant / the
+    kernel; pack_linears serves what was chosen."""
     for value, served in (("0", PackedLinear), ("1", Avx512Bf16Linear)):
-        monkeypatch.setenv(avx512_bf16_linear.ENV, value)
+        settings = KernelSettings.from_env({"PDSERVE_AVX512_BF16_LINEAR": value})
         model = nn.Sequential(nn.Linear(64, 96).to(BF16))
-        pack_linears(model, batch_invariant=True)
-        assert isinstance(model[0], served)  # "0": oneDNN, invariant on such a CPU
-    monkeypatch.delenv(avx512_bf16_linear.ENV)
-    assert avx512_bf16_linear.enabled() is avx512_bf16_linear.DEFAULT_ON
+        pack_linears(model, batch_invariant=True, kernel=_kernel_on_zen4(True, settings))
+        assert isinstance(model[0], served)
+    assert _kernel_on_zen4(True, KernelSettings.from_env({})) == "avx512bf16"
 
 
 def test_bad_input_names_the_problem():
@@ -152,14 +155,13 @@ def test_the_fused_silu_mul_has_the_bits_of_gate_up_then_silu_mul(shape):
     """Avx512Bf16SiluMulLinear = silu_mul(Avx512Bf16Linear(W)(x)) bit for bit, for every row
     count (1-2: the decode blocks, 3-6, and several blocks), so the fused path serves the same
     tokens; and a row's bits alone are its bits in a batch."""
-    from pdserve.model import pointwise
-
     i, k, bias = shape
     torch.manual_seed(i + k)
     lin = nn.Linear(k, 2 * i, bias=bias).to(BF16)
     plain = Avx512Bf16Linear.from_linear(lin)
     fused = avx512_bf16_linear.Avx512Bf16SiluMulLinear.from_linear(lin)
-    ops = pointwise.for_model(BF16, torch.device("cpu"))
+    require(pointwise.KERNEL)  # the epilogue shares its silu with the pointwise kernel
+    ops = pointwise.ops("fused")
     x = (3 * torch.randn(300, k)).to(BF16)  # gate values out to the exp's clamp
     with torch.inference_mode():
         for m in ROWS:
@@ -182,21 +184,21 @@ def test_gate_up_order_puts_a_columns_gate_and_up_in_one_panel():
     assert col[72:96] == [0.0] * 24 and col[104:] == [0.0] * 24  # past I: zeros
 
 
-def test_pack_linears_fuses_silu_mul_into_a_llama_gate_up_with_the_same_bits(tmp_path, monkeypatch):
+def test_pack_linears_fuses_silu_mul_into_a_llama_gate_up_with_the_same_bits(tmp_path):
     """The served path: pack_linears gives a llama model's gate_up the fused kernel, and the
     model's hidden states are bit-equal to the unfused packing's."""
     from pdserve.model.attention import AttentionMetadata
     from pdserve.model.loader import load_model
     from pdserve.model.tiny import TinySpec, make_tiny
 
-    if amx_linear.cpu_has_amx():
-        pytest.skip("a CPU with AMX gets the AMX kernel (test_amx_linear.py)")
-    monkeypatch.setenv(avx512_bf16_linear.ENV, "1")
+    require(pointwise.KERNEL)
     spec = TinySpec(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=200, vocab=600)
     path = make_tiny(tmp_path / "m", spec)
     fused, plain = (load_model(path, "bfloat16").model for _ in range(2))
-    pack_linears(fused, batch_invariant=True)
-    pack_linears(plain, batch_invariant=True, fuse_silu_mul=False)
+    pack_linears(fused, batch_invariant=True, kernel="avx512bf16")
+    pack_linears(plain, batch_invariant=True, fuse_silu_mul=False, kernel="avx512bf16")
+    for m in (fused, plain):  # the served ops (the epilogue's silu is the kernel's)
+        m.pointwise = pointwise.ops("fused")
     for m, silu in ((fused, avx512_bf16_linear.Avx512Bf16SiluMulLinear), (plain, Avx512Bf16Linear)):
         assert all(type(layer.gate_up_proj) is silu for layer in m.layers)
     bs, t = 16, 37

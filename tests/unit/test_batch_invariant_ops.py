@@ -4,7 +4,7 @@ probe of every op whose result could depend on the batch), and the old kernels d
 Attention: one sequence's queries attended (a) as the whole prompt, (b) in chunks, (c) as
 decode rows batched with longer neighbours (padding), under 1 and 2 threads: bitwise equal,
 and close to SDPA (the math is right). Linear: packed rows 1..300, bf16 and fp32, on whichever
-kernel `pack_linears` serves on this CPU (oneDNN, AMX or AVX512-BF16)."""
+kernel the selection (`pdserve.model.kernels`) serves on this CPU (oneDNN, AMX or AVX512-BF16)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.amx_linear import AmxLinear, cpu_has_amx
-from pdserve.model.amx_linear import available as amx_available
 from pdserve.model.attention import fixed
-from pdserve.model.avx512_bf16_linear import Avx512Bf16Linear
-from pdserve.model.avx512_bf16_linear import available as avx512_bf16_available
-from pdserve.model.avx512_bf16_linear import enabled as avx512_bf16_enabled
 from pdserve.model.cpu_linear import (
     FP32_MIN_ROWS,
     PackedLinear,
+    linear_kind,
     pack_linears,
     packing_supported,
 )
+from pdserve.model.kernel_settings import KernelSettings
+from pdserve.model.kernels import select_kernels
 
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -123,17 +121,15 @@ def test_packed_linear_rows_are_invariant(dtype, shape):
         pytest.skip("oneDNN packing unavailable")
     k, n, bias = shape
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(k, n, bias=bias).to(dtype))
-    pack_linears(model, batch_invariant=True)
-    lin = model[0]
     # bf16 on a CPU with AMX: the AMX kernel (test_amx_linear.py); with AVX512-BF16 and no
     # AMX: the AVX512-BF16 kernel (test_avx512_bf16_linear.py); oneDNN is not invariant on either
-    expected: type[nn.Module] = PackedLinear
-    if dtype == torch.bfloat16 and amx_available():
-        expected = AmxLinear
-    elif dtype == torch.bfloat16 and not cpu_has_amx() and avx512_bf16_enabled():
-        expected = Avx512Bf16Linear if avx512_bf16_available() else PackedLinear
-    assert isinstance(lin, expected)
+    sel = select_kernels(KernelSettings.from_env(), dtype, "cpu", True)
+    if sel.warning:
+        pytest.skip(f"not invariant here: {sel.warning}")
+    model = nn.Sequential(nn.Linear(k, n, bias=bias).to(dtype))
+    pack_linears(model, batch_invariant=True, kernel=sel.linear)
+    lin = model[0]
+    assert linear_kind(model) == sel.linear
     x = torch.randn(300, k).to(dtype)
     with torch.inference_mode():
         ref = lin(x[:1])

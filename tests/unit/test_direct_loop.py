@@ -13,24 +13,15 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.params import SamplingParams
-from pdserve.model import avx512_bf16_linear, pointwise
-from pdserve.model.attention import fixed_kernel
 from pdserve.model.direct_loop import DirectLoop
+from pdserve.model.kernel_settings import KernelSettings
+from pdserve.model.kernels import select_kernels
 from pdserve.model.tiny import TinySpec, make_tiny
 
 PROMPT_LENS = (5, 37, 70, 1, 16)  # over 40-token steps: chunked, mixed with decodes
-
-
-def _kernels_here() -> bool:
-    return (
-        pointwise.load() is not None
-        and avx512_bf16_linear.available()
-        and fixed_kernel.load() is not None
-    )
-
-
+_HERE = select_kernels(KernelSettings(), torch.bfloat16, "cpu", True)  # a bf16 engine here
 needs_kernels = pytest.mark.skipif(
-    not _kernels_here(), reason="needs the AVX-512 pointwise, linear and attention kernels"
+    _HERE.loop != "direct", reason=f"no direct loop here: {_HERE.loop_why}"
 )
 
 
@@ -49,10 +40,9 @@ class _Counting:
 
 
 def _run(
-    model_dir: Path, direct: bool, monkeypatch: pytest.MonkeyPatch, **config: object
+    model_dir: Path, direct: bool, **config: object
 ) -> tuple[list[list[int]], list[torch.Tensor], int]:
     """(tokens per request, every step's hidden states, steps the direct loop ran)."""
-    monkeypatch.setenv("PDSERVE_DIRECT_LOOP", "1" if direct else "0")
     engine = LLMEngine(
         EngineConfig(
             model_dir,
@@ -61,9 +51,11 @@ def _run(
             max_num_batched_tokens=40,
             max_num_seqs=8,
             enable_prefix_caching=False,
+            kernels=KernelSettings(direct_loop=direct),
             **config,  # type: ignore[arg-type]
         )
     )
+    assert engine.kernels.loop == ("direct" if direct else "module")  # the record runs
     model = engine.runner.model
     counting = None
     if model.direct_loop is not None:
@@ -95,12 +87,12 @@ def _run(
     ("family", "kv_dtype"),
     [("llama", None), ("qwen2", None), ("mistral", None), ("llama", "int8")],
 )
-def test_direct_loop_bits_equal_module_loop(family, kv_dtype, tmp_path, monkeypatch):
+def test_direct_loop_bits_equal_module_loop(family, kv_dtype, tmp_path):
     """qwen2: q/k/v biases; mistral: a 48-token sliding window (prompts of 70); int8: the
     quantized cache goes through the backend inside the direct loop."""
     model_dir = make_tiny(tmp_path / family, TinySpec(family=family, vocab=512))
-    ref_tokens, ref_hidden, ref_direct = _run(model_dir, False, monkeypatch, kv_dtype=kv_dtype)
-    tokens, hidden, direct = _run(model_dir, True, monkeypatch, kv_dtype=kv_dtype)
+    ref_tokens, ref_hidden, ref_direct = _run(model_dir, False, kv_dtype=kv_dtype)
+    tokens, hidden, direct = _run(model_dir, True, kv_dtype=kv_dtype)
     assert ref_direct == 0
     assert direct == len(hidden) > len(PROMPT_LENS)  # every step ran the direct loop
     assert tokens == ref_tokens
@@ -135,14 +127,16 @@ def test_direct_loop_calls_the_layer_callback_in_order(tmp_path):
 
 
 @needs_kernels
-def test_module_loop_runs_what_the_direct_loop_cannot(tmp_path, monkeypatch):
+def test_module_loop_runs_what_the_direct_loop_cannot(tmp_path):
     """qwen3 (per-head q/k norms), fp32, a batch-variant engine (oneDNN linears, no kernel
-    entries) and PDSERVE_DIRECT_LOOP=0 build no loop; a built loop refuses a step whose
+    entries) and direct_loop=False (PDSERVE_DIRECT_LOOP=0) build no loop; a built loop refuses a step whose
     attention plan is not the kernel's."""
 
     def loop(model_dir: Path, **config: object) -> DirectLoop | None:
         engine = LLMEngine(EngineConfig(model_dir, num_blocks=8, **config))  # type: ignore[arg-type]
-        return engine.runner.model.direct_loop
+        built = engine.runner.model.direct_loop
+        assert (built is not None) == (engine.kernels.loop == "direct")  # the record runs
+        return built
 
     qwen3 = make_tiny(tmp_path / "q3", TinySpec(family="qwen3", vocab=512))
     llama = make_tiny(tmp_path / "l", TinySpec(vocab=512))
@@ -152,5 +146,4 @@ def test_module_loop_runs_what_the_direct_loop_cannot(tmp_path, monkeypatch):
     assert loop(qwen3, dtype="bfloat16") is None
     assert loop(llama, dtype="float32") is None
     assert loop(llama, dtype="bfloat16", batch_invariant=False) is None
-    monkeypatch.setenv("PDSERVE_DIRECT_LOOP", "0")
-    assert loop(llama, dtype="bfloat16") is None
+    assert loop(llama, dtype="bfloat16", kernels=KernelSettings(direct_loop=False)) is None

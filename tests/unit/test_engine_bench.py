@@ -73,3 +73,31 @@ def test_bench_engine_rejects_unknown_dtype(tiny_llama_dir):
 
     with pytest.raises(SystemExit, match="unknown dtype 'fp8'"):
         main(["bench", "engine", "--model", str(tiny_llama_dir), "--dtype", "fp8", "--no-hf"])
+
+
+def test_bench_engine_unpacked_arm_runs_plain_linears(tiny_llama_dir, monkeypatch):
+    """--compare-unpacked builds its second engine with pack_weights off through the settings
+    (not by rewriting the environment): that engine's selection says so, the first does not."""
+    import argparse
+
+    from pdserve.bench import engine as bench_engine
+
+    monkeypatch.setenv("PDSERVE_PACK_WEIGHTS", "1")
+    built = []
+
+    def stop(engine, *_a, **_k):  # the engines are built; the measurement is not the point
+        built.append(engine.kernels)
+        raise StopIteration
+
+    monkeypatch.setattr(bench_engine, "bench_ours", stop)
+    args = argparse.Namespace(prompt_len=8, gen_len=2, no_hf=True, compare_variant=False)
+    for packed in (True, False):
+        try:
+            bench_engine.bench_dtype(args, tiny_llama_dir, "float32", [1], None, packed=packed)
+        except StopIteration:
+            pass
+    assert [k.linear for k in built] == ["onednn", "torch"]
+    assert built[1].linear_why.startswith("PDSERVE_PACK_WEIGHTS=0")
+    import os
+
+    assert os.environ["PDSERVE_PACK_WEIGHTS"] == "1"  # the environment is left as it was

@@ -9,48 +9,50 @@ The tiled path (runs of tokens) and the per-token path give every row the same b
 On a CPU with AVX512-BF16 the served build takes bf16 q and cache through bf16 dot products;
 the math, invariance and path tests also run on the AVX-512 build with fp32 math (what a CPU
 without BF16 serves). The scalar build (no AVX-512) passes this file too:
-`PDSERVE_ATTN_KERNEL=scalar pytest ...`.
+`pdserve kernels build --all && PDSERVE_ATTN_KERNEL=scalar pytest ...`. A build that is not
+there skips with the reason (`pdserve kernels build` makes them).
 """
 
 from __future__ import annotations
-
-import os
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pdserve.model.attention import AttentionMetadata, TorchAttentionBackend, fixed_kernel
+from pdserve.model.kernel_settings import KernelSettings
+from tests.unit.kernel_skip import require
 
 DTYPES = (torch.bfloat16, torch.float32)
 BS = 16  # block size
 
 
+def _served() -> str:
+    """The build this process serves (PDSERVE_ATTN_KERNEL picks another: module doc)."""
+    return fixed_kernel.variant_for(KernelSettings.from_env().attn_kernel)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    if fixed_kernel.load() is None:
-        if shutil.which("c++") is None and shutil.which("g++") is None:
-            pytest.skip("no C++ compiler: the kernel cannot build (torch fixed path is used)")
-        pytest.fail("the attention kernel did not build (see the log)")
+    require(fixed_kernel.KERNEL, _served())
 
 
 @pytest.fixture(params=["served", "avx512"])
 def variant(request, monkeypatch):
     """The served build; and, where that build uses bf16 dot products, the AVX-512 build with
     fp32 math (swapped in for the test)."""
-    setting = os.environ.get("PDSERVE_ATTN_KERNEL", "1")
     if request.param == "served":
-        return fixed_kernel.variant_for(setting)
-    if fixed_kernel.variant_for(setting) != "avx512bf16":
+        return _served()
+    if _served() != "avx512bf16":
         pytest.skip("the served build already has fp32 math")
-    monkeypatch.setitem(fixed_kernel._state, "ext", fixed_kernel.build("avx512"))
+    ext = require(fixed_kernel.KERNEL, "avx512")
+    monkeypatch.setattr(fixed_kernel, "load", lambda variant=None: ext)
     return "avx512"
 
 
 def test_served_build_reports_its_math():
     ext = fixed_kernel.load()
-    variant = fixed_kernel.variant_for(os.environ.get("PDSERVE_ATTN_KERNEL", "1"))
+    variant = _served()
     assert ext.dot_bf16() == (variant == "avx512bf16")
     assert ext.vectorized() == (variant != "scalar")
 
@@ -327,39 +329,37 @@ def test_bad_tables_are_refused():
         )
 
 
-def test_kernel_off_switch_falls_back(monkeypatch):
-    """PDSERVE_ATTN_KERNEL=0 (or a failed build): load() gives None, the backend takes the
-    torch fixed path and keeps it."""
-    saved = dict(fixed_kernel._state)
-    monkeypatch.setenv("PDSERVE_ATTN_KERNEL", "0")
-    fixed_kernel._state.clear()
-    try:
-        assert fixed_kernel.load() is None and not fixed_kernel.available()
-        be = TorchAttentionBackend(4, 2, 16)
-        meta, _ = _meta([(3, 3)])
-        assert not isinstance(be.prepare(meta), fixed_kernel.KernelPlan)
-        assert be.use_kernel is False
-    finally:
-        fixed_kernel._state.clear()
-        fixed_kernel._state.update(saved)
+def test_kernel_off_switch_falls_back():
+    """attn_kernel=off (PDSERVE_ATTN_KERNEL=0): the selection takes the torch fixed path and
+    the backend keeps it."""
+    from pdserve.model.kernels import select_kernels
+
+    sel = select_kernels(KernelSettings(attn_kernel="off"), torch.bfloat16, "cpu", True)
+    assert (sel.attention, sel.attention_why) == ("fixed", "PDSERVE_ATTN_KERNEL=off")
+    be = TorchAttentionBackend(4, 2, 16)
+    be.use_kernels(sel)
+    meta, _ = _meta([(3, 3)])
+    assert not isinstance(be.prepare(meta), fixed_kernel.KernelPlan)
+    assert be.use_kernel is False
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_engine_paths_are_each_invariant(tmp_path, use_kernel):
     """The engine runs the kernel by default; with the kernel (and with the torch fallback
-    forced) a request's tokens alone equal its tokens inside a chunked batch (bf16)."""
+    chosen by the switch) a request's tokens alone equal its tokens inside a chunked batch
+    (bf16)."""
     from pdserve.model.loader import load_model
     from pdserve.model.tiny import TinySpec, make_tiny
     from tests.unit.test_conformance import SUBSET, engine, params_of, prompts, run, solo
 
     lm = load_model(make_tiny(tmp_path / "m", TinySpec(family="qwen2", vocab=512)), "bfloat16")
-    be = lm.model.attn_backend
-    if not use_kernel:
-        be.use_kernel = False
+    ks = KernelSettings(attn_kernel="auto" if use_kernel else "off")
     ps = prompts()
-    alone = {i: solo(engine(lm, "bfloat16"), [ps[i]], params_of(i))[0] for i in SUBSET}
-    assert be.use_kernel is use_kernel
-    assert run(engine(lm, "bfloat16", max_num_batched_tokens=64), SUBSET) == alone
+    alone = {i: solo(engine(lm, "bfloat16", kernels=ks), [ps[i]], params_of(i))[0] for i in SUBSET}
+    assert lm.model.attn_backend.use_kernel is use_kernel
+    batched = engine(lm, "bfloat16", max_num_batched_tokens=64, kernels=ks)
+    assert batched.kernels.attention == ("kernel" if use_kernel else "fixed")
+    assert run(batched, SUBSET) == alone
 
 
 def test_plan_addresses_every_token_of_a_mixed_batch():

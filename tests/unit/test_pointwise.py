@@ -1,6 +1,7 @@
 """The fused bf16 pointwise kernels (pdserve.model.pointwise, csrc/bf16_pointwise.cpp): the
 same roundings as the torch chains they replace, row-invariant, chunking-invariant in the
-model, and what a bf16 CPU model runs. Skipped where the CPU has no AVX-512 or no compiler."""
+model, and what a bf16 CPU model runs. Skipped, with the reason, where the CPU has no AVX-512 or
+the kernels are not built (no compiler)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import pytest
 import torch
 
 from pdserve.model import llama, pointwise
+from pdserve.model.kernel_settings import KernelSettings
+from pdserve.model.kernels import select_kernels
 from pdserve.model.pointwise import FusedBf16Pointwise, TorchPointwise
+from tests.unit.kernel_skip import unless_loads
 
-pytestmark = pytest.mark.skipif(pointwise.load() is None, reason="no AVX-512 here, or no build")
+pytestmark = unless_loads(pointwise.KERNEL)
 
 BF16 = torch.bfloat16
 
@@ -111,11 +115,13 @@ def test_every_op_gives_a_row_the_same_bits_alone_and_in_a_batch_with_any_thread
         torch.set_num_threads(threads)
 
 
-def test_for_model_picks_the_kernels_for_bf16_on_cpu_only(monkeypatch):
-    assert pointwise.for_model(BF16, "cpu").fused
-    assert not pointwise.for_model(torch.float32, "cpu").fused
-    monkeypatch.setenv(pointwise.ENV, "0")
-    assert not pointwise.for_model(BF16, "cpu").fused
+def test_the_selection_picks_the_kernels_for_bf16_on_cpu_only():
+    def ops(dtype: torch.dtype, settings: KernelSettings = KernelSettings()) -> TorchPointwise:
+        return pointwise.ops(select_kernels(settings, dtype, "cpu", True).pointwise)
+
+    assert ops(BF16).fused
+    assert not ops(torch.float32).fused
+    assert not ops(BF16, KernelSettings.from_env({"PDSERVE_BF16_POINTWISE": "0"})).fused
 
 
 def test_a_chunked_mlp_gives_the_unchunked_bits(monkeypatch):

@@ -1,6 +1,7 @@
 """The served dtype in the router's bookkeeping and in `pdserve status`: a registration
 carries the resolved dtype (checked: never `auto`, never junk), the registry keeps it, and
-the table shows it next to the checkpoint's when they differ."""
+the table shows it next to the checkpoint's when they differ. The same for the kernels an
+instance runs (`RegisterRequest.kernels`, the `kernels:` line of the table)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,34 @@ def test_table_shows_the_served_dtype_and_the_checkpoints():
     assert "DTYPE" in table.splitlines()[0] and "bfloat16" in table.splitlines()[1]
     assert "dtype: float32\n" in format_table(_status("float32", "float32")) + "\n"
     assert _status("bfloat16", "float32").to_dict()["checkpoint_dtype"] == "float32"
+
+
+def test_register_carries_the_kernels_and_refuses_junk():
+    req = _register("bfloat16")
+    req.kernels = "loop=direct attn=kernel/avx512bf16 linear=amx pointwise=fused"
+    check_register(req)
+    for bad in ("x" * 300, "loop=\ndirect"):
+        req.kernels = bad
+        with pytest.raises(InvalidRequestError) as err:
+            check_register(req)
+        assert err.value.field == "kernels"
+    reg = Registry()
+    inst = reg.register("w0", "127.0.0.1:7000", ROLE_COLOCATED, "abc", 16, kernels="loop=module")
+    assert reg.instances()[0].kernels == inst.kernels == "loop=module"
+
+
+def test_table_shows_the_kernels_one_line_per_kind():
+    from dataclasses import replace
+
+    from pdserve.cli.status import format_table
+
+    st = _status("bfloat16", "bfloat16")
+    a, b = "loop=direct attn=kernel/avx512bf16 linear=amx pointwise=fused", "loop=module"
+    one = replace(st, instances=[replace(st.instances[0], kernels=a)])
+    assert f"kernels: {a}" in format_table(one).splitlines()
+    two = replace(
+        one, instances=[*one.instances, replace(one.instances[0], instance_id="w1", kernels=b)]
+    )
+    lines = format_table(two).splitlines()
+    assert "kernels (they differ):" in lines and f"  {a}: w0" in lines and f"  {b}: w1" in lines
+    assert "kernels: - (no worker registered)" in format_table(replace(st, instances=[]))

@@ -243,28 +243,21 @@ def bench_dtype(
     packed: bool = True,
 ) -> list[dict[str, Any]]:
     """Rows of one dtype: ours and transformers in `dtype`, interleaved per repeat. packed=False
-    builds the engine with PDSERVE_PACK_WEIGHTS=0 (plain F.linear weights). With
-    args.compare_variant a batch-variant engine runs in the same loop (rows marked
-    invariant=False)."""
-    import os
-
+    builds the engine with pack_weights off (`PDSERVE_PACK_WEIGHTS=0`: plain F.linear weights);
+    the other kernel switches come from the environment. With args.compare_variant a
+    batch-variant engine runs in the same loop (rows marked invariant=False)."""
     import torch
+
+    from pdserve.model.kernel_settings import KernelSettings
 
     max_b, plen, glen = max(batches), args.prompt_len, args.gen_len
     device = getattr(args, "device", "cpu")
-    old = os.environ.get("PDSERVE_PACK_WEIGHTS")
-    os.environ["PDSERVE_PACK_WEIGHTS"] = "1" if packed else "0"
-    try:
-        engines = {True: _engine(model_dir, dtype, max_b, plen, glen, device=device)}
-        if getattr(args, "compare_variant", False):
-            engines[False] = _engine(
-                model_dir, dtype, max_b, plen, glen, invariant=False, device=device
-            )
-    finally:
-        if old is None:
-            del os.environ["PDSERVE_PACK_WEIGHTS"]
-        else:
-            os.environ["PDSERVE_PACK_WEIGHTS"] = old
+    kernels = KernelSettings.from_env().model_copy(update={"pack_weights": packed})
+    engines = {True: _engine(model_dir, dtype, max_b, plen, glen, kernels=kernels, device=device)}
+    if getattr(args, "compare_variant", False):
+        engines[False] = _engine(
+            model_dir, dtype, max_b, plen, glen, False, kernels=kernels, device=device
+        )
     vocab = engines[True].vocab_size
     hf = None
     if not args.no_hf:
@@ -327,6 +320,7 @@ def _engine(
     plen: int,
     glen: int,
     invariant: bool = True,
+    kernels: Any = None,
     device: str = "cpu",
 ) -> Any:
     from pdserve.engine.config import EngineConfig
@@ -342,6 +336,7 @@ def _engine(
             max_num_seqs=max_b,
             enable_prefix_caching=False,  # every run recomputes its prompts
             batch_invariant=invariant,
+            kernels=kernels,  # None: the PDSERVE_* kernel switches of the environment
         )
     )
 

@@ -146,6 +146,7 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
         "tpot_ms": tpot,
         "e2e_ms": (end - start) * 1e3,
         "dtype": engine.dtype,  # resolved: what ran (never "auto")
+        "kernels": engine.kernels.summary(),  # what the forward pass ran (`pdserve kernels`)
     }
 
 

@@ -24,6 +24,7 @@ COMMANDS = {
     "sim": "sim",
     "plan": "plan",
     "predictor": "predictor",
+    "kernels": "kernels",
 }
 
 

@@ -33,6 +33,17 @@ def _dtype(status) -> str:
     return f"{served} (checkpoint: {ckpt})" if ckpt and ckpt != status.dtype else served
 
 
+def _kernels(status) -> list[str]:
+    """What the workers' forward pass runs (`pdserve kernels` explains a choice): one line
+    when they agree, else one line per kind with its instances."""
+    by: dict[str, list[str]] = {}
+    for i in status.instances:
+        by.setdefault(getattr(i, "kernels", "") or "-", []).append(i.instance_id)
+    if len(by) <= 1:
+        return [f"kernels: {next(iter(by), '- (no worker registered)')}"]
+    return ["kernels (they differ):"] + [f"  {k}: {', '.join(v)}" for k, v in sorted(by.items())]
+
+
 def format_table(status) -> str:
     """Plain-text table of a pdserve.client.ClusterStatus."""
     header = (
@@ -85,6 +96,7 @@ def format_table(status) -> str:
         f"model: {status.model or '-'}    kvstore: {status.kvstore_address or '-'}",
         f"vocab: {status.vocab_size or '-'}    context: {status.context_length or '-'}    "
         f"block size: {status.block_size or '-'}    dtype: {_dtype(status)}",
+        *_kernels(status),
         f"requests: {status.requests_total} total, {status.requests_running} running",
         f"prompt tokens: {status.prompt_tokens_total}, cached: {status.cached_tokens_total} "
         f"(hit rate {status.cache_hit_rate:.1%})",

@@ -110,6 +110,7 @@ def _status(resp: router_pb2.StatusResponse) -> ClusterStatus:
                 load={f: getattr(i.load, f) for f in load_fields},
                 model_fingerprint=i.model_fingerprint,
                 dtype=i.dtype,
+                kernels=i.kernels,
             )
             for i in resp.instances
         ],

@@ -70,6 +70,7 @@ class InstanceInfo:
     load: dict[str, float]
     model_fingerprint: str = ""
     dtype: str = ""  # the dtype it serves (resolved)
+    kernels: str = ""  # what its forward pass runs ("loop=... attn=... linear=... pointwise=...")
 
 
 @dataclass(frozen=True)

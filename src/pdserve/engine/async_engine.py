@@ -77,6 +77,7 @@ class AsyncEngine:
         self.num_window_blocks: int = engine.num_window_blocks  # 0 without a window pool
         self.vocab_size: int = engine.vocab_size
         self.max_model_len: int = engine.max_model_len
+        self.kernels: Any = engine.kernels  # pdserve.model.kernels.KernelSelection (None: emulated)
         self.step_ms_ewma = 0.0  # written by the engine thread after each step
         self.accounting = EngineInspection(0, 0, self.num_blocks, self.num_blocks, 0, 0, 0, 0)
         self._cond = threading.Condition()

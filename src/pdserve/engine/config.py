@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.model.kernel_settings import KernelSettings
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -26,3 +28,5 @@ class EngineConfig:
     # pool whose blocks before the window are freed (kv/window_group.py); False = one pool
     window_pool: bool = True
     window_blocks: int | None = None  # the window pool's size; default: see _num_blocks
+    # the kernel switches (pdserve.model.kernel_settings); None: the PDSERVE_* environment
+    kernels: KernelSettings | None = None

@@ -73,6 +73,8 @@ class LLMEngine:
             self.runner = backend.make_runner(  # type: ignore[call-arg]
                 self.spec, self.num_blocks, config, window_blocks=self.num_window_blocks
             )
+        # what the forward pass runs (pdserve.model.kernels.KernelSelection; None: emulated)
+        self.kernels: Any = getattr(self.runner, "kernels", None)
         # stored layer -> True when it lives in the window group
         self._in_window = [
             self.window is not None and self.spec.in_window_group(i)

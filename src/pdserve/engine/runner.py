@@ -7,14 +7,19 @@ Only entries whose step reaches their last known token are sampled.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
 from pdserve.engine.sampler import Sampler, SampleRequest
 from pdserve.engine.scheduler import SchedulerPlan
+from pdserve.logging import get_logger
 from pdserve.model.attention.metadata import AttentionMetadata
+from pdserve.model.cpu_linear import linear_kind, pack_linears
+from pdserve.model.kernel_settings import KernelSettings
+from pdserve.model.kernels import KernelSelection, linear_bound, select_kernels
+
+_log = get_logger(__name__)
 
 
 class ModelRunner:
@@ -28,25 +33,41 @@ class ModelRunner:
         pack_weights: bool | None = None,
         batch_invariant: bool = True,
         window_group: bool = False,
+        kernel_settings: KernelSettings | None = None,
     ) -> None:
-        """pack_weights: on CPU, swap the model's linears for oneDNN-prepacked ones (in place;
-        see pdserve.model.cpu_linear): ~2x faster bf16 decode, ~1.3x fp32 prefill. None = yes
-        unless the environment sets PDSERVE_PACK_WEIGHTS=0 (an escape hatch, and the
-        baseline of `pdserve bench engine --compare-unpacked`).
+        """kernel_settings: the kernel switches (None: this process's `PDSERVE_*` environment);
+        `pdserve.model.kernels.select_kernels` turns them, the dtype, the device and
+        `batch_invariant` into the record `self.kernels`, which the model then runs.
+        pack_weights: overrides kernel_settings.pack_weights (on CPU, the model's linears are
+        swapped in place for prepacked ones, pdserve.model.cpu_linear: ~2x faster bf16 decode,
+        ~1.3x fp32 prefill; False is the baseline of `pdserve bench engine
+        --compare-unpacked`).
         batch_invariant: a request's tokens do not depend on the rest of the batch, its chunking
         or the path it took (attention.fixed, cpu_linear); False = the faster SDPA attention.
         Invariance needs the packed linears on CPU (plain F.linear is not row-invariant).
         window_group: the sliding layers' caches are a second pool addressed by each
         sequence's `window_table` (AttentionMetadata.window; kv/window_group.py)."""
-        if pack_weights is None:
-            pack_weights = os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0"
-        if pack_weights and torch.device(device).type == "cpu":
-            from pdserve.model.cpu_linear import pack_linears
-
-            pack_linears(model, batch_invariant=batch_invariant)
+        settings = kernel_settings or KernelSettings.from_env()
+        if pack_weights is not None:
+            settings = settings.model_copy(update={"pack_weights": pack_weights})
+        self.kernels: KernelSelection = select_kernels(
+            settings,
+            model.embed_tokens.weight.dtype,
+            device,
+            batch_invariant,
+            model=getattr(model, "config", None),
+            kv_quantized=any(c.dim() == 2 for c in kv_caches),
+        )
+        if self.kernels.linear != "torch":
+            pack_linears(model, batch_invariant=batch_invariant, kernel=self.kernels.linear)
+        if str(device).startswith("cpu"):  # packing is in place: a shared model keeps its own
+            self.kernels = linear_bound(self.kernels, linear_kind(model))
         model.set_batch_invariant(batch_invariant)  # every attention the model runs
-        if hasattr(model, "bind_kernels"):  # after packing: it holds the packed weights
-            model.bind_kernels()
+        if hasattr(model, "use_kernels"):  # after packing: a direct loop holds packed weights
+            self.kernels = model.use_kernels(self.kernels)
+        _log.info("kernels", summary=self.kernels.summary(), **self.kernels.reasons())
+        if self.kernels.warning:
+            _log.warning("batch invariance is not kept", reason=self.kernels.warning)
         self.batch_invariant = batch_invariant
         self.window_group = window_group
         self.model = model

@@ -65,4 +65,5 @@ class TorchBackend:
             Sampler(gen),
             batch_invariant=config.batch_invariant,
             window_group=window_blocks > 0,
+            kernel_settings=config.kernels,
         )

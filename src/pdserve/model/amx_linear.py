@@ -13,26 +13,23 @@ so a row's bits do not depend on the row count, its position or the thread count
 split the output columns). `AmxLinear` holds the weight in the kernel's tile layout (packed
 once at load; the plain weight is dropped).
 
-Build: `pdserve.model.cpp_ext`, once per process on first use. `load()` returns None (and
-logs why) when the CPU has no AMX, the compiler cannot build it, the OS refuses the AMX tile
-state, or `PDSERVE_AMX_LINEAR=0`.
+Build: `pdserve.model.cpp_ext.CppKernel` (`KERNEL`), by `pdserve kernels build`. `load()` returns
+None (and `KERNEL.why_unavailable()` says why) when the CPU has no AMX, it is not built (no
+compiler), or the OS refuses the AMX tile state; `PDSERVE_AMX_LINEAR=0` keeps
+`pdserve.model.kernels.select_kernels` from choosing it.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from pdserve.logging import get_logger
-from pdserve.model import cpp_ext
+from pdserve.model.cpp_ext import CppKernel
 
-_log = get_logger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "amx_linear.cpp"
+_CSRC = Path(__file__).parent / "csrc"
 _FLAGS = [
     "-O3",
     "-mamx-tile",
@@ -48,24 +45,23 @@ def cpu_has_amx() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
-@functools.cache
+def _init(ext: Any) -> str | None:
+    """Ask the OS for the AMX tile state (Linux >= 5.16), once per process."""
+    return None if ext.init() else "the OS refused the AMX tile state"
+
+
+KERNEL = CppKernel(
+    "amx_linear",
+    _CSRC / "amx_linear.cpp",
+    {"amx": _FLAGS},
+    cpu_lacks=lambda variant: None if cpu_has_amx() else "no AMX on this CPU",
+    init=_init,
+)
+
+
 def load() -> Any | None:
-    """The compiled module with AMX granted to this process, or None (reason logged once)."""
-    if os.environ.get("PDSERVE_AMX_LINEAR", "1") == "0":
-        _log.info("AMX linear off (PDSERVE_AMX_LINEAR=0)")
-        return None
-    if not cpu_has_amx():
-        return None
-    try:
-        ext = cpp_ext.build("pdserve_amx_linear", "amx", _SOURCE, _FLAGS)
-    except Exception as exc:  # no compiler or no AMX support in it
-        _log.warning("AMX linear unavailable", error=f"{type(exc).__name__}: {exc}"[:500])
-        return None
-    if not ext.init():
-        _log.warning("AMX linear unavailable: the OS refused the AMX tile state")
-        return None
-    _log.info("AMX linear loaded")
-    return ext
+    """The prebuilt module with AMX granted to this process, or None (never compiles)."""
+    return KERNEL.load()
 
 
 def available() -> bool:
@@ -75,7 +71,7 @@ def available() -> bool:
 def _loaded() -> Any:
     ext = load()
     if ext is None:
-        raise RuntimeError("the AMX linear kernel is not available (see the log)")
+        raise RuntimeError(f"the AMX linear kernel is not available: {KERNEL.why_unavailable()}")
     return ext
 
 

@@ -18,19 +18,18 @@ plain weight is dropped; `pack_all` packs a model's weights back to back). On a 
 `pdserve.model.amx_linear` is used instead. `Avx512Bf16SiluMulLinear` is a gate_up layer with
 the MLP's silu(gate) * up computed in the product's epilogue (same bits as the two steps).
 
-Serving it: `pack_linears(batch_invariant=True)` puts bf16 linears on it when `enabled()`:
-`PDSERVE_AVX512_BF16_LINEAR=0` turns it off (oneDNN then, with a warning: not invariant
-here), `=1` on, else DEFAULT_ON (True). Against oneDNN in bench50m's engine: decode 1.1-2.1x
-faster, prefill at parity (docs/studies/cpu-kernels.md "The linear kernels").
+Serving it: `pdserve.model.kernels.select_kernels` chooses it for an invariant bf16 engine on
+such a CPU unless `PDSERVE_AVX512_BF16_LINEAR=0` (oneDNN then, and the reason says bf16 is not
+invariant here). Against oneDNN in bench50m's engine: decode 1.1-2.1x faster, prefill at
+parity (docs/studies/cpu-kernels.md "The linear kernels").
 
-Build: `pdserve.model.cpp_ext`, once per process on first use. `load()` returns None (and
-logs why) when the CPU has no AVX512-BF16 or the compiler cannot build it.
+Build: `pdserve.model.cpp_ext.CppKernel` (`KERNEL`), by `pdserve kernels build`. `load()` returns
+None (and `KERNEL.why_unavailable()` says why) when the CPU has no AVX512-BF16 or it is not
+built (no compiler).
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -38,40 +37,31 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from pdserve.logging import get_logger
-from pdserve.model import cpp_ext
+from pdserve.model.cpp_ext import CppKernel
+from pdserve.model.cpu import CpuFeatures
 
-_log = get_logger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "avx512_bf16_linear.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+SERVED_ELSEWHERE = "not served on a CPU with AMX (amx_linear is; `--all` builds it)"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-ENV = "PDSERVE_AVX512_BF16_LINEAR"
 
 
 def cpu_has_avx512_bf16() -> bool:
     return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
-DEFAULT_ON = True  # served unless PDSERVE_AVX512_BF16_LINEAR=0 (module doc)
+KERNEL = CppKernel(
+    "avx512_bf16_linear",
+    _CSRC / "avx512_bf16_linear.cpp",
+    {"avx512bf16": _FLAGS},
+    headers=[_CSRC / "avx512_math.h"],
+    cpu_lacks=lambda variant: None if cpu_has_avx512_bf16() else "no AVX512-BF16 on this CPU",
+    not_served=lambda: SERVED_ELSEWHERE if CpuFeatures.detect().amx else None,
+)
 
 
-def enabled() -> bool:
-    """Whether an invariant engine should serve bf16 on this kernel (env, else DEFAULT_ON)."""
-    value = os.environ.get(ENV)
-    return DEFAULT_ON if value is None else value != "0"
-
-
-@functools.cache
 def load() -> Any | None:
-    """The compiled module, or None (reason logged once)."""
-    if not cpu_has_avx512_bf16():
-        return None
-    try:
-        ext = cpp_ext.build("pdserve_avx512_bf16_linear", "avx512bf16", _SOURCE, _FLAGS)
-    except Exception as exc:  # no compiler, or no AVX512-BF16 support in it
-        _log.warning("AVX512-BF16 linear unavailable", error=f"{type(exc).__name__}: {exc}"[:500])
-        return None
-    _log.info("AVX512-BF16 linear loaded")
-    return ext
+    """The prebuilt module, or None (never compiles)."""
+    return KERNEL.load()
 
 
 def available() -> bool:
@@ -81,7 +71,9 @@ def available() -> bool:
 def _loaded() -> Any:
     ext = load()
     if ext is None:
-        raise RuntimeError("the AVX512-BF16 linear kernel is not available (see the log)")
+        raise RuntimeError(
+            f"the AVX512-BF16 linear kernel is not available: {KERNEL.why_unavailable()}"
+        )
     return ext
 
 

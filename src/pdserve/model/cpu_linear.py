@@ -27,15 +27,16 @@ row-count classes (1, 2-3, >= 4): `linear_rows` pads to MIN_MKL_ROWS for the tie
 
 On a CPU with AMX none of this holds in bf16: oneDNN picks its bf16 kernel by the row count
 there (`pdserve.model.amx_linear`), so `pack_linears(batch_invariant=True)` puts every bf16
-linear on the AMX kernel of that module instead, which is invariant by construction;
-`batch_invariant=False` keeps oneDNN. On a CPU with AVX512-BF16 and no AMX (AMD Zen 4),
+linear on the AMX kernel of that module instead (`kernel="amx"`, as `pdserve.model.kernels` selects
+it), which is invariant by construction; `batch_invariant=False` keeps oneDNN. On a CPU with AVX512-BF16 and no AMX (AMD Zen 4),
 oneDNN's bf16 linear is not reliably invariant either (measured on this repository's EPYC: a
 2048-input packed linear gives row 0 other bits alone than among 2+ rows; the table above was
 measured on an earlier EPYC), so an invariant engine serves bf16 on
 `pdserve.model.avx512_bf16_linear` there: invariant by construction, its weights packed back
 to back in model order, and faster for decode (it streams a one-row product's weights at
 ~2-2.5x oneDNN's GB/s; near parity from 128 rows; docs/studies/cpu-kernels.md "The linear
-kernels"). `PDSERVE_AVX512_BF16_LINEAR=0` keeps oneDNN (with a warning).
+kernels"). `PDSERVE_AVX512_BF16_LINEAR=0` keeps oneDNN (the selection's
+reason and a warning say bf16 is then not invariant).
 A tied lm_head gets a packed copy of the embedding
 (`model.tied_head`) when invariant: on a Xeon even fp32 MKL has more row classes than
 `linear_rows` pads away (measured: 64 rows differ from 1-5).
@@ -43,19 +44,15 @@ A tied lm_head gets a packed copy of the embedding
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.logging import get_logger
 from pdserve.model import amx_linear, avx512_bf16_linear
+from pdserve.model.cpu import BATCH_HINT, packing_supported
+from pdserve.model.kernel_settings import KernelSettings
+from pdserve.model.kernels import select_kernels
 
-_log = get_logger(__name__)
-
-# the batch size oneDNN tunes the packed layout for; any row count works at run time
-BATCH_HINT = 64
 MIN_MKL_ROWS = 4  # MKL's fp32 GEMM: one kernel for >= 4 rows, others below
 FP32_MIN_ROWS = 4  # packed fp32 linears: >= 2 rows for invariance, 4 for speed (module doc)
 
@@ -70,23 +67,6 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x [M, K], weight) computed with at least MIN_MKL_ROWS rows (batch-invariant)."""
     m = x.shape[0]
     return F.linear(pad_rows(x, MIN_MKL_ROWS), weight)[:m]
-
-
-@functools.cache
-def packing_supported(dtype: torch.dtype) -> bool:
-    """True when this torch build and CPU can run a packed linear in `dtype` (tried once)."""
-    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False
-    try:
-        w = torch.ones(8, 4, dtype=dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4, dtype=dtype), packed, None,
-                                               "none", [], "")  # fmt: skip
-    except (RuntimeError, AttributeError):
-        return False
-    return bool((y.float() == 4.0).all())
 
 
 def cpu_has_native_bf16() -> bool:
@@ -129,9 +109,13 @@ def pack_linears(
     batch_hint: int = BATCH_HINT,
     batch_invariant: bool = True,
     fuse_silu_mul: bool = True,
+    kernel: str | None = None,
 ) -> int:
-    """Replace every CPU `nn.Linear` of `model` (in a dtype oneDNN packs) by a PackedLinear, in
+    """Replace every CPU `nn.Linear` of `model` (in a dtype oneDNN packs) by a packed layer, in
     place. Returns how many were packed; 0 when unsupported (the model is left as it was).
+    kernel: what the bf16 layers run on, `KernelSelection.linear` ("amx", "avx512bf16" or
+    "onednn"; other dtypes: oneDNN); None = what `pdserve.model.kernels.select_kernels` picks
+    in this process (the `PDSERVE_*` switches).
     batch_invariant: fp32 layers run 1-3 rows padded to FP32_MIN_ROWS (see the module doc).
     fuse_silu_mul: on the AVX512-BF16 kernel, the layers the model lists in
     `silu_mul_linears()` (gate_up projections whose output always goes through silu_mul) get
@@ -152,24 +136,13 @@ def pack_linears(
     head = _unpacked_tied_head(model) if batch_invariant else None
     if head is not None and not packing_supported(head.dtype):
         head = None
-    # the AMX kernel is built (first use) only when an invariant bf16 layer is to be packed
     weights = [child.weight for _, _, child in targets] + ([head] if head is not None else [])
-    bf16 = batch_invariant and any(w.dtype == torch.bfloat16 for w in weights)
-    amx = bf16 and amx_linear.available()
-    if bf16 and not amx and amx_linear.cpu_has_amx():
-        _log.warning(
-            "bf16 is not batch-invariant on this CPU: it has AMX and the AMX linear "
-            "kernel is off or could not be built (see the log above)"
-        )
-    # AVX512-BF16 without AMX: the AVX512-BF16 kernel (oneDNN is not reliably invariant there)
-    avx_cpu = bf16 and not amx_linear.cpu_has_amx() and avx512_bf16_linear.cpu_has_avx512_bf16()
-    avx = avx_cpu and avx512_bf16_linear.enabled() and avx512_bf16_linear.available()
-    if avx_cpu and not avx:
-        _log.warning(
-            "bf16 may not be batch-invariant on this CPU: the AVX512-BF16 linear kernel is off "
-            "or could not be built, and oneDNN's bf16 linear was measured batch-variant on "
-            "such a CPU (in_features 2048)"
-        )
+    bf16 = any(w.dtype == torch.bfloat16 for w in weights)
+    if bf16 and kernel is None:
+        settings = KernelSettings.from_env()
+        kernel = select_kernels(settings, torch.bfloat16, "cpu", batch_invariant).linear
+    amx = bf16 and kernel == "amx"
+    avx = bf16 and kernel == "avx512bf16"
 
     # AVX512-BF16: the bf16 weights packed back to back in model order (one stream per step),
     # found again by their memory (the head's nn.Linear wraps the embedding in a new Parameter)
@@ -206,6 +179,20 @@ def pack_linears(
     if head is not None:  # the embedding stays for the lookup: a packed copy
         model.tied_head = packed(_linear_of(head))
     return len(targets)
+
+
+def linear_kind(model: nn.Module) -> str:
+    """What a model's linears run on, as `KernelSelection.linear` names it: "amx",
+    "avx512bf16", "onednn" or "torch" (the kind of most of its linear layers)."""
+    kinds = {
+        amx_linear.AmxLinear: "amx",
+        avx512_bf16_linear.Avx512Bf16Linear: "avx512bf16",
+        avx512_bf16_linear.Avx512Bf16SiluMulLinear: "avx512bf16",
+        PackedLinear: "onednn",
+        nn.Linear: "torch",
+    }
+    found = [kinds[type(m)] for m in model.modules() if type(m) in kinds]
+    return max(set(found), key=found.count) if found else "torch"
 
 
 def _unpacked_tied_head(model: nn.Module) -> torch.Tensor | None:

@@ -18,12 +18,12 @@ Invariants:
 - it holds the packed weights the layers held when it was built: build it after
   `cpu_linear.pack_linears` (which never repacks a packed layer).
 
+`pdserve.model.kernels.select_kernels` decides whether a model runs it (`loop="direct"`);
 `PDSERVE_DIRECT_LOOP=0` keeps the module loop (the baseline of the benchmark).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,14 +32,8 @@ from torch import nn
 
 from pdserve.model.attention import fixed_kernel
 
-ENV = "PDSERVE_DIRECT_LOOP"
-
 # A linear's kernel entry: (fn, packed weight, bias, out_features); fn(x [M, K], *rest) -> [M, N]
 LinearEntry = tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor | None, int]
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
 
 
 class _Layer(NamedTuple):
@@ -70,7 +64,7 @@ class DirectLoop:
         self,
         layers: list[_Layer],
         ops: Any,  # the fused pointwise kernels (pointwise.FusedBf16Pointwise.kernels)
-        attend: Callable[..., torch.Tensor],  # fixed_kernel's attend_paged entry
+        attend: Callable[..., torch.Tensor],  # the attention kernel's attend_paged entry
         backend: Any,  # the model's attention backend (quantized-KV layers)
         num_heads: int,
         num_kv_heads: int,
@@ -90,9 +84,9 @@ class DirectLoop:
     @classmethod
     def build(cls, model: Any, mlp_chunk_rows: int) -> DirectLoop | None:
         """For a `llama.LlamaModel` whose ops all have kernel entries, else None."""
-        ops = model.pointwise
-        if not (enabled() and ops.fused and hasattr(model.attn_backend, "batch_invariant")):
-            return None  # torch pointwise ops (fp32, GPU) or not the CPU torch backend
+        ops, backend = model.pointwise, model.attn_backend
+        if not (ops.fused and getattr(backend, "use_kernel", False)):
+            return None  # torch pointwise ops (fp32, GPU) or not the attention kernel
         layers = []
         for layer in model.layers:
             if layer.q_norm is not None:  # qwen3's per-head norms: the module loop
@@ -109,14 +103,11 @@ class DirectLoop:
                 _Layer(n1.weight, n1.eps, qkv, o, n2.weight, n2.eps, gate_up, fuses, down,
                        layer.window or 0)
             )  # fmt: skip
-        attend = fixed_kernel.load()  # built already when the backend plans with it
-        if attend is None:
-            return None
         first = model.layers[0]
         return cls(
             layers,
             ops.kernels,
-            attend.attend_paged,
+            backend.kernel_module().attend_paged,
             model.attn_backend,
             first.num_heads,
             first.num_kv_heads,

@@ -188,6 +188,14 @@ class Gemma4Model(nn.Module):
             if hasattr(be, "batch_invariant"):
                 be.batch_invariant = flag
 
+    def use_kernels(self, selection: Any) -> Any:
+        """The attention of the engine's `KernelSelection` (pdserve.model.kernels), for every
+        backend; its layers have their own ops and loop. Returns the selection."""
+        for be in self.backends.values():
+            if hasattr(be, "use_kernels"):
+                be.use_kernels(selection)
+        return selection
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64

@@ -10,9 +10,10 @@ Differences from the HF module layout (the loader maps names): q/k/v are one fus
 which halves the matmul launches per layer. Parameters are created on the meta device and
 materialised by `pdserve.model.loader` (load_state_dict(assign=True)).
 
-Once the runner has packed the weights, a bf16 model whose every op has a compiled kernel runs
-its layers through `pdserve.model.direct_loop` (`bind_kernels`): the same kernel calls without
-the module frames, the same bits.
+The runner hands the model its `KernelSelection` (`use_kernels`, after packing the weights):
+the pointwise ops, the attention kernel and, when every op has a compiled kernel, the layer
+loop of `pdserve.model.direct_loop` (the same kernel calls without the module frames, the same
+bits). Until then the model runs torch pointwise ops and the module loop.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pdserve.model import pointwise
+from pdserve.model import kernels, pointwise
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, select_backend
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_linear import linear_rows
@@ -183,18 +184,23 @@ class LlamaModel(nn.Module):
         self.tied_head: nn.Module | None = None  # a packed copy of the tied head (cpu_linear)
         device = torch.device(device)
         self.rope = RotaryCache(config, device, dtype)
-        self.pointwise = pointwise.for_model(dtype, device)  # fused bf16 kernels or torch ops
+        self.pointwise: TorchPointwise = TorchPointwise()  # or the fused kernels: use_kernels
         self.attn_backend = backend or select_backend(
             device, config.num_heads, config.num_kv_heads, config.head_dim
         )
-        self.direct_loop: DirectLoop | None = None  # bind_kernels
+        self.direct_loop: DirectLoop | None = None  # use_kernels
 
-    def bind_kernels(self) -> bool:
-        """Once the linears are packed (ModelRunner): run the layers as direct kernel calls
-        when every op has a kernel entry (pdserve.model.direct_loop; the same bits as the
-        module loop). Returns whether it does."""
-        self.direct_loop = DirectLoop.build(self, MLP_CHUNK_ROWS)
-        return self.direct_loop is not None
+    def use_kernels(self, selection: kernels.KernelSelection) -> kernels.KernelSelection:
+        """Run what `selection` chose (ModelRunner, once the linears are packed): its
+        pointwise ops, its attention and, for loop="direct", the layers as direct kernel
+        calls (pdserve.model.direct_loop; the same bits as the module loop). Returns the
+        selection as it runs."""
+        self.pointwise = pointwise.ops(selection.pointwise)
+        if hasattr(self.attn_backend, "use_kernels"):
+            self.attn_backend.use_kernels(selection)
+        direct = selection.loop == "direct"
+        self.direct_loop = DirectLoop.build(self, MLP_CHUNK_ROWS) if direct else None
+        return kernels.bound(selection, self.direct_loop is not None)
 
     def silu_mul_linears(self) -> list[nn.Module]:
         """The gate_up projections, whose output always goes through silu_mul (a packer may

@@ -9,9 +9,10 @@ core they took 12-18 % of the step (8 x 128 tokens: ~50 of ~390 ms; 32 x 128: ~3
 .cpp header): RoPE and the residual add are bit-identical to the torch chain, RMSNorm's sum
 and SiLU's exp may differ in the last fp32 ulp before rounding to bf16.
 
-Both ways work row by row, so both are batch-invariant. `for_model(dtype, device)` picks the
-fused kernels for bf16 on CPU when they build here and `PDSERVE_BF16_POINTWISE` is not "0";
-everything else (fp32: exact against transformers; GPU) gets torch.
+Both ways work row by row, so both are batch-invariant. `pdserve.model.kernels.select_kernels`
+picks the fused kernels for bf16 on CPU when they are built here and `PDSERVE_BF16_POINTWISE`
+is not "0"; everything else (fp32: exact against transformers; GPU) gets torch; `ops(choice)`
+gives the ops object of a choice. Build: `KERNEL` (`pdserve kernels build`).
 
 The residual add is folded into the next norm (`add_norm`): a layer returns (x, delta) and the
 next norm adds delta to x first, as vLLM's fused add-RMSNorm does.
@@ -19,8 +20,6 @@ next norm adds delta to x first, as vLLM's fused add-RMSNorm does.
 
 from __future__ import annotations
 
-import functools
-import os
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.logging import get_logger
-from pdserve.model import cpp_ext
 from pdserve.model.avx512_bf16_linear import cpu_has_avx512_bf16
+from pdserve.model.cpp_ext import CppKernel
 
-_log = get_logger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "bf16_pointwise.cpp"
+_CSRC = Path(__file__).parent / "csrc"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-ffp-contract=off"]
 _BF16_FLAGS = ["-mavx512bf16"]  # one-instruction rounding to bf16 (csrc: rne_bits)
-ENV = "PDSERVE_BF16_POINTWISE"
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,31 +110,33 @@ def cpu_has_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-@functools.cache
-def load() -> Any | None:
-    """The compiled kernels, or None (reason logged once)."""
+def _cpu_lacks(variant: str) -> str | None:
     if not cpu_has_avx512():
-        return None
-    try:
-        bf16 = cpu_has_avx512_bf16()
-        variant, flags = ("avx512bf16", _FLAGS + _BF16_FLAGS) if bf16 else ("avx512", _FLAGS)
-        ext = cpp_ext.build("pdserve_bf16_pointwise", variant, _SOURCE, flags)
-    except Exception as exc:  # no compiler
-        _log.warning(
-            "bf16 pointwise kernels unavailable", error=f"{type(exc).__name__}: {exc}"[:500]
-        )
-        return None
-    return ext
+        return "no AVX-512 on this CPU"
+    if variant == "avx512bf16" and not cpu_has_avx512_bf16():
+        return "no AVX512-BF16 on this CPU"
+    return None
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+KERNEL = CppKernel(
+    "bf16_pointwise",
+    _CSRC / "bf16_pointwise.cpp",
+    {"avx512bf16": _FLAGS + _BF16_FLAGS, "avx512": _FLAGS},
+    headers=[_CSRC / "avx512_math.h"],
+    cpu_lacks=_cpu_lacks,
+)
 
 
-def for_model(dtype: torch.dtype, device: torch.device | str) -> TorchPointwise:
-    """The fused kernels for bf16 on CPU when they are enabled and build here, else torch."""
-    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and enabled():
-        ext = load()
-        if ext is not None:
-            return FusedBf16Pointwise(ext)
-    return TorchPointwise()
+def load() -> Any | None:
+    """The prebuilt kernels of this CPU's variant, or None (never compiles)."""
+    return KERNEL.load()
+
+
+def ops(choice: str) -> TorchPointwise:
+    """The ops object of a `KernelSelection.pointwise` choice: "fused" or "torch"."""
+    if choice != "fused":
+        return TorchPointwise()
+    ext = load()
+    if ext is None:
+        raise RuntimeError(f"fused pointwise chosen but {KERNEL.why_unavailable()}")
+    return FusedBf16Pointwise(ext)

@@ -98,7 +98,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("instance_id", "address", "role", "state", "load", "heartbeat_age_s", "model_fingerprint", "dtype")
+    __slots__ = ("instance_id", "address", "role", "state", "load", "heartbeat_age_s", "model_fingerprint", "dtype", "kernels")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class InstanceStatus(_message.Message):
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     role: _common_pb2.Role
@@ -115,7 +116,8 @@ class InstanceStatus(_message.Message):
     heartbeat_age_s: float
     model_fingerprint: str
     dtype: str
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    kernels: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("instances", "requests_total", "requests_running", "prompt_tokens_total", "cached_tokens_total", "model", "kvstore_address", "vocab_size", "context_length", "block_size", "dtype", "predictor", "predictor_kendall_tau", "predictor_observed", "queue_waiting", "checkpoint_dtype", "routers", "router_id", "shared_store")
@@ -174,7 +176,7 @@ class RouterStatus(_message.Message):
     def __init__(self, router_id: _Optional[str] = ..., address: _Optional[str] = ..., http_address: _Optional[str] = ..., workers: _Optional[int] = ..., is_self: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("instance_id", "address", "role", "model_fingerprint", "block_size", "load", "dtype")
+    __slots__ = ("instance_id", "address", "role", "model_fingerprint", "block_size", "load", "dtype", "kernels")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +184,7 @@ class RegisterRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     role: _common_pb2.Role
@@ -189,7 +192,8 @@ class RegisterRequest(_message.Message):
     block_size: int
     load: _common_pb2.WorkerLoad
     dtype: str
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    kernels: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., dtype: _Optional[str] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s", "kvstore_address", "router")

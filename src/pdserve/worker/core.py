@@ -89,6 +89,7 @@ class WorkerCore:
             emulated=self.emulation.describe() if self.emulation else None,
             block_size=engine.spec.block_size, kv_fingerprint=engine.kv_fingerprint[:16],
             dtype=engine.dtype, kv_dtype=engine.spec.dtype, dtype_setting=s.dtype,  # served (resolved) and as asked
+            kernels=self.kernels_summary,  # the reasons: the runner's "kernels" line
         )  # fmt: skip
 
     @property
@@ -122,7 +123,14 @@ class WorkerCore:
             kv_dtype=None if s.kv_dtype == "auto" else s.kv_dtype,
             window_pool=s.window_pool,
             window_blocks=s.window_blocks,
+            kernels=s.kernels,
         )
+
+    @property
+    def kernels_summary(self) -> str:
+        """What the forward pass runs (`KernelSelection.summary`; "emulated" when modelled)."""
+        kernels = self.parts.engine.kernels
+        return "emulated" if kernels is None else kernels.summary()
 
     def attach_kvstore(self, addr: str) -> None:
         """Use the kvstore at `addr` for prefix reuse and write-back (idempotent)."""

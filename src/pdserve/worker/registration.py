@@ -118,6 +118,7 @@ class RouterLink:
                 block_size=core.engine.spec.block_size,
                 load=core.load_snapshot().to_proto(),
                 dtype=core.engine.dtype,  # the compute dtype (the KV dtype may be int8/fp8)
+                kernels=core.kernels_summary,
             ),
             timeout=5.0,
         )

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from pdserve.config import ServiceSettings
+from pdserve.model.kernel_settings import KernelSettings
 
 RoleName = Literal["prefill", "decode", "colocated"]
 
@@ -53,6 +54,7 @@ class WorkerSettings(ServiceSettings):
         description="a request's tokens do not depend on its batch, chunking or path; "
         "--no-batch-invariant: faster SDPA attention, tokens may change with the batch",
     )
+    kernels: KernelSettings = Field(default_factory=KernelSettings)
     advertise_host: str | None = Field(
         None, description="host the router should dial (default: host, or this host's IP)"
     )

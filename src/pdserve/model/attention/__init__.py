@@ -13,7 +13,24 @@ from pdserve.model.attention.base import AttentionBackend
 from pdserve.model.attention.metadata import AttentionMetadata
 from pdserve.model.attention.torch import TorchAttentionBackend
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "select_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "TorchAttentionBackend",
+    "auto_backend_name",
+    "select_backend",
+]
+
+
+def auto_backend_name(device: _torch.device | str) -> str:
+    """The automatic choice: "flashinfer" on a cuda device where it imports, else "torch"."""
+    if _torch.device(device).type == "cuda":
+        try:
+            import flashinfer  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "flashinfer"
+    return "torch"
 
 
 def select_backend(
@@ -27,14 +44,7 @@ def select_backend(
     "flashinfer" (cuda only; raises if unavailable)."""
     device = _torch.device(device)
     if name is None:
-        name = "torch"
-        if device.type == "cuda":
-            try:
-                import flashinfer  # noqa: F401
-            except ImportError:
-                pass
-            else:
-                name = "flashinfer"
+        name = auto_backend_name(device)
     if name == "torch":
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
     if name == "flashinfer":

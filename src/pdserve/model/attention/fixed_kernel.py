@@ -16,19 +16,15 @@ for P.V, as flash attention does): 1.3-1.7x the fp32 kernel (docs/studies/cpu-ke
 Either way a row's bits depend only on the row. The bits differ between the builds, so every
 instance of a deployment must run on CPUs of one kind (as for the linear kernels).
 
-Build: `pdserve.model.cpp_ext`, once, cached per ISA variant: "avx512bf16" (AVX-512 with
-AVX512-BF16), "avx512" (without BF16; `PDSERVE_ATTN_KERNEL=avx512` forces it) or "scalar" (no
-AVX-512; `PDSERVE_ATTN_KERNEL=scalar` forces it). `load()` tries once per process; if the
-build fails (no compiler) or `PDSERVE_ATTN_KERNEL=0`, it returns None, logs why, and the torch
-`fixed` path is used: the attention backend resolves this once and keeps the same path for its
-whole life.
+Build: `pdserve.model.cpp_ext.CppKernel` (`KERNEL`), one module per ISA variant: "avx512bf16"
+(AVX-512 with AVX512-BF16), "avx512" (without BF16; `PDSERVE_ATTN_KERNEL=avx512` forces it) or
+"scalar" (no AVX-512; `PDSERVE_ATTN_KERNEL=scalar` forces it), built by `pdserve kernels build`.
+`pdserve.model.kernels.select_kernels` picks the variant (or the torch `fixed` path, and says
+why); the attention backend keeps its choice for its whole life.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,26 +32,46 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.logging import get_logger
-from pdserve.model import cpp_ext
 from pdserve.model.avx512_bf16_linear import cpu_has_avx512_bf16
+from pdserve.model.cpp_ext import CppKernel
+from pdserve.model.kernel_settings import KernelSettings
 
-_log = get_logger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "fixed_attn.cpp"
+_CSRC = Path(__file__).parent / "csrc"
 _BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math"]
 _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 _BF16_FLAGS = ["-mavx512bf16"]  # q.k of a bf16 q and cache by VDPBF16PS (csrc: attend_*_dp)
-_lock = threading.Lock()
-_state: dict[str, Any] = {}  # "ext": the module or None once tried; "build_s": seconds
+_FLAGS = {
+    "avx512bf16": _BASE_FLAGS + _AVX512_FLAGS + _BF16_FLAGS,
+    "avx512": _BASE_FLAGS + _AVX512_FLAGS,
+    "scalar": _BASE_FLAGS,
+}
 
 
 def _avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
+def _cpu_lacks(variant: str) -> str | None:
+    if variant != "scalar" and not _avx512():
+        return "no AVX-512 on this CPU"
+    if variant == "avx512bf16" and not cpu_has_avx512_bf16():
+        return "no AVX512-BF16 on this CPU"
+    return None
+
+
+KERNEL = CppKernel(
+    "fixed_attn",
+    _CSRC / "fixed_attn.cpp",
+    _FLAGS,
+    headers=[_CSRC / "fixed_attn_math.h", _CSRC.parents[1] / "csrc" / "avx512_math.h"],
+    cpu_lacks=_cpu_lacks,
+)
+
+
 def variant_for(setting: str) -> str:
-    """The build for this CPU and PDSERVE_ATTN_KERNEL: "avx512bf16" (bf16 q.k and P.V by
-    VDPBF16PS), "avx512" (fp32 math; `=avx512` forces it on a BF16 CPU) or "scalar"."""
+    """The build for this CPU and an `attn_kernel` setting (auto | avx512 | scalar; also the
+    former "1"): "avx512bf16" (bf16 q.k and P.V by VDPBF16PS), "avx512" (fp32 math; `avx512`
+    forces it on a BF16 CPU) or "scalar"."""
     if setting == "scalar" or not _avx512():
         return "scalar"
     return "avx512bf16" if cpu_has_avx512_bf16() and setting != "avx512" else "avx512"
@@ -63,49 +79,24 @@ def variant_for(setting: str) -> str:
 
 def flags_for(variant: str) -> list[str]:
     """The compiler flags of one build variant (`variant_for`)."""
-    extra = {"scalar": [], "avx512": _AVX512_FLAGS, "avx512bf16": _AVX512_FLAGS + _BF16_FLAGS}
-    return _BASE_FLAGS + extra[variant]
+    return list(_FLAGS[variant])
 
 
-def build(variant: str) -> Any:
-    """The compiled module of one variant (cached per variant; raises when it cannot build)."""
-    return cpp_ext.build("pdserve_fixed_attn", variant, _SOURCE, flags_for(variant))
+def served_variant() -> str | None:
+    """The variant this process's settings serve (`PDSERVE_ATTN_KERNEL`), None when off."""
+    setting = KernelSettings.from_env().attn_kernel
+    return None if setting == "off" else variant_for(setting)
 
 
-def load() -> Any | None:
-    """The compiled module, or None when it cannot be used (reason logged once)."""
-    with _lock:
-        if "ext" in _state:
-            return _state["ext"]
-        _state["ext"] = None
-        setting = os.environ.get("PDSERVE_ATTN_KERNEL", "1")
-        if setting == "0":
-            _log.info("attention kernel off (PDSERVE_ATTN_KERNEL=0): torch fixed path")
-            return None
-        variant = variant_for(setting)
-        t0 = time.perf_counter()
-        try:
-            ext = build(variant)
-        except Exception as exc:  # no compiler, no ninja, headers missing: fall back
-            _log.warning(
-                "attention kernel unavailable: using the torch fixed path",
-                error=f"{type(exc).__name__}: {exc}"[:500],
-            )
-            return None
-        _state["build_s"] = time.perf_counter() - t0
-        _state["ext"] = ext
-        _log.info(
-            "attention kernel loaded",
-            variant=variant,
-            vectorized=bool(ext.vectorized()),
-            bf16_dot_products=bool(ext.dot_bf16()),
-            load_s=round(_state["build_s"], 2),
-        )
-        return ext
+def load(variant: str | None = None) -> Any | None:
+    """The prebuilt module of `variant` (default: `served_variant()`), or None (never
+    compiles; `KERNEL.why_unavailable` says why)."""
+    variant = variant or served_variant()
+    return None if variant is None else KERNEL.load(variant)
 
 
-def available() -> bool:
-    return load() is not None
+def available(variant: str | None = None) -> bool:
+    return load(variant) is not None
 
 
 @dataclass
@@ -161,10 +152,11 @@ def attend_paged(
     k: torch.Tensor | None = None,  # [T, Hkv, D] the step's new keys, written first ...
     v: torch.Tensor | None = None,  # [T, Hkv, D] ... and values (rows contiguous)
     k_rows: torch.Tensor | None = None,  # [T] int64 K row of each in the flat cache (V: + bs)
+    ext: Any = None,  # the module of the variant to run (default: `load()`)
 ) -> torch.Tensor:  # [T, H, D] in q's dtype
-    ext = load()
+    ext = ext or load()
     if ext is None:
-        raise RuntimeError("the attention kernel is not available (see the log)")
+        raise RuntimeError(f"the attention kernel is not available: {KERNEL.why_unavailable()}")
     return ext.attend_paged(
         q.contiguous(),
         kv_cache,

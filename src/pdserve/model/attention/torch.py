@@ -13,14 +13,16 @@ is `b * 2 * block_size + o` and its V row is that plus `block_size`. Every layer
 `batch_invariant` (the default) replaces the SDPA calls by an attention whose result for a
 query does not depend on the batch, the chunking or decode-vs-prefill: the fused C++ kernel
 (`fixed_kernel`: one call per layer for the whole step, reading the paged cache through the
-block table) when it builds, else `fixed.attend` in torch ops (the fallback, and quantized KV).
-The choice is made once per backend (`use_kernel`) and kept. The SDPA path stays as the
-batch-variant alternative (`--no-batch-invariant`).
+block table), else `fixed.attend` in torch ops (the fallback, and quantized KV). The engine's
+`KernelSelection` sets the choice once (`use_kernels`: the kernel and its ISA build, or not)
+and it is kept; a backend nobody set resolves it at its first step from this process's
+settings. The SDPA path stays as the batch-variant alternative (`--no-batch-invariant`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,29 +67,35 @@ def _rows(table: list[int], n: int, bs: int) -> torch.Tensor:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    # the fused kernel (fixed_kernel) when invariant, on CPU; resolved once (when the runner
-    # sets batch_invariant, so a first build happens at start-up, or at the first step), kept
+    # the fused kernel (fixed_kernel) when invariant, on CPU: set by `use_kernels` (the
+    # engine's KernelSelection), else resolved at the first step from the process settings
     use_kernel: bool | None = None
+    kernel_variant: str | None = None  # its ISA build (None: fixed_kernel.served_variant())
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
-        self._batch_invariant = True
+        self.batch_invariant = True  # set by the runner (EngineConfig.batch_invariant)
+        self._ext: Any = None  # the kernel's module, once use_kernel is resolved
 
-    @property
-    def batch_invariant(self) -> bool:
-        """Set by the runner (EngineConfig.batch_invariant); default True."""
-        return self._batch_invariant
+    def use_kernels(self, selection: Any) -> None:
+        """Take the attention of a `pdserve.model.kernels.KernelSelection`, for life."""
+        self.use_kernel = selection.attention == "kernel"
+        self.kernel_variant = selection.isa or None
+        self._ext = None
 
-    @batch_invariant.setter
-    def batch_invariant(self, on: bool) -> None:
-        self._batch_invariant = on
-        if on and self.use_kernel is None:
-            self.use_kernel = fixed_kernel.available()
+    def kernel_module(self) -> Any:
+        """The attention kernel's module this backend runs (use_kernel must be True)."""
+        if self._ext is None:
+            self._ext = fixed_kernel.load(self.kernel_variant)
+            if self._ext is None:
+                why = fixed_kernel.KERNEL.why_unavailable(self.kernel_variant)
+                raise RuntimeError(f"the attention kernel was chosen but {why}")
+        return self._ext
 
     def prepare(self, meta: AttentionMetadata) -> TorchPlan | fixed_kernel.KernelPlan:
         if self.batch_invariant:
             if self.use_kernel is None:
-                self.use_kernel = fixed_kernel.available()
+                self.use_kernel = fixed_kernel.available(self.kernel_variant)
             if self.use_kernel and meta.slot_mapping.device.type == "cpu":
                 return fixed_kernel.plan(meta)
         return self._prepare_torch(meta)
@@ -139,7 +147,9 @@ class TorchAttentionBackend(AttentionBackend):
         if isinstance(plan, fixed_kernel.KernelPlan):
             if kv_cache.dim() == 5:  # the fused kernel writes k / v and reads the paged cache
                 a = (plan.tables, plan.tok_seq, plan.tok_pos, plan.ctx_lens, window, self.scale)
-                return fixed_kernel.attend_paged(q, kv_cache, *a, k=k, v=v, k_rows=plan.k_rows)
+                return fixed_kernel.attend_paged(
+                    q, kv_cache, *a, k=k, v=v, k_rows=plan.k_rows, ext=self.kernel_module()
+                )
             if plan.torch_plan is None:  # quantized KV: the torch fixed path, for life
                 plan.torch_plan = self._prepare_torch(plan.meta)
             plan = plan.torch_plan

@@ -66,6 +66,7 @@ class Instance:
     inflight_requests: int = 0
     inflight_tokens: int = 0
     dtype: str = ""  # what it serves, resolved ("" from a worker that does not say)
+    kernels: str = ""  # what its forward pass runs (KernelSelection.summary; "" unknown)
 
     @property
     def role_name(self) -> str:
@@ -98,6 +99,7 @@ class Registry:
         block_size: int,
         load: LoadReport | None = None,
         dtype: str = "",
+        kernels: str = "",
     ) -> Instance:
         if not instance_id:
             raise InvalidRequestError("instance_id", "must not be empty")
@@ -122,6 +124,7 @@ class Registry:
             load=load or LoadReport(),
             last_heartbeat=self._clock(),
             dtype=dtype,
+            kernels=kernels,
         )
         old = self._instances.get(instance_id)
         if old is not None:  # re-registration (e.g. after a role flip) keeps router counters

@@ -22,6 +22,7 @@ from .registry import State
 MAX_ADDRESS_CHARS = 255
 MAX_FINGERPRINT_CHARS = 256
 MAX_BLOCK_SIZE = 1024
+MAX_KERNELS_CHARS = 256
 MAX_REPORTED_ROUTERS = 64  # router replicas one heartbeat may report
 STATES = ("", *State)  # "" = unchanged
 ROLES = (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_COLOCATED)
@@ -64,6 +65,11 @@ def check_register(req: router_pb2.RegisterRequest) -> None:
         raise InvalidRequestError("block_size", f"must be in [1, {MAX_BLOCK_SIZE}]")
     if req.dtype and req.dtype not in DTYPE_NAMES:
         raise InvalidRequestError("dtype", f"must be empty or one of {', '.join(DTYPE_NAMES)}")
+    k = req.kernels
+    if len(k) > MAX_KERNELS_CHARS or not k.isascii() or not k.isprintable():
+        raise InvalidRequestError(
+            "kernels", f"must be at most {MAX_KERNELS_CHARS} printable ASCII characters"
+        )
     check_load(req.load)
 
 

@@ -55,6 +55,7 @@ class RegistryServicer(router_pb2_grpc.RegistryServicer):
             request.block_size,
             LoadReport.from_proto(request.load),
             request.dtype,
+            request.kernels,
         )
         self.owners.claim(inst.instance_id)
         log.info(

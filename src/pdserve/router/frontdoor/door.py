@@ -271,6 +271,7 @@ class FrontDoor:
                     heartbeat_age_s=self.registry.heartbeat_age(inst),
                     model_fingerprint=inst.model_fingerprint,
                     dtype=inst.dtype,
+                    kernels=inst.kernels,
                 )
             )
         return resp
