@@ -41,6 +41,7 @@ from pdserve.rpc.channels import metadata_with_request_id
 from pdserve.v1 import common_pb2, worker_pb2
 
 from ..cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Instance, Registry
+from ..cluster.streams import StreamHandle
 from ..cluster.workers import (
     RETRYABLE,
     Aborter,
@@ -53,7 +54,6 @@ from ..cluster.workers import (
     sampling_to_proto,
     settle,
     stages_from_proto,
-    ticket_from_proto,
     ticket_to_proto,
 )
 from ..job import Chunk, Deadlines, DecodeTicket, Job
@@ -199,7 +199,7 @@ class Orchestrator:
 
     async def _place_and_prefill(
         self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
-    ) -> tuple[int, grpc.aio.UnaryStreamCall]:
+    ) -> tuple[int, StreamHandle]:
         """Reserve on a decode (its Decode stream), prefill `prompt` on a prefill that pushes
         the KV to it, return the first token and the stream. On return
         `placement.decode`/`.ticket` hold the decode that will continue the request. A
@@ -313,7 +313,7 @@ class Orchestrator:
                 task.cancel()
 
     async def _decode(
-        self, job: Job, placement: RequestPlacement, stream: grpc.aio.UnaryStreamCall
+        self, job: Job, placement: RequestPlacement, stream: StreamHandle
     ) -> AsyncIterator[Chunk]:
         """Relay the tokens after token 0 from the Decode stream whose ticket the prefill
         used. A failure ends this attempt; `Migrator` continues the request elsewhere."""
@@ -326,7 +326,7 @@ class Orchestrator:
 
     async def _reserve(
         self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
-    ) -> tuple[Instance, grpc.aio.UnaryStreamCall]:
+    ) -> tuple[Instance, StreamHandle]:
         """Open the Decode stream on a decode instance (its first message is the ticket);
         another one when it is dead or full; wait for
         capacity (the admission stage's `Capacity`: woken when the cluster changes) while
@@ -350,9 +350,8 @@ class Orchestrator:
             # Charged now, not when the ticket comes: concurrent picks see it at once. (It
             # may hold a reservation before we see the ticket: close() aborts it.)
             placement.charge(decode, requests=1)
-            stream = self.workers.stub(decode.address).Decode(
-                self._decode_request(job, route, prompt),
-                metadata=metadata_with_request_id(job.request_id),
+            stream = self.workers.open_decode(
+                decode.address, self._decode_request(job, route, prompt)
             )
             try:
                 ticket = await self._read_ticket(stream)
@@ -377,7 +376,7 @@ class Orchestrator:
             self.length.placed(pred, decode.instance_id, len(prompt), route)
             return decode, stream
 
-    async def _read_ticket(self, stream: grpc.aio.UnaryStreamCall) -> DecodeTicket:
+    async def _read_ticket(self, stream: StreamHandle) -> DecodeTicket:
         """The Decode stream's first message (its ticket), within `reserve_s`."""
         try:
             msg = await asyncio.wait_for(stream.read(), self.deadlines.reserve_s)
@@ -389,9 +388,9 @@ class Orchestrator:
             raise
         if msg is grpc.aio.EOF:
             raise CallLost("Decode", "the stream ended before its ticket")
-        if not msg.HasField("ticket"):
+        if msg.ticket is None:
             raise CallLost("Decode", "its first message carried no ticket")
-        return ticket_from_proto(msg.ticket)
+        return msg.ticket
 
     def _decode_request(
         self, job: Job, route: RouteRequest, prompt: list[int]
@@ -417,7 +416,8 @@ class Orchestrator:
             job.prefill_attempts += 1
             job.prefill_instance = job.decode_instance = inst.instance_id
             placement.charge(inst, requests=1, tokens=len(job.token_ids))
-            call = self.workers.stub(inst.address).Generate(
+            call = self.workers.open_generate(
+                inst.address,
                 worker_pb2.WorkerGenerateRequest(
                     request_id=job.request_id,
                     token_ids=job.token_ids,
@@ -425,7 +425,6 @@ class Orchestrator:
                     use_kvstore=self.use_kvstore,
                     write_back=self.write_back,
                 ),
-                metadata=metadata_with_request_id(job.request_id),
             )
             try:
                 async for chunk in self._relay(call, inst, job, placement, "colocated"):
@@ -507,10 +506,10 @@ class Orchestrator:
                     )
                 first = False
                 if msg.finish_reason:
-                    job.stages.add(stages_from_proto(msg.stages))
+                    job.stages.add(msg.stages)
                     finished = True
                     placement.leave(inst, abort=False)  # before yielding: we may be closed
-                yield Chunk(list(msg.token_ids), msg.finish_reason)
+                yield Chunk(msg.token_ids, msg.finish_reason)
                 if finished:
                     return
         finally:

@@ -153,13 +153,14 @@ class Pass:
         self._adm, self.key, self._state = admission, key, state
         self.turned = False  # holds a running slot of the queue
         self.waited_s = 0.0
+        self._tokens = admission.metrics.tokens.labels(key.name)  # (charged per chunk)
 
     def charge(self, tokens: int) -> None:
         if tokens <= 0:
             return
         self._state.spent.append((time.monotonic(), tokens))
         self._state.total += tokens
-        self._adm.metrics.tokens.labels(self.key.name).inc(tokens)
+        self._tokens.inc(tokens)
 
     async def turn(self, predicted_tokens: float) -> None:
         """Wait for a running slot (ordered by `predicted_tokens` under sjf)."""
