@@ -32,7 +32,7 @@ from pdserve.sim.router_side import router_settings
 from pdserve.sim.run import spec_from_up_flags
 from pdserve.v1 import common_pb2, worker_pb2
 from pdserve.workload.requests import BenchRequest
-from tests.unit.test_router_placement import StreamCall, UnaryCall
+from tests.unit.test_router_placement import ChunkCall, UnaryCall
 
 PREFILL_S = 1 / 64  # every prefill takes this long (binary fractions: exact sums)
 TOKEN_S = 1 / 128  # every decode token
@@ -95,7 +95,7 @@ class TimedWorker:
                     token_ids=[11], finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0
                 )
 
-        return StreamCall(go())
+        return ChunkCall(go())
 
     async def Abort(self, req, timeout=None, metadata=None):
         return worker_pb2.AbortResponse(found=True)
@@ -107,6 +107,9 @@ class Workers:
 
     def stub(self, address: str) -> TimedWorker:
         return self.by_address[address]
+
+    def open_decode(self, address: str, req) -> ChunkCall:
+        return self.by_address[address].Decode(req)
 
     async def close(self) -> None:
         return None

@@ -64,7 +64,13 @@ class StreamMux:
 
     async def serve(self, context: grpc.aio.ServicerContext) -> None:
         """Read opens and closes, write events, until the router ends the call (and every
-        stream ended) or the call breaks; then stop every stream still running."""
+        stream ended) or the call breaks; then stop every stream still running. The call
+        cancelled (the router went away, or this worker's server is stopping) ends it
+        quietly: there is nobody left to tell."""
+        with contextlib.suppress(asyncio.CancelledError):  # (grpc would log it as an error)
+            await self._serve(context)
+
+    async def _serve(self, context: grpc.aio.ServicerContext) -> None:
         loop = asyncio.get_running_loop()
         reader = loop.create_task(self._read(context))
         reader.add_done_callback(lambda _t: self._kick())

@@ -150,6 +150,15 @@ class Registry:
         self._changed()
         return True
 
+    def seen(self, instance_id: str) -> None:
+        """Traffic from the instance (a stream's message, an RPC's answer): it is alive, as
+        a heartbeat says. A busy worker's heartbeat can lag behind the tokens it sends; a
+        worker that sends them is not lost. (The load and the suspicion move only with
+        heartbeats.)"""
+        inst = self._instances.get(instance_id)
+        if inst is not None:
+            inst.last_heartbeat = self._clock()
+
     def deregister(self, instance_id: str) -> bool:
         removed = self._instances.pop(instance_id, None) is not None
         if removed:

@@ -283,6 +283,7 @@ class Orchestrator:
             resp = await settle(call, "Prefill")
         else:
             resp = await self._prefill_while_decode_lives(call, placement.decode)
+        self.registry.seen(prefill.instance_id)
         placement.leave(prefill, abort=False)  # done: its KV is on the decode (or nowhere)
         return resp
 
@@ -354,7 +355,7 @@ class Orchestrator:
                 decode.address, self._decode_request(job, route, prompt)
             )
             try:
-                ticket = await self._read_ticket(stream)
+                ticket = await self._read_ticket(stream, decode)
             except BaseException as err:
                 stream.cancel()
                 if not isinstance(err, grpc.RpcError):
@@ -376,20 +377,27 @@ class Orchestrator:
             self.length.placed(pred, decode.instance_id, len(prompt), route)
             return decode, stream
 
-    async def _read_ticket(self, stream: StreamHandle) -> DecodeTicket:
-        """The Decode stream's first message (its ticket), within `reserve_s`."""
+    async def _read_ticket(self, stream: StreamHandle, decode: Instance) -> DecodeTicket:
+        """The Decode stream's first message (its ticket). A decode that is alive but busy
+        is waited for, up to `reserve_s`; one that stops heartbeating is given up at once
+        (the streams' watchdog cuts the read, as the relay's)."""
+        watch = self.streams.watch(stream, decode.instance_id, self.deadlines.reserve_s)
         try:
-            msg = await asyncio.wait_for(stream.read(), self.deadlines.reserve_s)
-        except asyncio.TimeoutError:
-            raise CallTimedOut("Decode", "sent no ticket", self.deadlines.reserve_s) from None
+            msg = await stream.read()
         except asyncio.CancelledError:
-            if cancelled_under_us():
-                raise CallLost("Decode") from None
-            raise
+            if not cancelled_under_us():
+                raise
+            if watch.expired:
+                raise CallTimedOut("Decode", "sent no ticket", self.deadlines.reserve_s) from None
+            why = "the instance stopped heartbeating" if watch.lost else "the instance left"
+            raise CallLost("Decode", why) from None
+        finally:
+            self.streams.unwatch(watch)
         if msg is grpc.aio.EOF:
             raise CallLost("Decode", "the stream ended before its ticket")
         if msg.ticket is None:
             raise CallLost("Decode", "its first message carried no ticket")
+        self.registry.seen(decode.instance_id)
         return msg.ticket
 
     def _decode_request(
@@ -473,6 +481,7 @@ class Orchestrator:
                 try:
                     msg = await call.read()
                     watch.seen(self.deadlines.decode_idle_s)
+                    self.registry.seen(inst.instance_id)
                 except asyncio.CancelledError:
                     # The call was cancelled, not this task: by the watchdog (`lost`, or
                     # silent past its deadline), or by the close of a dropped instance's

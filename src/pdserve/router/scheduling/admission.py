@@ -9,8 +9,11 @@ migrated stream keeps it and never queues again):
    completion) over the last 60 s; over a limit -> OverloadedError at once (429 /
    RESOURCE_EXHAUSTED) with a retry hint. `Pass.charge(n)` books tokens as they are spent.
 2. `Pass.turn(predicted_tokens)`, router-wide: at most `limit()` requests run at once, the
-   smaller of `max_running` and `max_running_per_decode` x serving instances (0 = no
-   limit); the rest wait in an `OverloadQueue` (FCFS, or SJF by predicted length with
+   smaller of `max_running` and `max_running_per_decode` x serving instances; with neither
+   set, `running_per_slot` x the batch slots the serving decode (or colocated) instances
+   report (their max_num_seqs): a request the cluster cannot run soon waits here, before
+   any work is done, instead of queueing on a worker where its deadlines run (0 everywhere
+   = no limit). The rest wait in an `OverloadQueue` (FCFS, or SJF by predicted length with
    aging), at most `max_queue` of them and each at most `timeout_s`; a full queue or a
    timeout -> OverloadedError. Released when the request ends.
 3. `Capacity.wait(deadline, ready)`: a running request waiting for room on the workers
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -56,8 +60,9 @@ class AdmissionConfig:
 
     max_running: int = 0  # requests running at once; 0 = no absolute limit
     max_running_per_decode: int = 0  # x serving decode (or colocated) instances; 0 = none
-    max_queue: int = 256  # requests waiting for a turn before queue_full
-    timeout_s: float = 30.0  # longest wait for a turn before queue_timeout
+    running_per_slot: float = 0.0  # neither above: x the instances' batch slots; 0 = none
+    max_queue: int = 4096  # requests waiting for a turn before queue_full
+    timeout_s: float = 600.0  # longest wait for a turn before queue_timeout
     order: Literal["fcfs", "sjf"] = "sjf"
     aging_tokens_per_s: float = 64.0
     max_wait_s: float = DEFAULT_MAX_WAIT_S
@@ -177,10 +182,12 @@ class Admission:
         config: AdmissionConfig | None = None,
         serving: Callable[[], int] = lambda: 1,
         clock: Callable[[], float] = time.monotonic,  # the queue's (a simulator's virtual one)
+        slots: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config = c = config or AdmissionConfig()
         self.metrics = AdmissionMetrics(metrics)
         self._serving = serving  # decode (or colocated) instances serving now
+        self._slots = slots  # their batch slots (sum of max_num_seqs; 0: unknown)
         self.queue = OverloadQueue(
             self.limit,
             order=c.order,
@@ -199,6 +206,8 @@ class Admission:
         limits = [c.max_running] if c.max_running > 0 else []
         if c.max_running_per_decode > 0:
             limits.append(c.max_running_per_decode * max(1, self._serving()))
+        if not limits and c.running_per_slot > 0 and (slots := self._slots()) > 0:
+            limits.append(max(1, math.ceil(c.running_per_slot * slots)))
         return min(limits) if limits else 0
 
     @property
