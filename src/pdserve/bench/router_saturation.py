@@ -150,7 +150,7 @@ def run_level(arm: Arm, arms: list[Arm], kind: str, c: int, args: argparse.Names
     sample["loadavg_1m"] = os.getloadavg()[0]
     arm.samples.setdefault((kind, c), []).append(sample)
     print(f"   {arm.name:<9} {kind:<7} C={c:<5} {json.dumps(sample)}", flush=True)
-    time.sleep(1.0)  # let the cancelled streams settle before the next level
+    time.sleep(2.0)  # let the cancelled streams settle before the next level
 
 
 def ci95(xs: list[float]) -> dict[str, Any]:
