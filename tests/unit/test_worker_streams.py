@@ -271,3 +271,40 @@ def test_a_worker_that_goes_away_fails_its_streams_as_lost_and_a_new_call_follow
 
     tokens, finish, _ = asyncio.run(scenario())
     assert tokens == [100] and finish
+
+
+def test_without_credit_the_worker_holds_its_events_and_merges_them():
+    """A router that falls behind grants no credit: the worker keeps writing nothing and
+    merges each stream's tokens, then sends them all in one message for one credit."""
+
+    async def scenario():
+        server, worker, addr = await _serve()
+        channel = grpc.aio.insecure_channel(addr)
+        try:
+            call = worker_pb2_grpc.WorkerStub(channel).Streams()
+            opens = [worker_pb2.StreamOpen(stream_id=k, generate=_generate("tokens-3"))
+                     for k in (1, 2)]  # fmt: skip
+            await call.write(worker_pb2.StreamsRequest(open=opens, credit=1))
+            await worker.tick()
+            first = await asyncio.wait_for(call.read(), 5)  # step 1: one message, the credit
+            for _ in range(2):
+                await worker.tick()  # steps 2 and 3, the finish: held, no credit
+            await asyncio.sleep(0.2)
+            writes = worker.writes
+            await call.write(worker_pb2.StreamsRequest(credit=1))
+            rest = await asyncio.wait_for(call.read(), 5)
+            call.cancel()
+            return first, writes, rest
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    first, writes, rest = asyncio.run(scenario())
+    assert sorted((e.stream_id, list(e.token_ids)) for e in first.events) == [
+        (1, [100]), (2, [100])
+    ]  # fmt: skip
+    assert writes == 1  # nothing was sent without a credit
+    by_stream = {e.stream_id: e for e in rest.events}
+    assert len(rest.events) == 2  # one event per stream: its tokens merged, with its finish
+    for e in by_stream.values():
+        assert list(e.token_ids) == [101, 102] and e.finish_reason

@@ -161,12 +161,14 @@ class WorkerInfo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class StreamsRequest(_message.Message):
-    __slots__ = ("open", "close")
+    __slots__ = ("open", "close", "credit")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
     open: _containers.RepeatedCompositeFieldContainer[StreamOpen]
     close: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, open: _Optional[_Iterable[_Union[StreamOpen, _Mapping]]] = ..., close: _Optional[_Iterable[int]] = ...) -> None: ...
+    credit: int
+    def __init__(self, open: _Optional[_Iterable[_Union[StreamOpen, _Mapping]]] = ..., close: _Optional[_Iterable[int]] = ..., credit: _Optional[int] = ...) -> None: ...
 
 class StreamOpen(_message.Message):
     __slots__ = ("stream_id", "decode", "generate")

@@ -12,7 +12,9 @@
   writer sends it: each write carries everything queued since the previous write began. A
   decode step makes a token for every running stream; their events all land in one message,
   and more merge while a write is in flight (a stream's token events in one message merge
-  into one event);
+  into one event). Once the router grants credit (StreamsRequest.credit), the writer also
+  waits for a credit before each write: a router that falls behind then receives every
+  token made meanwhile in one message, not a backlog of small ones in its socket;
 - the end of the call (the router closed it, died, or its connection broke) cancels every
   stream task, so their KV is freed at once, not at lease expiry.
 
@@ -57,6 +59,8 @@ class StreamMux:
         self._batch = worker_pb2.StreamsEvents()  # the next message
         self._mergeable: dict[int, worker_pb2.StreamEvent] = {}  # stream -> its event in it
         self._wake: asyncio.Future | None = None
+        self._paced = False  # the router grants credit: write only while holding one
+        self._credit = 0
 
     @property
     def num_streams(self) -> int:
@@ -76,14 +80,16 @@ class StreamMux:
         reader.add_done_callback(lambda _t: self._kick())
         try:
             while True:
-                if not self._batch.events:
-                    if reader.done() and not self._tasks:
+                if not self._batch.events or (self._paced and self._credit <= 0):
+                    if reader.done() and not self._tasks and not self._batch.events:
                         break
                     self._wake = loop.create_future()
                     await self._wake
                     continue
                 batch, self._batch = self._batch, worker_pb2.StreamsEvents()
                 self._mergeable.clear()
+                if self._paced:
+                    self._credit -= 1
                 await context.write(batch)
             reader.result()  # (raises what ended the reads, if anything did)
         finally:
@@ -95,7 +101,12 @@ class StreamMux:
         while True:
             req = await context.read()
             if req is grpc.aio.EOF:  # the router sends nothing more; running streams go on
+                self._paced = False  # (no credit can come any more)
                 return
+            if req.credit:
+                self._paced = True
+                self._credit += req.credit
+                self._kick()
             for o in req.open:
                 self._open(o)
             for stream_id in req.close:

@@ -7,6 +7,12 @@ open was written costs no message at all) and one reader task, which hands each 
 events to its `StreamHandle` as they arrive: the worker batches a decode step's tokens for
 every stream into one message.
 
+Flow control (StreamsRequest.credit): the router grants the worker `CREDIT` messages with its
+first write and one more each time its streams have taken in a message's events (after the
+consumers woken by that message ran). A router that falls behind thus gets fewer messages
+from the worker, each carrying every token made since the last, instead of a backlog of small
+messages in its socket, which its streams would drain one token at a time.
+
 A handle reads like the per-request call it replaces, so the orchestrator's relay and its
 watchdog treat both alike:
 - `read()` returns the next `StreamChunk`: the ticket alone (a decode stream's first), else
@@ -63,6 +69,7 @@ class StreamFailed(grpc.RpcError):
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+CREDIT = 2  # worker messages in flight: one being read here, one on its way
 
 
 class StreamHandle:
@@ -169,6 +176,7 @@ class WorkerStreams:
         self._next_id = 0
         self._opens: dict[int, worker_pb2.StreamOpen] = {}  # queued, not yet written
         self._closes: list[int] = []
+        self._credit = CREDIT  # to grant with the next write
         self._wake: asyncio.Future | None = None
         self.broken: grpc.RpcError | None = None
         self._call = stub.Streams()
@@ -216,12 +224,14 @@ class WorkerStreams:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                if not self._opens and not self._closes:
+                if not self._opens and not self._closes and not self._credit:
                     self._wake = loop.create_future()
                     await self._wake
                     continue
-                msg = worker_pb2.StreamsRequest(open=self._opens.values(), close=self._closes)
-                self._opens, self._closes = {}, []
+                msg = worker_pb2.StreamsRequest(
+                    open=self._opens.values(), close=self._closes, credit=self._credit
+                )
+                self._opens, self._closes, self._credit = {}, [], 0
                 await self._call.write(msg)
         except asyncio.CancelledError:
             if not cancelled_under_us():
@@ -231,6 +241,7 @@ class WorkerStreams:
             self._break(_lost(exc))
 
     async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 msg = await self._call.read()
@@ -241,6 +252,7 @@ class WorkerStreams:
                     handle = handles.get(ev.stream_id)
                     if handle is not None and handle.push(ev):
                         del handles[ev.stream_id]
+                loop.call_soon(self._grant)  # (after the consumers this message woke)
         except asyncio.CancelledError:
             if not cancelled_under_us():
                 raise  # (_break cancelled us)
@@ -266,6 +278,11 @@ class WorkerStreams:
             if task is not current:
                 task.cancel()
         self._on_broken(self)
+
+    def _grant(self) -> None:
+        if self.broken is None:
+            self._credit += 1
+            self._kick()
 
     def _kick(self) -> None:
         wake = self._wake
