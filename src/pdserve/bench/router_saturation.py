@@ -59,6 +59,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--skip-short", action="store_true", help="streamed tokens only")
     p.add_argument("--baseline-src", help="DIR holding src/pdserve of the baseline arm")
     p.add_argument("--profile-router", action="store_true", help="cProfile the router")
+    p.add_argument("--profile-load", choices=["streams", "short"], default="streams")
     p.add_argument(
         "--router-cpu-quota", type=float, default=0.0,
         help="cap each router at this fraction of one core (CPU cgroup; needs root)",
@@ -162,8 +163,11 @@ def ci95(xs: list[float]) -> dict[str, Any]:
     return {"mean": m, "ci95": [m - half, m + half], "n": len(xs)}
 
 
-def _per_sample(arm: Arm, kind: str, s: dict[str, float]) -> dict[str, float]:
-    """A sample's per-unit costs, net of the arm's idle router."""
+def _per_sample(arm: Arm, kind: str, s: dict[str, float]) -> dict[str, float] | None:
+    """A sample's per-unit costs, net of the arm's idle router (None: it got no unit done,
+    e.g. a load generator starved of CPU; such samples are left out and counted)."""
+    if not s["requests" if kind == "short" else "tokens"]:
+        return None
     net = s["router_cpu_s"] - arm.idle_rate * s["window_s"]
     out = {"router_cpu": s["router_cpu_s"] / s["window_s"]}
     if kind == "short":
@@ -183,10 +187,16 @@ def summarize(arms: list[Arm], levels: list[tuple[str, int]]) -> list[dict[str, 
         row: dict[str, Any] = {"kind": kind, "concurrency": c, "metric": metric}
         per_arm = {a.name: [_per_sample(a, kind, s) for s in a.samples[(kind, c)]] for a in arms}
         for name, samples in per_arm.items():
-            row[name] = {k: ci95([s[k] for s in samples]) for k in samples[0]}
+            valid = [s for s in samples if s is not None]
+            row[name] = {k: ci95([s[k] for s in valid]) for k in valid[0]} if valid else {}
+            row[name]["samples_left_out"] = len(samples) - len(valid)
         if len(arms) == 2:
             base, new = (per_arm[a.name] for a in arms)
-            ratios = [n[metric] / b[metric] for b, n in zip(base, new, strict=True) if b[metric]]
+            ratios = [
+                n[metric] / b[metric]
+                for b, n in zip(base, new, strict=True)
+                if b is not None and n is not None and b[metric]
+            ]
             row[f"{arms[1].name}_over_{arms[0].name}"] = ci95(ratios) if ratios else None
         rows.append(row)
     return rows
@@ -208,6 +218,9 @@ def print_table(rows: list[dict[str, Any]], arms: list[Arm]) -> None:
         unit = "ms/request" if r["kind"] == "short" else "us/token"
         for a in arms:
             st = r[a.name]
+            if r["metric"] not in st:
+                print(f"{r['kind']:<8}{r['concurrency']:>6}  {a.name:<10}no valid sample")
+                continue
             print(f"{r['kind']:<8}{r['concurrency']:>6}  {a.name:<10}"
                   f"{_fmt(st[r['metric']], 3 if r['kind'] == 'short' else 1) + ' ' + unit:<36}"
                   f"{st[rate]['mean']:>10.0f}{st['router_cpu']['mean']:>14.3f}")  # fmt: skip
@@ -230,14 +243,14 @@ def top_functions(path: Path, n: int = 25) -> list[dict[str, Any]]:
 
 
 def profile(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
-    """The current code's router under cProfile, one streaming level."""
+    """The current code's router under cProfile, one level (`--profile-load`)."""
     prof = out.with_suffix(".router.prof")
     arm = Arm("profiled", None)
     c = int(args.concurrency.split(",")[0])
-    print(f"== router under cProfile ({args.workers} workers, {c} streams)", flush=True)
+    print(f"== router under cProfile ({args.workers} workers, {args.profile_load} C={c})")
     start_arm(arm, args, prof)
     try:
-        run_level(arm, [arm], "streams", c, args)
+        run_level(arm, [arm], args.profile_load, c, args)
     finally:
         stop_arm(arm)
     rows = top_functions(prof)

@@ -32,24 +32,36 @@ def process_cpu_s(pid: int) -> float:
 
 @dataclass
 class Window:
-    """[start, end) in time.monotonic(); `cpu_s[name]` filled at its end."""
+    """[start, end) in time.monotonic(), planned; `track` moves both to when the CPUs were
+    actually read (a busy load generator reads late), and the load counts its units by the
+    same clock, so units and CPU seconds cover the same interval. `cpu_s[name]` is filled
+    at its end."""
 
     start: float
     end: float
     cpu: dict[str, Callable[[], float]]
     cpu_s: dict[str, float] = field(default_factory=dict)
     _at_start: dict[str, float] = field(default_factory=dict)
+    closed: bool = False
 
     @property
     def seconds(self) -> float:
         return self.end - self.start
 
+    def counts(self, now: float) -> bool:
+        """Whether a unit that arrived at `now` falls in the window."""
+        return self.start <= now and not self.closed
+
     async def track(self) -> None:
         """Read the CPUs at the window's start and end (run as a task)."""
+        length = self.end - self.start
         await asyncio.sleep(max(0.0, self.start - time.monotonic()))
         self._at_start = {k: f() for k, f in self.cpu.items()}
-        await asyncio.sleep(max(0.0, self.end - time.monotonic()))
+        self.start = time.monotonic()
+        await asyncio.sleep(max(0.0, self.start + length - time.monotonic()))
         self.cpu_s = {k: f() - self._at_start[k] for k, f in self.cpu.items()}
+        self.end = time.monotonic()
+        self.closed = True
 
 
 def _window(duration: float, ramp: float, cpu: dict[str, Callable[[], float]]) -> Window:
@@ -69,11 +81,11 @@ async def short_requests(
     async def loop(k: int) -> None:
         nonlocal done, errors
         rng = random.Random(k)
-        while time.monotonic() < win.end:
+        while not win.closed:
             try:
                 await client.generate(token_ids=[rng.randrange(100_000) for _ in range(8)],
                                       max_tokens=1, ignore_eos=True)  # fmt: skip
-                if win.start <= time.monotonic() < win.end:
+                if win.counts(time.monotonic()):
                     done += 1
             except Exception:
                 errors += 1
@@ -99,10 +111,9 @@ async def streams(
         rng = random.Random(1000 + k)
         ids = [rng.randrange(100_000) for _ in range(8)]
         async for ev in client.generate_stream(token_ids=ids, max_tokens=n, ignore_eos=True):
-            now = time.monotonic()
-            if now >= win.end:
+            if win.closed:
                 break
-            if now >= win.start:
+            if win.counts(time.monotonic()):
                 tokens += len(ev.token_ids)
                 messages += 1
 

@@ -8,8 +8,10 @@ events to its `StreamHandle` as they arrive: the worker batches a decode step's 
 every stream into one message.
 
 Flow control (StreamsRequest.credit): the router grants the worker `CREDIT` messages with its
-first write and one more each time its streams have taken in a message's events (after the
-consumers woken by that message ran). A router that falls behind thus gets fewer messages
+first write, and once its streams have taken in `CREDIT // 2` more messages (after the
+consumers woken by the last of them ran), that many again: a credit write per few messages,
+never so few that the worker waits while the router does not (a grant is due before the
+worker can have spent its credit). A router that falls behind thus gets fewer messages
 from the worker, each carrying every token made since the last, instead of a backlog of small
 messages in its socket, which its streams would drain one token at a time.
 
@@ -69,7 +71,7 @@ class StreamFailed(grpc.RpcError):
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-CREDIT = 2  # worker messages in flight: one being read here, one on its way
+CREDIT = 8  # worker messages in flight at most (granted back in halves)
 
 
 class StreamHandle:
@@ -177,6 +179,7 @@ class WorkerStreams:
         self._opens: dict[int, worker_pb2.StreamOpen] = {}  # queued, not yet written
         self._closes: list[int] = []
         self._credit = CREDIT  # to grant with the next write
+        self._taken = 0  # messages taken in since the last grant
         self._wake: asyncio.Future | None = None
         self.broken: grpc.RpcError | None = None
         self._call = stub.Streams()
@@ -280,8 +283,10 @@ class WorkerStreams:
         self._on_broken(self)
 
     def _grant(self) -> None:
-        if self.broken is None:
-            self._credit += 1
+        self._taken += 1
+        if self._taken >= CREDIT // 2 and self.broken is None:
+            self._credit += self._taken
+            self._taken = 0
             self._kick()
 
     def _kick(self) -> None:
