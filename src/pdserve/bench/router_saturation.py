@@ -57,6 +57,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=3, help="rounds over every level and arm")
     p.add_argument("--stream-tokens", type=int, default=4000)
     p.add_argument("--skip-short", action="store_true", help="streamed tokens only")
+    p.add_argument("--skip-streams", action="store_true", help="short requests only")
     p.add_argument("--baseline-src", help="DIR holding src/pdserve of the baseline arm")
     p.add_argument("--profile-router", action="store_true", help="cProfile the router")
     p.add_argument("--profile-load", choices=["streams", "short"], default="streams")
@@ -271,7 +272,7 @@ def main(args: argparse.Namespace) -> int:
         arms.insert(0, Arm("baseline", src))
     concurrency = [int(c) for c in args.concurrency.split(",")]
     levels = [] if args.skip_short else [("short", c) for c in concurrency]
-    levels += [("streams", c) for c in concurrency]
+    levels += [] if args.skip_streams else [("streams", c) for c in concurrency]
     own_cpus = os.sched_getaffinity(0)
     pinned = None
     try:
