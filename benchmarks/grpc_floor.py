@@ -5,10 +5,12 @@ A server process answers `pdserve.v1.Router/Generate` (the router's public call,
 messages) with a handler that does nothing but write `--messages` responses of one token
 each (`context.write`, as the router does); this process drives it with `--concurrency`
 closed-loop callers for `--duration` s and reads the server's CPU time (/proc) over the run.
-Two arms, alternated `--repeats` times in one run: the bare server, and the same server with
-pdserve's interceptor chain of the public plane (request id, metrics, error mapping). The
-router cannot cost less per request than the first column, nor per streamed message than
-the second.
+Arms, alternated `--repeats` times in one run: `bare`, the server alone; `chain`, the same
+with pdserve's interceptor chain of the public plane (request id, metrics, error mapping);
+`relay`, the bare server relaying each call through one `Worker.Streams` call to a backend
+process that answers every stream at once (the least a router with a worker hop does per
+request: its public call, a stream opened and its event read over one multiplexed call,
+batched both ways; no pdserve code). The router cannot cost less per request than these.
 
     .venv/bin/python -m benchmarks.grpc_floor --repeats 3
 """
@@ -29,14 +31,50 @@ import grpc
 from grpc import aio
 from pdserve.v1 import router_pb2
 
-messages, chain = int(sys.argv[1]), sys.argv[2] == "chain"
+messages, chain, relay = int(sys.argv[1]), sys.argv[2] == "chain", sys.argv[2] == "relay"
+backend = sys.argv[3] if relay else ""
 
 async def generate(request, context):
+    if relay:
+        await RELAY.ask(request.request_id)
     for i in range(messages):
         await context.write(router_pb2.GenerateResponse(request_id=request.request_id,
                                                         token_ids=[i], text="x"))
 
+class Relay:
+    # one Streams call to the backend: opens batched by one writer, events by one reader
+    def __init__(self, addr):
+        from pdserve.v1 import worker_pb2, worker_pb2_grpc
+        self.pb = worker_pb2
+        self.call = worker_pb2_grpc.WorkerStub(aio.insecure_channel(addr)).Streams()
+        self.waiting, self.opens, self.next, self.wake = {}, [], 0, None
+        asyncio.ensure_future(self.write()); asyncio.ensure_future(self.read())
+    async def ask(self, rid):
+        self.next += 1
+        fut = self.waiting[self.next] = asyncio.get_running_loop().create_future()
+        self.opens.append(self.pb.StreamOpen(stream_id=self.next,
+                          generate=self.pb.WorkerGenerateRequest(request_id=rid, token_ids=[1])))
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+        await fut
+    async def write(self):
+        while True:
+            if not self.opens:
+                self.wake = asyncio.get_running_loop().create_future()
+                await self.wake
+                continue
+            msg, self.opens = self.pb.StreamsRequest(open=self.opens), []
+            await self.call.write(msg)
+    async def read(self):
+        while True:
+            msg = await self.call.read()
+            for ev in msg.events:
+                self.waiting.pop(ev.stream_id).set_result(None)
+
 async def main():
+    global RELAY
+    if relay:
+        RELAY = Relay(backend)
     interceptors = []
     if chain:
         from pdserve.rpc.interceptor import server_interceptors
@@ -48,6 +86,34 @@ async def main():
             generate, request_deserializer=router_pb2.GenerateRequest.FromString,
             response_serializer=router_pb2.GenerateResponse.SerializeToString)})
     server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+import uvloop
+uvloop.run(main())
+"""
+
+# The backend of the `relay` arm: answers every opened stream with one event, batched.
+BACKEND = r"""
+import asyncio, sys
+import grpc
+from grpc import aio
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+class Backend(worker_pb2_grpc.WorkerServicer):
+    async def Streams(self, request_iterator, context):
+        async for req in request_iterator:
+            out = worker_pb2.StreamsEvents()
+            for o in req.open:
+                out.events.add(stream_id=o.stream_id, token_ids=[7], finish_reason=2)
+            if out.events:
+                await context.write(out)
+
+async def main():
+    server = aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(Backend(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
@@ -88,9 +154,14 @@ async def drive(port: int, concurrency: int, duration: float) -> tuple[int, int]
 
 
 def measure(arm: str, messages: int, args: argparse.Namespace) -> dict[str, float]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER, str(messages), arm], stdout=subprocess.PIPE, text=True
-    )
+    backend = None
+    argv = [sys.executable, "-c", SERVER, str(messages), arm]
+    if arm == "relay":
+        backend = subprocess.Popen(
+            [sys.executable, "-c", BACKEND], stdout=subprocess.PIPE, text=True
+        )
+        argv.append(f"127.0.0.1:{int(backend.stdout.readline())}")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
         asyncio.run(drive(port, args.concurrency, 1.0))  # warm-up
@@ -100,6 +171,9 @@ def measure(arm: str, messages: int, args: argparse.Namespace) -> dict[str, floa
     finally:
         proc.kill()
         proc.wait()
+        if backend is not None:
+            backend.kill()
+            backend.wait()
     return {"calls": calls, "messages": msgs, "server_cpu_s": cpu, "wall_s": wall,
             "us_per_call": 1e6 * cpu / max(calls, 1), "us_per_message": 1e6 * cpu / max(msgs, 1)}  # fmt: skip
 
@@ -115,9 +189,12 @@ def main() -> int:
     print(" ".join(sys.argv))
     samples: dict[str, list[dict[str, float]]] = {}
     for rep in range(args.repeats):
-        arms = ["bare", "chain"] if rep % 2 == 0 else ["chain", "bare"]
+        arms = ["bare", "chain", "relay"] if rep % 2 == 0 else ["relay", "chain", "bare"]
         for arm in arms:
-            for kind, n in (("call", 1), ("stream", args.stream_messages)):
+            kinds = (
+                [("call", 1)] if arm == "relay" else [("call", 1), ("stream", args.stream_messages)]
+            )
+            for kind, n in kinds:
                 s = measure(arm, n, args)
                 samples.setdefault(f"{arm}/{kind}", []).append(s)
                 print(f"  {arm:<6} {kind:<7} {json.dumps(s)}", flush=True)

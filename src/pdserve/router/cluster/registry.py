@@ -197,6 +197,17 @@ class Registry:
             return instance_id in self._expired
         return self._clock() - inst.last_heartbeat > self.heartbeat_timeout_s
 
+    def serving(self, role: int) -> bool:
+        """Whether `candidates(role)` is not empty (without sorting them)."""
+        now = self._clock()
+        return any(
+            i.role == role
+            and i.state == "serving"
+            and i.suspect_since is None
+            and now - i.last_heartbeat <= self.heartbeat_timeout_s
+            for i in self._instances.values()
+        )
+
     def candidates(self, role: int) -> list[Instance]:
         now = self._clock()
         return sorted(

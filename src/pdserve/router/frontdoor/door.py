@@ -14,7 +14,6 @@ HTTP: pdserve.router.frontdoor.http.errors).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import secrets
 import time
 import uuid
@@ -39,6 +38,15 @@ from .text import TextStream
 from .validation import check_messages, check_request, to_params
 
 log = get_logger("pdserve.router")
+
+
+def _reason(finish: int) -> str:
+    name = common_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
+    _REASONS[finish] = name
+    return name
+
+
+_REASONS: dict[int, str] = {}  # FinishReason -> its metric label
 
 
 def worker_request_id(rid: str) -> str:
@@ -305,15 +313,20 @@ class FrontDoor:
             prefill_instance=job.prefill_instance,
             decode_instance=job.decode_instance,
         )
-        usage.stages.CopyFrom(common_pb2.StageCosts(**dataclasses.asdict(job.stages)))
+        s, out = job.stages, usage.stages
+        out.queue_ms, out.prefill_ms, out.transfer_ms = s.queue_ms, s.prefill_ms, s.transfer_ms
+        out.transfer_bytes, out.decode_ms, out.reserve_ms = (
+            s.transfer_bytes, s.decode_ms, s.reserve_ms
+        )  # fmt: skip
+        out.cached_tokens, out.kvstore_tokens = s.cached_tokens, s.kvstore_tokens
         return usage
 
     def _observe(
         self, job: Job, key: ApiKey, finish: int, n_out: int, t0: float, t_first: float
     ) -> None:
         now = time.perf_counter()
-        reason = common_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
-        self.metrics.requests.labels(finish_reason=reason).inc()
+        reason = _REASONS.get(finish) or _reason(finish)
+        self.metrics.finished(reason).inc()
         self.metrics.completion_tokens.inc(n_out)
         self.metrics.cached_tokens.inc(job.stages.cached_tokens)
         self.totals.cached_tokens += job.stages.cached_tokens

@@ -121,7 +121,8 @@ class Orchestrator:
     async def predict(self, job: Job) -> Prediction:
         """The request's output-length prediction (once per request: before admission)."""
         route = self._route(job)
-        return await self.length.predict(job, route, self._predictor_block_size())
+        block_size = self._predictor_block_size() if self.length.needed else 0
+        return await self.length.predict(job, route, block_size)
 
     async def run(self, job: Job, pred: Prediction | None = None) -> AsyncIterator[Chunk]:
         """The request's chunks. When its stream breaks after the client has seen tokens,
@@ -150,11 +151,12 @@ class Orchestrator:
     async def _attempt(self, job: Job, pred: Prediction) -> AsyncIterator[Chunk]:
         """One placement of `job` (a client's job, or a migration's continuation)."""
         route = self.length.route(pred, job, self._route(job))
-        if self.registry.candidates(ROLE_PREFILL) and self.registry.candidates(ROLE_DECODE):
+        registry = self.registry
+        if registry.serving(ROLE_PREFILL) and registry.serving(ROLE_DECODE):
             lifecycle = self._disagg
-        elif self.registry.candidates(ROLE_COLOCATED):
+        elif registry.serving(ROLE_COLOCATED):
             lifecycle = self._colocated
-        elif not self.registry.candidates(ROLE_DECODE):
+        elif not registry.serving(ROLE_DECODE):
             raise UnavailableError("no decode (or colocated) instance is available")
         else:
             raise UnavailableError("no prefill instance is available")

@@ -279,8 +279,12 @@ class Admission:
                 f"{self.queue.waiting} waiting (max_queue={c.max_queue})",
                 QUEUE_RETRY_S,
             )
-        if would_wait:
-            self.metrics.waiting.set(self.queue.waiting + 1)
+        if not would_wait:  # (no timer: the turn is taken at once)
+            await self.queue.acquire(predicted_tokens)
+            self.metrics.running.set(self.queue.running)
+            self.metrics.wait.observe(0.0)
+            return 0.0
+        self.metrics.waiting.set(self.queue.waiting + 1)
         try:
             # (a timeout or a cancel while waiting leaves the queue clean: acquire() drops
             # the waiter, or releases the slot it was given at that moment)
