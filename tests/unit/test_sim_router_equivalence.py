@@ -2,7 +2,7 @@
 
 - the router's real wiring: `RouterApp` built from the settings (its `Admission` stage, its
   `_predictor`, `_length_scheduling`, `_orchestrator`, the policy over its `DecodeDemand`),
-  driven as `FrontDoor._generate` drives it (admit, predict, one admission turn, run), with
+  driven as `FrontDoor.generate` drives it (admit, predict, one admission turn, run), with
   in-process fake workers whose prefill and decode take fixed (fake) times, on an asyncio
   loop whose clock is virtual (it jumps to the next timer instead of sleeping), and
 - a `SimCluster` built by `spec_from_up_flags` from the same `--router-arg` flags, whose
@@ -158,7 +158,7 @@ def router_decisions(flags: list[str], reqs: list[BenchRequest]) -> list[tuple[s
                     params=SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
                     oracle_tokens=r.max_tokens,
                 )
-                # FrontDoor._generate: admit, predict, one turn, run
+                # FrontDoor.generate: admit, predict, one turn, run
                 async with app.admission.admit(ANONYMOUS) as admission:
                     pred = await orch.predict(job)
                     await admission.turn(pred.predicted_tokens)

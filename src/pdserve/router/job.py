@@ -54,9 +54,12 @@ class Stages:
     PROMPT_ONLY = ("cached_tokens", "kvstore_tokens")
 
     def add(self, part: Stages, *, skip: tuple[str, ...] = ()) -> None:
-        for f in fields(self):
-            if f.name not in skip:
-                setattr(self, f.name, getattr(self, f.name) + getattr(part, f.name))
+        for name in _STAGE_NAMES:
+            if name not in skip:
+                setattr(self, name, getattr(self, name) + getattr(part, name))
+
+
+_STAGE_NAMES = tuple(f.name for f in fields(Stages))
 
 
 @dataclass

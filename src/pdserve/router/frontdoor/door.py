@@ -113,8 +113,57 @@ class FrontDoor:
                 raise AlreadyExistsError(f"request_id {rid!r} is already in flight")
             self.inflight.add(rid)
             try:
-                async for resp in self._generate(request, key, rid, t0, oracle_tokens, progress):
-                    yield resp
+                check_raw_request(request, self.limits)  # before any expensive work
+                async with self.admission.admit(key) as admission:
+                    job, stops = await self._prepare(request, rid)
+                    job.oracle_tokens = oracle_tokens
+                    progress["prompt_tokens"] = len(job.token_ids)
+                    admission.charge(len(job.token_ids))
+                    pred = await self.orch.predict(job)
+                    await admission.turn(pred.predicted_tokens)  # once: migrations keep it
+                    text = TextStream(self.model.detokenizer(), stops)
+                    totals = self.totals
+                    totals.requests += 1
+                    totals.running += 1
+                    self.idle.clear()
+                    n_out, t_first, finish = 0, 0.0, 0
+                    gen = self.orch.run(job, pred)
+                    try:
+                        # One chunk = every token relayed since the last one was sent: while
+                        # a write to the client is in flight, tokens merge (a busy router
+                        # sends fewer, larger messages).
+                        async for chunk in gen:
+                            step = text.push(chunk.token_ids)
+                            n_out += len(step.token_ids)
+                            progress["completion_tokens"] = n_out
+                            admission.charge(len(step.token_ids))
+                            if not t_first:
+                                t_first = time.perf_counter()
+                            finish, delta = chunk.finish_reason, step.text
+                            if step.stopped:
+                                finish = common_pb2.FINISH_REASON_STOP
+                            elif finish:
+                                delta += text.finish()  # held-back text (or a stop inside it)
+                                if text.matcher.matched is not None:
+                                    finish = common_pb2.FINISH_REASON_STOP
+                            resp = router_pb2.GenerateResponse(
+                                request_id=rid,
+                                token_ids=step.token_ids,
+                                text=delta,
+                                server_ms=(time.perf_counter() - t0) * 1000.0,
+                                finish_reason=finish,
+                            )
+                            if finish:
+                                resp.usage.CopyFrom(self._usage(job, n_out, t0, t_first))
+                                yield resp
+                                break
+                            yield resp
+                    finally:
+                        await gen.aclose()  # stop string / cancel: the workers are aborted
+                        totals.running -= 1
+                        if not totals.running:
+                            self.idle.set()
+                    self._observe(job, key, finish, n_out, t0, t_first)
             finally:
                 self.inflight.discard(rid)
         except asyncio.CancelledError:
@@ -131,69 +180,8 @@ class FrontDoor:
             self._failed(exc, key, t0, progress)
             raise
 
-    async def _generate(
-        self,
-        request: router_pb2.GenerateRequest,
-        key: ApiKey,
-        rid: str,
-        t0: float,
-        oracle_tokens: int,
-        progress: dict[str, int],
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        check_raw_request(request, self.limits)  # before any expensive work
-        async with self.admission.admit(key) as admission:
-            job, stops = await self._prepare(request, rid)
-            job.oracle_tokens = oracle_tokens
-            progress["prompt_tokens"] = len(job.token_ids)
-            admission.charge(len(job.token_ids))
-            pred = await self.orch.predict(job)
-            await admission.turn(pred.predicted_tokens)  # once: migrations keep it
-            text = TextStream(self.model.detokenizer(), stops)
-            totals = self.totals
-            totals.requests += 1
-            totals.running += 1
-            self.idle.clear()
-            n_out, t_first, finish = 0, 0.0, 0
-            gen = self.orch.run(job, pred)
-            try:
-                # One chunk = every token relayed since the last one was sent: while a
-                # write to the client is in flight, tokens merge (a busy router sends
-                # fewer, larger messages).
-                async for chunk in gen:
-                    step = text.push(chunk.token_ids)
-                    n_out += len(step.token_ids)
-                    progress["completion_tokens"] = n_out
-                    admission.charge(len(step.token_ids))
-                    if not t_first:
-                        t_first = time.perf_counter()
-                    finish, delta = chunk.finish_reason, step.text
-                    if step.stopped:
-                        finish = common_pb2.FINISH_REASON_STOP
-                    elif finish:
-                        delta += text.finish()  # release held-back text (or stop inside it)
-                        if text.matcher.matched is not None:
-                            finish = common_pb2.FINISH_REASON_STOP
-                    resp = router_pb2.GenerateResponse(
-                        request_id=rid,
-                        token_ids=step.token_ids,
-                        text=delta,
-                        server_ms=(time.perf_counter() - t0) * 1000.0,
-                        finish_reason=finish,
-                    )
-                    if finish:
-                        resp.usage.CopyFrom(self._usage(job, n_out, t0, t_first))
-                        yield resp
-                        break
-                    yield resp
-            finally:
-                await gen.aclose()  # stop string / cancel: the orchestrator aborts the workers
-                totals.running -= 1
-                if not totals.running:
-                    self.idle.set()
-            self._observe(job, key, finish, n_out, t0, t_first)
-
     def _cancelled(self, key: ApiKey, t0: float, progress: dict[str, int]) -> None:
-        self.metrics.requests.labels(finish_reason="abort").inc()
+        self.metrics.finished("abort").inc()
         log.info(
             "request cancelled by the client",
             key=key.name,
@@ -328,7 +316,8 @@ class FrontDoor:
         reason = _REASONS.get(finish) or _reason(finish)
         self.metrics.finished(reason).inc()
         self.metrics.completion_tokens.inc(n_out)
-        self.metrics.cached_tokens.inc(job.stages.cached_tokens)
+        if job.stages.cached_tokens:
+            self.metrics.cached_tokens.inc(job.stages.cached_tokens)
         self.totals.cached_tokens += job.stages.cached_tokens
         if job.prefill_attempts > 1:
             self.metrics.prefill_retries.inc(job.prefill_attempts - 1)

@@ -124,24 +124,28 @@ class Orchestrator:
         block_size = self._predictor_block_size() if self.length.needed else 0
         return await self.length.predict(job, route, block_size)
 
-    async def run(self, job: Job, pred: Prediction | None = None) -> AsyncIterator[Chunk]:
+    def run(self, job: Job, pred: Prediction | None = None) -> AsyncIterator[Chunk]:
         """The request's chunks. When its stream breaks after the client has seen tokens,
         `Migrator` continues it on other instances (migration.py): one `_attempt` each,
-        all under the request's one prediction `pred` (made here when not given)."""
+        all under the request's one prediction `pred` (made here when not given). Closing
+        the iterator (`aclose`) closes the attempt at once (it aborts the workers)."""
         if pred is None:
-            pred = await self.predict(job)
-        gen = self.migrator.run(job, lambda part: self._attempt(part, pred))
-        finished = False
+            return self._predict_and_run(job)
+        # (the Migrator's own generator: no extra level between the front door and it)
+        return self.migrator.run(
+            job,
+            lambda part: self._attempt(part, pred),
+            # the whole request's length (all attempts), learned once
+            on_done=lambda finished: self.length.done(pred, len(job.output_token_ids), finished),
+        )
+
+    async def _predict_and_run(self, job: Job) -> AsyncIterator[Chunk]:
+        gen = self.run(job, await self.predict(job))
         try:
             async for chunk in gen:
-                finished = finished or bool(chunk.finish_reason)
                 yield chunk
         finally:
-            try:
-                await gen.aclose()  # at once, not when collected: it aborts the workers
-            finally:
-                # the whole request's length (all attempts), learned once
-                self.length.done(pred, len(job.output_token_ids), finished)
+            await gen.aclose()
 
     def _route(self, job: Job) -> RouteRequest:
         return RouteRequest(

@@ -75,6 +75,7 @@ class _KeyState:
     running: int = 0  # streams admitted for this key, waiting for a turn or running
     spent: collections.deque = field(default_factory=collections.deque)  # (t, tokens)
     total: int = 0  # tokens in `spent`
+    series: tuple = ()  # (admitted, streams) of this key, looked up once
 
     def used(self, now: float) -> int:
         while self.spent and self.spent[0][0] <= now - WINDOW_S:
@@ -257,12 +258,16 @@ class Admission:
         st = self.check_key(key)
         st.running += 1  # counted while it waits too: a key cannot flood the queue
         p = Pass(self, key, st)
-        self.metrics.admitted.labels(key.name).inc()
-        self.metrics.streams.labels(key.name).inc()
+        if not st.series:
+            m = self.metrics
+            st.series = (m.admitted.labels(key.name), m.streams.labels(key.name))
+        admitted, streams = st.series
+        admitted.inc()
+        streams.inc()
         try:
             yield p
         finally:
-            self.metrics.streams.labels(key.name).dec()
+            streams.dec()
             st.running -= 1
             if p.turned:
                 self.queue.release()
