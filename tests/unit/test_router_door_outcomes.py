@@ -132,3 +132,27 @@ def test_finished_failed_mid_stream_and_cancelled_each_end_once(log_lines):
     assert _count(metrics, "router_requests_total", {"finish_reason": "abort"}) == 1
     failed = next(e for e in _events(log_lines) if e["event"] == "request failed")
     assert failed["completion_tokens"] == 2 and failed["prompt_tokens"] == 3
+
+
+def test_a_door_that_stops_reading_at_the_finish_has_a_finished_request(log_lines):
+    """The HTTP door stops reading at the response that carries the finish and closes the
+    stream there: that request finished (it is not a client's cancel)."""
+
+    async def attempt(job, pred):
+        yield Chunk([7], common_pb2.FINISH_REASON_LENGTH)
+
+    door, metrics = _door(attempt)
+
+    async def scenario() -> None:
+        stream = door.generate(_request("r-http"), ANONYMOUS)
+        resp = await anext(stream)
+        assert resp.finish_reason
+        await stream.aclose()  # as http/app.py's SSE writer does after the finish
+
+    asyncio.run(scenario())
+    assert [(e["event"], e["request_id"]) for e in _events(log_lines)] == [
+        ("request finished", "r-http")
+    ]
+    assert _count(metrics, "router_requests_total", {"finish_reason": "length"}) == 1
+    assert _count(metrics, "router_requests_total", {"finish_reason": "abort"}) == 0
+    assert door.totals.running == 0

@@ -106,6 +106,7 @@ class FrontDoor:
         rid = check_id("request_id", request.request_id or uuid.uuid4().hex)
         bind_request_id(rid)
         progress = {"prompt_tokens": 0, "completion_tokens": 0}
+        ended = False  # counted and logged as finished (before its last response is sent)
         try:
             if self.draining:
                 raise UnavailableError("router is draining")
@@ -155,6 +156,10 @@ class FrontDoor:
                             )
                             if finish:
                                 resp.usage.CopyFrom(self._usage(job, n_out, t0, t_first))
+                                # finished now: a door may close us at this last yield
+                                # (HTTP stops reading at the finish), not a cancel
+                                self._observe(job, key, finish, n_out, t0, t_first)
+                                ended = True
                                 yield resp
                                 break
                             yield resp
@@ -163,7 +168,8 @@ class FrontDoor:
                         totals.running -= 1
                         if not totals.running:
                             self.idle.set()
-                    self._observe(job, key, finish, n_out, t0, t_first)
+                    if not ended:  # (an orchestrator always ends with a finish or raises)
+                        self._observe(job, key, finish, n_out, t0, t_first)
             finally:
                 self.inflight.discard(rid)
         except asyncio.CancelledError:
@@ -171,10 +177,12 @@ class FrontDoor:
                 exc = UnavailableError("the request was cancelled inside the router")
                 self._failed(exc, key, t0, progress, internal=True)
                 raise exc from None
-            self._cancelled(key, t0, progress)
+            if not ended:
+                self._cancelled(key, t0, progress)
             raise
-        except GeneratorExit:  # the client went away (at any stage)
-            self._cancelled(key, t0, progress)
+        except GeneratorExit:  # the client went away (at any stage), or the door is done
+            if not ended:
+                self._cancelled(key, t0, progress)
             raise
         except Exception as exc:
             self._failed(exc, key, t0, progress)
