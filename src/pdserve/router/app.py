@@ -32,6 +32,7 @@ from .frontdoor.model_info import ModelInfo
 from .frontdoor.servicer import RouterServicer
 from .job import Deadlines
 from .lifecycle.orchestrator import Orchestrator
+from .lifecycle.stream_watch import STALL_S
 from .metrics import RouterMetrics, Totals
 from .scheduling.admission import Admission, AdmissionConfig
 from .scheduling.demand import DecodeDemand
@@ -330,7 +331,7 @@ class RouterApp(ServiceApp):
         while True:
             due = loop.time() + period
             await asyncio.sleep(period)
-            late = loop.time() - due > period
+            late = loop.time() - due > max(period, STALL_S)
             for iid in [] if late else self.registry.expire():
                 log.warning("instance expired (no heartbeat)", instance=iid)
             live = {inst.address for inst in self.registry.instances()}
