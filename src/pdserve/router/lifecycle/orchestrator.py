@@ -124,23 +124,27 @@ class Orchestrator:
         block_size = self._predictor_block_size() if self.length.needed else 0
         return await self.length.predict(job, route, block_size)
 
-    def run(self, job: Job, pred: Prediction | None = None) -> AsyncIterator[Chunk]:
+    def run(
+        self, job: Job, pred: Prediction | None = None, received: Sequence[int] = ()
+    ) -> AsyncIterator[Chunk]:
         """The request's chunks. When its stream breaks after the client has seen tokens,
         `Migrator` continues it on other instances (migration.py): one `_attempt` each,
-        all under the request's one prediction `pred` (made here when not given). Closing
-        the iterator (`aclose`) closes the attempt at once (it aborts the workers)."""
+        all under the request's one prediction `pred` (made here when not given).
+        `received`: a resumed stream's tokens (its router died); it continues after them.
+        Closing the iterator (`aclose`) closes the attempt at once (it aborts the workers)."""
         if pred is None:
-            return self._predict_and_run(job)
+            return self._predict_and_run(job, received)
         # (the Migrator's own generator: no extra level between the front door and it)
         return self.migrator.run(
             job,
             lambda part: self._attempt(part, pred),
+            received,
             # the whole request's length (all attempts), learned once
             on_done=lambda finished: self.length.done(pred, len(job.output_token_ids), finished),
         )
 
-    async def _predict_and_run(self, job: Job) -> AsyncIterator[Chunk]:
-        gen = self.run(job, await self.predict(job))
+    async def _predict_and_run(self, job: Job, received: Sequence[int]) -> AsyncIterator[Chunk]:
+        gen = self.run(job, await self.predict(job), received)
         try:
             async for chunk in gen:
                 yield chunk
