@@ -71,17 +71,27 @@ def _prompts(n: int, seed: int) -> list[str]:
 
 
 async def _openai_streams(url: str, prompts: list[str], max_tokens: int, retries: int, key: str):
+    """`url`: one base URL, or several (comma-separated, router replicas): stream k goes to
+    URL k mod n."""
     import httpx
     import openai
 
     res = DoorResult("openai", len(prompts))
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
-    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0))
-    client = openai.AsyncOpenAI(
-        base_url=url, api_key=key or "none", max_retries=retries, http_client=http
-    )
+    clients = [
+        openai.AsyncOpenAI(
+            base_url=u,
+            api_key=key or "none",
+            max_retries=retries,
+            http_client=httpx.AsyncClient(
+                limits=limits, timeout=httpx.Timeout(600.0, connect=30.0)
+            ),
+        )
+        for u in url.split(",")
+    ]
 
-    async def one(prompt: str) -> None:
+    async def one(k: int, prompt: str) -> None:
+        client = clients[k % len(clients)]
         t0 = time.perf_counter()
         n, finish, first = 0, None, 0.0
         try:
@@ -109,10 +119,11 @@ async def _openai_streams(url: str, prompts: list[str], max_tokens: int, retries
 
     try:
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(p) for p in prompts))
+        await asyncio.gather(*(one(k, p) for k, p in enumerate(prompts)))
         res.wall_s = time.perf_counter() - t0
     finally:
-        await client.close()
+        for client in clients:
+            await client.close()
     return res
 
 
@@ -174,7 +185,7 @@ async def run_load(
     out = []
     if door in ("openai", "both"):
         if not http_url:
-            raise SystemExit("--door openai needs --http-url (the router's /v1 URL)")
+            raise SystemExit("--door openai needs --http-url (the router's /v1 URL, or several)")
         out.append(await _openai_streams(http_url, prompts, max_tokens, retries, api_key))
     if door in ("sdk", "both"):
         if not addr:

@@ -22,6 +22,11 @@ On 2 cores the workers and the load generator cannot drive a whole router core;
 saturates at a load this machine can generate. `--pin-router` puts the routers on the first
 CPU and everything else on the others. `--profile-router` runs the current arm's router under
 cProfile for one streaming level afterwards and prints the top functions.
+
+`--replicas N` compares instead one router with N router replicas of the current code
+(`pdserve up --routers N`, each router capped by `--router-cpu-quota`; the clients spread
+over every replica with the SDK's address list): per level, the ratio of the arms'
+`tokens_per_s` (or `requests_per_s`) with its 95 % CI, `rate_ratio`.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--skip-short", action="store_true", help="streamed tokens only")
     p.add_argument("--skip-streams", action="store_true", help="short requests only")
     p.add_argument("--baseline-src", help="DIR holding src/pdserve of the baseline arm")
+    p.add_argument("--replicas", type=int, default=0, help="1 router vs N replicas instead")
     p.add_argument("--profile-router", action="store_true", help="cProfile the router")
     p.add_argument("--profile-load", choices=["streams", "short"], default="streams")
     p.add_argument(
@@ -77,9 +83,10 @@ def add_parser(subparsers: Any) -> None:
 class Arm:
     name: str
     src: Path | None  # None: the installed package (the current code)
+    routers: int = 1
     cluster: Any = None
-    router_pid: int = 0
-    group: Path | None = None
+    router_pids: list[int] = field(default_factory=list)
+    groups: list[Path] = field(default_factory=list)
     samples: dict[tuple[str, int], list[dict[str, float]]] = field(default_factory=dict)
     idle_cpu_s: float = 0.0
     idle_s: float = 0.0
@@ -89,6 +96,14 @@ class Arm:
         """The router's CPU (cores) while idle, pooled over its idle windows."""
         return self.idle_cpu_s / self.idle_s if self.idle_s else 0.0
 
+    @property
+    def addr(self) -> str:
+        """Every router's address (the SDK spreads its calls over them)."""
+        return ",".join(self.cluster.addrs)
+
+    def router_cpu_s(self) -> float:
+        return sum(load.process_cpu_s(pid) for pid in self.router_pids)
+
 
 def start_arm(arm: Arm, args: argparse.Namespace, prof: Path | None = None) -> None:
     from pdserve.launcher import Cluster, ClusterConfig
@@ -96,25 +111,25 @@ def start_arm(arm: Arm, args: argparse.Namespace, prof: Path | None = None) -> N
     env = {"PYTHONPATH": str(arm.src / "src")} if arm.src else {}
     cfg = ClusterConfig(
         emulate=args.emulate, model_config=args.model_config, time_scale=args.time_scale,
-        mode="colocated", colocated=args.workers, port=0,
+        mode="colocated", colocated=args.workers, port=0, routers=arm.routers,
         worker_args=["--max-num-batched-tokens", "2048", "--max-num-seqs", "256"],
         router_python_args=["-m", "cProfile", "-o", str(prof)] if prof else [], env=env,
     )  # fmt: skip
     arm.cluster = Cluster(cfg)
     arm.cluster.start(timeout=600.0)
-    arm.router_pid = arm.cluster.processes["router"].popen.pid
+    procs = arm.cluster.processes
+    arm.router_pids = [procs[n].popen.pid for n in arm.cluster.router_names()]
     if args.router_cpu_quota > 0:
-        arm.group = cap_cpu(
-            arm.router_pid, args.router_cpu_quota, f"pdserve-router-{arm.router_pid}"
-        )
-    asyncio.run(load.short_requests(arm.cluster.addr, 4, 1.0, {}))  # warm-up
+        for pid in arm.router_pids:
+            arm.groups.append(cap_cpu(pid, args.router_cpu_quota, f"pdserve-router-{pid}"))
+    asyncio.run(load.short_requests(arm.addr, 4, 1.0, {}))  # warm-up
 
 
 def stop_arm(arm: Arm) -> None:
     if arm.cluster is not None:
         arm.cluster.stop()
-    if arm.group is not None:
-        uncap(arm.group)
+    for group in arm.groups:
+        uncap(group)
 
 
 def pin_routers(arms: list[Arm]) -> dict[str, list[int]]:
@@ -125,24 +140,25 @@ def pin_routers(arms: list[Arm]) -> dict[str, list[int]]:
         raise SystemExit("--pin-router needs at least 2 CPUs")
     first, rest = {cpus[0]}, set(cpus[1:])
     for arm in arms:
+        routers = set(arm.cluster.router_names())
         for name, proc in arm.cluster.processes.items():
             if proc.popen is not None:
-                pin_process(proc.popen.pid, first if name == "router" else rest)
+                pin_process(proc.popen.pid, first if name in routers else rest)
     pin_process(os.getpid(), rest)
     return {"routers": sorted(first), "others": sorted(rest)}
 
 
 def run_level(arm: Arm, arms: list[Arm], kind: str, c: int, args: argparse.Namespace) -> None:
     """One level on `arm`; the other arms' routers are measured idle over the same window."""
-    cpu = {a.name: (lambda pid=a.router_pid: load.process_cpu_s(pid)) for a in arms}
+    cpu = {a.name: a.router_cpu_s for a in arms}
     if len(arms) == 1:  # nobody else idles meanwhile: an idle window of its own first
         res = asyncio.run(load.idle(args.duration, cpu))
         arm.idle_cpu_s += res["cpu_s"][arm.name]
         arm.idle_s += res["window_s"]
     if kind == "short":
-        res = asyncio.run(load.short_requests(arm.cluster.addr, c, args.duration, cpu))
+        res = asyncio.run(load.short_requests(arm.addr, c, args.duration, cpu))
     else:
-        res = asyncio.run(load.streams(arm.cluster.addr, c, args.duration, args.stream_tokens, cpu))
+        res = asyncio.run(load.streams(arm.addr, c, args.duration, args.stream_tokens, cpu))
     for other in arms:
         if other is not arm:
             other.idle_cpu_s += res["cpu_s"][other.name]
@@ -193,12 +209,17 @@ def summarize(arms: list[Arm], levels: list[tuple[str, int]]) -> list[dict[str, 
             row[name]["samples_left_out"] = len(samples) - len(valid)
         if len(arms) == 2:
             base, new = (per_arm[a.name] for a in arms)
-            ratios = [
-                n[metric] / b[metric]
-                for b, n in zip(base, new, strict=True)
-                if b is not None and n is not None and b[metric]
-            ]
-            row[f"{arms[1].name}_over_{arms[0].name}"] = ci95(ratios) if ratios else None
+            rate = "requests_per_s" if kind == "short" else "tokens_per_s"
+            for field_, key in (
+                (metric, f"{arms[1].name}_over_{arms[0].name}"),
+                (rate, "rate_ratio"),
+            ):
+                ratios = [
+                    n[field_] / b[field_]
+                    for b, n in zip(base, new, strict=True)
+                    if b is not None and n is not None and b[field_]
+                ]
+                row[key] = ci95(ratios) if ratios else None
         rows.append(row)
     return rows
 
@@ -225,9 +246,9 @@ def print_table(rows: list[dict[str, Any]], arms: list[Arm]) -> None:
             print(f"{r['kind']:<8}{r['concurrency']:>6}  {a.name:<10}"
                   f"{_fmt(st[r['metric']], 3 if r['kind'] == 'short' else 1) + ' ' + unit:<36}"
                   f"{st[rate]['mean']:>10.0f}{st['router_cpu']['mean']:>14.3f}")  # fmt: skip
-        key = f"{arms[-1].name}_over_{arms[0].name}"
-        if key in r:
-            print(f"{'':<16}{key}: {_fmt(r[key], 3)}")
+        for key in (f"{arms[-1].name}_over_{arms[0].name}", "rate_ratio"):
+            if key in r:
+                print(f"{'':<16}{key}: {_fmt(r[key], 3)}")
     for a in arms:
         print(f"idle router ({a.name}): {a.idle_rate:.4f} cores")
 
@@ -265,7 +286,11 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     arms = [Arm("current", None)]
-    if args.baseline_src:
+    if args.replicas:
+        if args.baseline_src:
+            raise SystemExit("--replicas compares replicas of the current code: no --baseline-src")
+        arms = [Arm("1router", None), Arm(f"{args.replicas}routers", None, args.replicas)]
+    elif args.baseline_src:
         src = Path(args.baseline_src).resolve()
         if not (src / "src" / "pdserve" / "__init__.py").is_file():
             raise SystemExit(f"--baseline-src: no src/pdserve in {src} (git archive ... src)")
@@ -277,7 +302,7 @@ def main(args: argparse.Namespace) -> int:
     pinned = None
     try:
         for arm in arms:
-            print(f"== {arm.name}: {args.workers} emulated workers, one router"
+            print(f"== {arm.name}: {args.workers} emulated workers, {arm.routers} router(s)"
                   f"{f' (from {arm.src})' if arm.src else ''}", flush=True)  # fmt: skip
             start_arm(arm, args)
         if args.pin_router:
