@@ -36,7 +36,6 @@ import asyncio
 import json
 import os
 import pstats
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +43,7 @@ from typing import Any
 
 from pdserve.bench import saturation_load as load
 from pdserve.bench.isolation import cap_cpu, pin_process, uncap
-
-# two-sided 95 % Student t quantiles, df = 1..30 (beyond: 1.96)
-_T95 = (12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+from pdserve.bench.stats_ci import ci95, fmt_ci
 
 
 def add_parser(subparsers: Any) -> None:
@@ -171,15 +166,6 @@ def run_level(arm: Arm, arms: list[Arm], kind: str, c: int, args: argparse.Names
     time.sleep(2.0)  # let the cancelled streams settle before the next level
 
 
-def ci95(xs: list[float]) -> dict[str, Any]:
-    """Mean and a 95 % confidence interval (Student t) of `xs`."""
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return {"mean": m, "ci95": None, "n": len(xs)}
-    half = _T95[min(len(xs) - 1, len(_T95)) - 1] * statistics.stdev(xs) / len(xs) ** 0.5
-    return {"mean": m, "ci95": [m - half, m + half], "n": len(xs)}
-
-
 def _per_sample(arm: Arm, kind: str, s: dict[str, float]) -> dict[str, float] | None:
     """A sample's per-unit costs, net of the arm's idle router (None: it got no unit done,
     e.g. a load generator starved of CPU; such samples are left out and counted)."""
@@ -224,14 +210,6 @@ def summarize(arms: list[Arm], levels: list[tuple[str, int]]) -> list[dict[str, 
     return rows
 
 
-def _fmt(stat: dict[str, Any] | None, digits: int = 1) -> str:
-    if stat is None:
-        return "-"
-    ci = stat["ci95"]
-    rng = f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]" if ci else ""
-    return f"{stat['mean']:.{digits}f}{rng}"
-
-
 def print_table(rows: list[dict[str, Any]], arms: list[Arm]) -> None:
     print(f"{'kind':<8}{'C':>6}  {'arm':<10}{'router CPU per unit, net (95% CI)':<36}"
           f"{'units/s':>10}{'router cores':>14}")  # fmt: skip
@@ -244,11 +222,11 @@ def print_table(rows: list[dict[str, Any]], arms: list[Arm]) -> None:
                 print(f"{r['kind']:<8}{r['concurrency']:>6}  {a.name:<10}no valid sample")
                 continue
             print(f"{r['kind']:<8}{r['concurrency']:>6}  {a.name:<10}"
-                  f"{_fmt(st[r['metric']], 3 if r['kind'] == 'short' else 1) + ' ' + unit:<36}"
+                  f"{fmt_ci(st[r['metric']], 3 if r['kind'] == 'short' else 1) + ' ' + unit:<36}"
                   f"{st[rate]['mean']:>10.0f}{st['router_cpu']['mean']:>14.3f}")  # fmt: skip
         for key in (f"{arms[-1].name}_over_{arms[0].name}", "rate_ratio"):
             if key in r:
-                print(f"{'':<16}{key}: {_fmt(r[key], 3)}")
+                print(f"{'':<16}{key}: {fmt_ci(r[key], 3)}")
     for a in arms:
         print(f"idle router ({a.name}): {a.idle_rate:.4f} cores")
 
