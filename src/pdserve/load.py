@@ -17,6 +17,7 @@ class LoadReport:
     tokens_in_flight: int = 0  # prompt tokens of the requests in flight
     num_reserved: int = 0  # decode: reservations waiting for KV or their Decode call
     step_ms_ewma: float = 0.0
+    max_num_seqs: int = 0  # the most sequences its batch runs at once (0: unknown)
 
     def to_proto(self) -> common_pb2.WorkerLoad:
         return common_pb2.WorkerLoad(
@@ -27,6 +28,7 @@ class LoadReport:
             tokens_in_flight=self.tokens_in_flight,
             num_reserved=self.num_reserved,
             step_ms_ewma=self.step_ms_ewma,
+            max_num_seqs=self.max_num_seqs,
         )
 
     @classmethod
@@ -39,4 +41,5 @@ class LoadReport:
             tokens_in_flight=load.tokens_in_flight,
             num_reserved=load.num_reserved,
             step_ms_ewma=load.step_ms_ewma,
+            max_num_seqs=load.max_num_seqs,
         )

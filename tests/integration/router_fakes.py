@@ -16,7 +16,11 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.router.cluster.calls import RemoteError
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.worker.convert import FINISH_TO_PROTO, ticket_from_proto
+from pdserve.worker.domain import StageCosts, TokenEvent
+from pdserve.worker.streams import StreamMux
 
 SPECIALS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
 TEXT = (
@@ -163,6 +167,20 @@ class Log:
                 return True
             await asyncio.sleep(0.02)
         return False
+
+
+class _StreamContext:
+    """What a fake handler reads of its call's context, for a stream of a Streams call: the
+    request id as metadata (the stream carries it), and `abort` failing the stream."""
+
+    def __init__(self, request_id: str) -> None:
+        self._request_id = request_id
+
+    def invocation_metadata(self):
+        return (("x-request-id", self._request_id),)
+
+    async def abort(self, code: grpc.StatusCode, details: str):
+        raise RemoteError(code, details)  # the stream's status: `code`
 
 
 def fake_first_token(token_ids) -> int:
@@ -337,6 +355,26 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             request.request_id, first, request.sampling.max_tokens, context
         ):
             yield chunk
+
+    async def Streams(self, request_iterator, context) -> None:
+        """The router's one call per worker: each stream runs the fake's Decode / Generate
+        (pdserve.worker.streams.StreamMux, as the real worker)."""
+        await StreamMux(self._open_stream).serve(context)
+
+    async def _open_stream(self, o: worker_pb2.StreamOpen):
+
+        finish_names = {v: k for k, v in FINISH_TO_PROTO.items()}
+        kind = o.WhichOneof("kind")
+        request = getattr(o, kind)
+        handler = self.Decode if kind == "decode" else self.Generate
+        async for chunk in handler(request, _StreamContext(request.request_id)):
+            if chunk.HasField("ticket"):
+                yield ticket_from_proto(chunk.ticket)
+                continue
+            stages = None
+            if chunk.HasField("stages"):
+                stages = StageCosts(**{f.name: v for f, v in chunk.stages.ListFields()})
+            yield TokenEvent(list(chunk.token_ids), finish_names[chunk.finish_reason], stages)
 
     async def Abort(self, request, context):
         self.log.calls.append((self.instance_id, "Abort", self._rid(request, context)))

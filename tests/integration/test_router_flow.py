@@ -273,7 +273,9 @@ async def test_text_stop_string_and_multibyte(router, cluster, model_dir):
     script = tok.encode(" 日本語 🚢 Café END and more", add_special_tokens=False)
     first = tok.encode("Ångström", add_special_tokens=False)
     await cluster.add("p", PREFILL, Behaviour(first_token=first[0]))
-    d = await cluster.add("d", DECODE, Behaviour(script=first[1:] + script, chunk_delay_s=0.0))
+    # (a token every 10 ms: the stop string reaches the router while the decode still runs,
+    # so the router must abort it; a decode that had finished would need no abort)
+    d = await cluster.add("d", DECODE, Behaviour(script=first[1:] + script, chunk_delay_s=0.01))
     async with AsyncClient(router.addr) as c:
         events = [
             e

@@ -13,7 +13,8 @@ import pytest
 from pdserve.engine.params import SamplingParams
 from pdserve.errors import UnavailableError
 from pdserve.router.cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
-from pdserve.router.cluster.workers import Aborter, ticket_from_proto
+from pdserve.router.cluster.streams import StreamChunk
+from pdserve.router.cluster.workers import Aborter, stages_from_proto, ticket_from_proto
 from pdserve.router.lifecycle.orchestrator import Deadlines, Job, Orchestrator
 from pdserve.router.lifecycle.placement import RequestPlacement
 from pdserve.router.scheduling.policies import make_policy
@@ -68,6 +69,21 @@ class StreamCall:
         if self._reading is not None:
             self._reading.cancel()
         return True
+
+
+class ChunkCall(StreamCall):
+    """A stream of the router's Streams call (cluster/streams.py): reads StreamChunks."""
+
+    async def read(self):
+        msg = await super().read()
+        if msg is grpc.aio.EOF:
+            return msg
+        return StreamChunk(
+            list(msg.token_ids),
+            msg.finish_reason,
+            stages_from_proto(msg.stages),
+            ticket_from_proto(msg.ticket) if msg.HasField("ticket") else None,
+        )
 
 
 class FakeWorker:
@@ -137,7 +153,7 @@ class FakeWorker:
                     finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
                 )
 
-        return StreamCall(go())
+        return ChunkCall(go())
 
     def Generate(self, req, metadata=None):
         async def go():
@@ -150,7 +166,7 @@ class FakeWorker:
                     finish_reason=common_pb2.FINISH_REASON_LENGTH if tok == REST[-1] else 0,
                 )
 
-        return StreamCall(go())
+        return ChunkCall(go())
 
     async def Abort(self, req, timeout=None, metadata=None):
         self.calls.append("Abort")
@@ -169,6 +185,12 @@ class FakeWorkers:
 
     def stub(self, address: str) -> FakeWorker:
         return self.by_address[address]
+
+    def open_decode(self, address: str, req) -> ChunkCall:
+        return self.by_address[address].Decode(req)
+
+    def open_generate(self, address: str, req) -> ChunkCall:
+        return self.by_address[address].Generate(req)
 
 
 class Cluster:

@@ -77,3 +77,27 @@ def test_one_watchdog_task_serves_every_stream_and_cuts_only_the_bad_ones():
         assert len(asyncio.all_tasks()) == before  # the tick task ended with the last stream
 
     asyncio.run(scenario())
+
+
+def test_a_tick_late_because_the_router_stalled_judges_nothing():
+    """The router's own loop did not run for a while (overloaded, descheduled): the
+    heartbeats it has not read yet wait in its sockets, so the late tick cuts nothing; the
+    next one, after the heartbeats were read, finds the instance alive."""
+    import time
+
+    from pdserve.router.lifecycle.stream_watch import STALL_S, StreamWatch
+
+    reg = Registry(heartbeat_timeout_s=0.3)
+    reg.register("d1", "127.0.0.1:2", ROLE_DECODE, "fp", 16)
+    watch = StreamWatch(reg, lambda: 0.05)
+
+    async def scenario():
+        stream = watch.watch(_Call(), "d1", 10.0)
+        await asyncio.sleep(0.1)  # (ticking: the stream is fine)
+        time.sleep(STALL_S + 0.5)  # noqa: ASYNC251 (the loop stalls past the heartbeat timeout)
+        asyncio.get_running_loop().call_later(0.02, reg.seen, "d1")  # what waited: read
+        await asyncio.sleep(0.3)
+        return stream
+
+    stream = asyncio.run(scenario())
+    assert not (stream.lost or stream.call.cancelled)

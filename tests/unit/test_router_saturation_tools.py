@@ -1,5 +1,5 @@
-"""The isolation tools of `bench router-saturation`: pinning every thread of a process, and
-capping a process's CPU with a cgroup (root only; skipped elsewhere)."""
+"""The isolation tools of `bench router-saturation` (bench/isolation.py): pinning every thread
+of a process, and capping a process's CPU with a cgroup (root only; skipped elsewhere)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench import router_saturation as rs
+from pdserve.bench import isolation as rs
 
 THREADED_SLEEPER = (
     "import threading, time\n"

@@ -2,7 +2,7 @@
 
 - the router's real wiring: `RouterApp` built from the settings (its `Admission` stage, its
   `_predictor`, `_length_scheduling`, `_orchestrator`, the policy over its `DecodeDemand`),
-  driven as `FrontDoor._generate` drives it (admit, predict, one admission turn, run), with
+  driven as `FrontDoor.generate` drives it (admit, predict, one admission turn, run), with
   in-process fake workers whose prefill and decode take fixed (fake) times, on an asyncio
   loop whose clock is virtual (it jumps to the next timer instead of sleeping), and
 - a `SimCluster` built by `spec_from_up_flags` from the same `--router-arg` flags, whose
@@ -32,7 +32,7 @@ from pdserve.sim.router_side import router_settings
 from pdserve.sim.run import spec_from_up_flags
 from pdserve.v1 import common_pb2, worker_pb2
 from pdserve.workload.requests import BenchRequest
-from tests.unit.test_router_placement import StreamCall, UnaryCall
+from tests.unit.test_router_placement import ChunkCall, UnaryCall
 
 PREFILL_S = 1 / 64  # every prefill takes this long (binary fractions: exact sums)
 TOKEN_S = 1 / 128  # every decode token
@@ -95,7 +95,7 @@ class TimedWorker:
                     token_ids=[11], finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0
                 )
 
-        return StreamCall(go())
+        return ChunkCall(go())
 
     async def Abort(self, req, timeout=None, metadata=None):
         return worker_pb2.AbortResponse(found=True)
@@ -107,6 +107,9 @@ class Workers:
 
     def stub(self, address: str) -> TimedWorker:
         return self.by_address[address]
+
+    def open_decode(self, address: str, req) -> ChunkCall:
+        return self.by_address[address].Decode(req)
 
     async def close(self) -> None:
         return None
@@ -155,7 +158,7 @@ def router_decisions(flags: list[str], reqs: list[BenchRequest]) -> list[tuple[s
                     params=SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
                     oracle_tokens=r.max_tokens,
                 )
-                # FrontDoor._generate: admit, predict, one turn, run
+                # FrontDoor.generate: admit, predict, one turn, run
                 async with app.admission.admit(ANONYMOUS) as admission:
                     pred = await orch.predict(job)
                     await admission.turn(pred.predicted_tokens)

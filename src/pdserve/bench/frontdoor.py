@@ -11,6 +11,10 @@ round for the concurrent phase), so load drift hits both equally:
   by the client on arrival.
 Clients: the pdserve AsyncClient (gRPC) and raw httpx SSE (no SDK parsing on the HTTP side).
 Prints a table and writes JSON with every sample (`--out`).
+
+`--load N` instead loads a RUNNING cluster (`--addr`, `--http-url`) with N concurrent streams
+per door as a user sends them (the openai client, the SDK) and reports every failure by kind
+(bench/doorload.py).
 """
 
 from __future__ import annotations
@@ -37,6 +41,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write all samples as JSON here")
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG")
+    load = p.add_argument_group("load a running cluster (--load N)")
+    load.add_argument("--load", type=int, default=0, metavar="N", help="N concurrent streams")
+    load.add_argument("--door", choices=["openai", "sdk", "both"], default="both")
+    load.add_argument("--addr", help="the router's gRPC HOST:PORT (--door sdk)")
+    load.add_argument("--http-url", help="the router's OpenAI base URL, .../v1 (--door openai)")
+    load.add_argument(
+        "--retries", type=int, default=0, help="client retries (0: count every error)"
+    )
+    load.add_argument("--api-key", default="", help="API key, when the router asks for one")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -170,6 +183,8 @@ def summarize(samples: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.load:
+        return _load(args)
     from pdserve.launcher import Cluster, ClusterConfig
     from pdserve.router.frontdoor.model_info import ModelInfo
 
@@ -216,6 +231,22 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     return 0
+
+
+def _load(args: argparse.Namespace) -> int:
+    from pdserve.bench import doorload
+
+    rows = asyncio.run(
+        doorload.run_load(
+            streams=args.load, door=args.door, addr=args.addr, http_url=args.http_url,
+            max_tokens=args.max_tokens, retries=args.retries, api_key=args.api_key,
+            seed=args.seed,
+        )
+    )  # fmt: skip
+    doorload.print_report(rows)
+    if args.out:
+        doorload.write_json(args.out, rows, vars(args) | {"func": None})
+    return 1 if any(r["failed"] for r in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -352,6 +352,23 @@ class AsyncEngine:
         loop, queue = stream
         loop.call_soon_threadsafe(queue.put_nowait, out)
 
+    def _emit_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs cross to each event loop in ONE callback: they land in their
+        queues in the same loop iteration, so whatever reads them next (a worker's Streams
+        writer) sees the whole step at once instead of a callback's worth at a time (the
+        thread hand-off of each separate callback lets the loop run between them)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            loop, queue = stream
+            by_loop.setdefault(loop, []).append((queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _fail_all(self, exc: BaseException) -> None:
         for rid, (loop, queue) in list(self._streams.items()):
             self._llm.abort_request(rid)
@@ -391,8 +408,7 @@ class AsyncEngine:
                 step_ms = (time.perf_counter() - started) * 1e3
                 ewma = self.step_ms_ewma
                 self.step_ms_ewma = step_ms if ewma == 0 else ewma + _EWMA_ALPHA * (step_ms - ewma)
-                for out in outputs:
-                    self._emit(out)
+                self._emit_step(outputs)
                 self.accounting = self._accounting()
         # shutting down: fail pending commands and streams
         err = UnavailableError("engine is shut down")
@@ -403,6 +419,11 @@ class AsyncEngine:
             if item.fut is not None and item.loop is not None:
                 item.loop.call_soon_threadsafe(_resolve, item.fut, None, err)
         self._fail_all(err)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 def _merge_queued(

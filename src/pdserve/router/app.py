@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdserve.kv.hashing import block_hashes
@@ -33,6 +35,7 @@ from .frontdoor.resume import ResumeTokens, load_secret
 from .frontdoor.servicer import RouterServicer
 from .job import Deadlines
 from .lifecycle.orchestrator import Orchestrator
+from .lifecycle.stream_watch import STALL_S
 from .metrics import RouterMetrics, Totals
 from .replicas.key_limits import SharedKeyLimits
 from .replicas.leader import Leadership
@@ -55,6 +58,7 @@ def admission_config(s: RouterSettings) -> AdmissionConfig:
     return AdmissionConfig(
         max_running=s.admission.max_running,
         max_running_per_decode=s.admission.queue_max_running_per_decode,
+        running_per_slot=s.admission.running_per_batch_slot,
         max_queue=s.admission.max_queue,
         timeout_s=s.admission.queue_timeout_s,
         order=s.admission.queue_order,
@@ -77,6 +81,20 @@ def predictions_needed(s: RouterSettings) -> bool:
         or s.flip.flip_enabled
         or s.length.predictor_oracle
     )
+
+
+class _Cached:
+    """`fn()`, computed again at most every `ttl_s` seconds (not per request)."""
+
+    def __init__(self, fn: Callable[[], int], ttl_s: float) -> None:
+        self._fn, self._ttl_s = fn, ttl_s
+        self._value, self._at = 0, -math.inf
+
+    def __call__(self) -> int:
+        now = time.monotonic()
+        if now - self._at >= self._ttl_s:
+            self._value, self._at = self._fn(), now
+        return self._value
 
 
 class RouterApp(ServiceApp):
@@ -171,6 +189,13 @@ class RouterApp(ServiceApp):
         serving = self.registry.candidates(ROLE_DECODE) or self.registry.candidates(ROLE_COLOCATED)
         return len(serving)
 
+    def _slots(self) -> int:
+        """The batch slots of the serving decode (or colocated) instances: the sum of the
+        max_num_seqs they report (0 when one does not say)."""
+        serving = self.registry.candidates(ROLE_DECODE) or self.registry.candidates(ROLE_COLOCATED)
+        slots = [i.load.max_num_seqs for i in serving]
+        return 0 if not slots or 0 in slots else sum(slots)
+
     def _replicas(self) -> int:
         """Router replicas known now (itself included): the local share's divisor."""
         live = [i.instance_id for i in self.registry.instances()]
@@ -193,8 +218,13 @@ class RouterApp(ServiceApp):
 
     def _admission(self) -> Admission:
         s = self.settings
+        slots = _Cached(self._slots, s.heartbeat_interval_s)  # (it changes with heartbeats)
         admission = Admission(
-            self.raw_metrics, admission_config(s), serving=self._serving, shared=self.shared_limits
+            self.raw_metrics,
+            admission_config(s),
+            serving=self._serving,
+            slots=slots,
+            shared=self.shared_limits,
         )
         self.registry.on_change(admission.capacity.changed)
         return admission
@@ -365,11 +395,16 @@ class RouterApp(ServiceApp):
             await self.store.close()
 
     async def _housekeeping(self) -> None:
-        """Expire silent instances; refresh the per-instance gauges."""
+        """Expire silent instances; refresh the per-instance gauges. A tick that comes late
+        by more than a period expires nothing: the router itself did not run, and the
+        heartbeats it has not read yet may be waiting in its sockets."""
         period = min(self.settings.heartbeat_interval_s, self.settings.heartbeat_timeout_s / 3)
+        loop = asyncio.get_running_loop()
         while True:
+            due = loop.time() + period
             await asyncio.sleep(period)
-            for iid in self.registry.expire():
+            late = loop.time() - due > max(period, STALL_S)
+            for iid in [] if late else self.registry.expire():
                 log.warning("instance expired (no heartbeat)", instance=iid)
             live = {inst.address for inst in self.registry.instances()}
             for address in [a for a in self.workers.addresses() if a not in live]:

@@ -13,7 +13,7 @@ from pdserve.v1 import common_pb2
 
 @dataclass(frozen=True)
 class Deadlines:
-    reserve_s: float = 5.0
+    reserve_s: float = 60.0  # the ticket, from a decode that heartbeats (a lost one: at once)
     kv_queue_s: float = 30.0  # wait this long for free decode KV blocks before giving up
     prefill_s: float = 120.0
     first_token_s: float = 120.0  # colocated Generate / Decode: wait for the first chunk
@@ -54,9 +54,12 @@ class Stages:
     PROMPT_ONLY = ("cached_tokens", "kvstore_tokens")
 
     def add(self, part: Stages, *, skip: tuple[str, ...] = ()) -> None:
-        for f in fields(self):
-            if f.name not in skip:
-                setattr(self, f.name, getattr(self, f.name) + getattr(part, f.name))
+        for name in _STAGE_NAMES:
+            if name not in skip:
+                setattr(self, name, getattr(self, name) + getattr(part, name))
+
+
+_STAGE_NAMES = tuple(f.name for f in fields(Stages))
 
 
 @dataclass

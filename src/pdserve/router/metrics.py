@@ -62,6 +62,14 @@ class RouterMetrics:
         )
         self.instances = m.gauge("router_instances", "registered instances", ["role"])
         self._inflight_roles: dict[str, str] = {}  # instance -> role label of its series
+        self._finished: dict[str, object] = {}  # finish reason -> its series (once per request)
+
+    def finished(self, reason: str):
+        """The `router_requests_total{finish_reason}` series (looked up once per reason)."""
+        child = self._finished.get(reason)
+        if child is None:
+            child = self._finished[reason] = self.requests.labels(finish_reason=reason)
+        return child
 
     def set_inflight(self, instance_id: str, role: str, value: float) -> None:
         """Set an instance's in-flight gauge; a role change replaces its old series."""

@@ -54,9 +54,11 @@ class KeySettings(SettingsGroup):
 
 class AdmissionSettings(SettingsGroup):
     """The one admission stage (scheduling/admission.py): the router's running limit,
-    its bounded ordered queue, and how long a request waits for worker capacity. Off
-    by default: the router cannot know a deployment's capacity before it is measured,
-    and the decodes' KV limits already turn overload into waiting."""
+    its bounded ordered queue, and how long a request waits for worker capacity. By
+    default the running limit follows the workers' batch slots (`--running-per-batch-slot`
+    x the max_num_seqs the serving decode or colocated instances report), so a request the
+    cluster cannot run soon waits in the router before any work is done; `--max-running`
+    or `--queue-max-running-per-decode` replace that with a fixed limit."""
 
     max_running: int = Field(
         0, ge=0, description="requests the router runs at once; more wait (0 = unlimited)"
@@ -67,11 +69,18 @@ class AdmissionSettings(SettingsGroup):
         description="router overload queue: requests running per decode (or colocated) "
         "instance before new ones wait in the router (0 = no router queue)",
     )
+    running_per_batch_slot: float = Field(
+        2.0,
+        ge=0,
+        description="with neither limit above: requests running at once per batch slot (the "
+        "max_num_seqs each serving decode or colocated instance reports); more wait in the "
+        "router (0 = no such limit)",
+    )
     max_queue: int = Field(
-        256, ge=0, description="requests waiting for a slot (with --max-running) before 429"
+        4096, ge=0, description="requests waiting for a slot before 429 (RESOURCE_EXHAUSTED)"
     )
     queue_timeout_s: float = Field(
-        30.0, gt=0, description="longest wait for a slot before RESOURCE_EXHAUSTED, seconds"
+        600.0, gt=0, description="longest wait for a slot before RESOURCE_EXHAUSTED, seconds"
     )
     queue_order: Literal["fcfs", "sjf"] = Field(
         "sjf", description="overload queue order: sjf (shortest predicted first, aged) or fcfs"
@@ -174,7 +183,10 @@ class LifecycleSettings(SettingsGroup):
     """Deadlines, retries and migration of one request across workers (lifecycle/)."""
 
     reserve_deadline_s: float = Field(
-        5.0, gt=0, description="deadline for a Decode stream's ticket (the reservation), seconds"
+        60.0,
+        gt=0,
+        description="longest wait for a Decode stream's ticket (the reservation) from a decode "
+        "that heartbeats, seconds (one that stops heartbeating is given up at once)",
     )
     prefill_deadline_s: float = Field(120.0, gt=0, description="Prefill RPC deadline, seconds")
     first_token_deadline_s: float = Field(

@@ -38,6 +38,7 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "/pdserve.v1.Worker/Prefill": frozenset({ROUTER}),
     "/pdserve.v1.Worker/Decode": frozenset({ROUTER}),  # reserves too (no Reserve method)
     "/pdserve.v1.Worker/Generate": frozenset({ROUTER}),
+    "/pdserve.v1.Worker/Streams": frozenset({ROUTER}),  # Decode and Generate streams, many per call
     "/pdserve.v1.Worker/Abort": frozenset({ROUTER}),
     "/pdserve.v1.Worker/SetRole": frozenset({ROUTER}),
     "/pdserve.v1.Worker/Drain": frozenset({ROUTER}),

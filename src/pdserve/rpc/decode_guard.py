@@ -52,7 +52,7 @@ class DecodeGuardInterceptor(WrappingInterceptor):
     def _rewrap(
         self, h: grpc.RpcMethodHandler, method: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        if h.request_streaming:  # no streaming-request methods in pdserve; leave them
+        if h.request_streaming:  # (Worker.Streams only: router-only, internal; left as it is)
             return h
         h = h._replace(request_deserializer=_safe(h.request_deserializer))  # type: ignore[attr-defined]
         return super()._rewrap(h, method)

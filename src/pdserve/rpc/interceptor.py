@@ -125,10 +125,10 @@ class ErrorInterceptor(WrappingInterceptor):
         return stream
 
 
-def request_id_of(call: grpc.HandlerCallDetails) -> str | None:
-    """The `x-request-id` metadata value of an incoming call, if any and valid (an id that
-    is too long or has odd characters is ignored: it never reaches the logs)."""
-    for key, value in call.invocation_metadata or ():
+def request_id_in(context: aio.ServicerContext) -> str | None:
+    """The `x-request-id` metadata value of the call being served, if any and valid (an id
+    that is too long or has odd characters is ignored: it never reaches the logs)."""
+    for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_KEY:
             text = value if isinstance(value, str) else value.decode("utf-8", "replace")
             return text if is_valid_id(text) else None
@@ -140,14 +140,9 @@ class RequestIdInterceptor(WrappingInterceptor):
     runs, so every log line of the call carries `request_id`. Calls without the metadata
     run with no request id (a service that mints ids binds its own)."""
 
-    def applies_to(self, call: grpc.HandlerCallDetails) -> bool:
-        return request_id_of(call) is not None
-
     def wrap_unary(self, behavior: UnaryBehavior, call: grpc.HandlerCallDetails) -> UnaryBehavior:
-        rid = request_id_of(call)
-
         async def unary(request: Any, context: aio.ServicerContext) -> Any:
-            token = request_id_var.set(rid)
+            token = request_id_var.set(request_id_in(context))
             try:
                 return await behavior(request, context)
             finally:
@@ -158,12 +153,10 @@ class RequestIdInterceptor(WrappingInterceptor):
     def wrap_stream(
         self, behavior: StreamBehavior, call: grpc.HandlerCallDetails
     ) -> StreamBehavior:
-        rid = request_id_of(call)
-
         async def stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
             # An async generator runs in the context of the task that drives it: the call's
             # own task (one per RPC), so the value cannot leak into another call.
-            token = request_id_var.set(rid)
+            token = request_id_var.set(request_id_in(context))
             try:
                 async with contextlib.aclosing(behavior(request, context)) as agen:
                     async for item in agen:

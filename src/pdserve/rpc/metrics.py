@@ -127,21 +127,30 @@ class MetricsInterceptor(WrappingInterceptor):
     status the client sees."""
 
     def __init__(self, metrics: Metrics) -> None:
+        super().__init__()
         self.requests = metrics.counter("rpc_requests", "gRPC calls served", ("method", "code"))
         self.latency = metrics.histogram("rpc_latency_seconds", "gRPC call duration", ("method",))
         self.in_flight = metrics.gauge("rpc_in_flight", "gRPC calls in progress", ("method",))
+        self._series: dict[tuple, Any] = {}  # labelled children, looked up once
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._series.get(key)
+        if child is None:
+            child = self._series[key] = metric.labels(*labels)
+        return child
 
     def _done(self, method: str, start: float, code: grpc.StatusCode) -> None:
-        self.latency.labels(method).observe(time.perf_counter() - start)
-        self.requests.labels(method, code.name).inc()
-        self.in_flight.labels(method).dec()
+        self._child(self.latency, method).observe(time.perf_counter() - start)
+        self._child(self.requests, method, code.name).inc()
+        self._child(self.in_flight, method).dec()
 
     def wrap_unary(self, behavior: UnaryBehavior, call: grpc.HandlerCallDetails) -> UnaryBehavior:
         method = call.method
 
         async def unary(request: Any, context: aio.ServicerContext) -> Any:
             start = time.perf_counter()
-            self.in_flight.labels(method).inc()
+            self._child(self.in_flight, method).inc()
             code = grpc.StatusCode.UNKNOWN
             try:
                 result = await behavior(request, context)
@@ -162,7 +171,7 @@ class MetricsInterceptor(WrappingInterceptor):
 
         async def stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
-            self.in_flight.labels(method).inc()
+            self._child(self.in_flight, method).inc()
             code = grpc.StatusCode.CANCELLED  # if the generator is closed early
             try:
                 async with contextlib.aclosing(behavior(request, context)) as agen:

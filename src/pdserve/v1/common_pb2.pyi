@@ -52,7 +52,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., output_offset: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "free_blocks", "total_blocks", "tokens_in_flight", "num_reserved", "step_ms_ewma")
+    __slots__ = ("num_waiting", "num_running", "free_blocks", "total_blocks", "tokens_in_flight", "num_reserved", "step_ms_ewma", "max_num_seqs")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class WorkerLoad(_message.Message):
     TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_EWMA_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     free_blocks: int
@@ -67,7 +68,8 @@ class WorkerLoad(_message.Message):
     tokens_in_flight: int
     num_reserved: int
     step_ms_ewma: float
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., num_reserved: _Optional[int] = ..., step_ms_ewma: _Optional[float] = ...) -> None: ...
+    max_num_seqs: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., num_reserved: _Optional[int] = ..., step_ms_ewma: _Optional[float] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class StageCosts(_message.Message):
     __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "transfer_bytes", "decode_ms", "cached_tokens", "kvstore_tokens", "reserve_ms")

@@ -159,3 +159,49 @@ class WorkerInfo(_message.Message):
     load: _common_pb2.WorkerLoad
     counters: _containers.ScalarMap[str, float]
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class StreamsRequest(_message.Message):
+    __slots__ = ("open", "close", "credit")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    open: _containers.RepeatedCompositeFieldContainer[StreamOpen]
+    close: _containers.RepeatedScalarFieldContainer[int]
+    credit: int
+    def __init__(self, open: _Optional[_Iterable[_Union[StreamOpen, _Mapping]]] = ..., close: _Optional[_Iterable[int]] = ..., credit: _Optional[int] = ...) -> None: ...
+
+class StreamOpen(_message.Message):
+    __slots__ = ("stream_id", "decode", "generate")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    decode: DecodeRequest
+    generate: WorkerGenerateRequest
+    def __init__(self, stream_id: _Optional[int] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., generate: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ...) -> None: ...
+
+class StreamsEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[StreamEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[StreamEvent, _Mapping]]] = ...) -> None: ...
+
+class StreamEvent(_message.Message):
+    __slots__ = ("stream_id", "token_ids", "finish_reason", "stages", "ticket", "status_code", "status_message", "ended")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: _common_pb2.FinishReason
+    stages: _common_pb2.StageCosts
+    ticket: Ticket
+    status_code: int
+    status_message: str
+    ended: bool
+    def __init__(self, stream_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stages: _Optional[_Union[_common_pb2.StageCosts, _Mapping]] = ..., ticket: _Optional[_Union[Ticket, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., ended: _Optional[bool] = ...) -> None: ...

@@ -71,6 +71,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.Streams = channel.stream_stream(
+                '/pdserve.v1.Worker/Streams',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.StreamsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.StreamsEvents.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -129,6 +134,22 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Streams(self, request_iterator, context):
+        """Many Decode and Generate streams over ONE call per (router, worker): the router opens it
+        once per worker and keeps it. Each stream it opens in it (StreamOpen) runs on the worker
+        exactly as its own Decode or Generate call would (same checks, same role gating, same
+        reservation and lease); closing it (StreamsRequest.close) is leaving that call, and the
+        end of the Streams call (the router died, its connection broke) closes every stream in
+        it, so the worker frees their KV at once. The worker sends its events batched: one
+        StreamsEvents per write carries every event queued since the last write (a decode step
+        makes a token for every stream it runs: one message carries them all), and a stream's
+        consecutive token events within one message are merged. Decode and Generate stay for
+        other callers; the router uses this call only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +187,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'Streams': grpc.stream_stream_rpc_method_handler(
+                    servicer.Streams,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.StreamsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.StreamsEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +385,33 @@ class Worker:
             '/pdserve.v1.Worker/Info',
             pdserve_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Streams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Worker/Streams',
+            pdserve_dot_v1_dot_worker__pb2.StreamsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.StreamsEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -284,6 +284,7 @@ class WorkerCore:
             tokens_in_flight=self._tokens_in_flight,
             num_reserved=self._parts.decode.num_reserved,
             step_ms_ewma=engine.step_ms_ewma,
+            max_num_seqs=self.settings.max_num_seqs,
         )
 
     def counters(self) -> dict[str, float]:

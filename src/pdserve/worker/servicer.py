@@ -1,5 +1,7 @@
 """gRPC Worker servicer: converts between proto and domain objects, nothing else. Every
-request is checked field by field (pdserve.worker.checks) before the core sees it."""
+request is checked field by field (pdserve.worker.checks) before the core sees it.
+`Streams` carries many Decode and Generate streams in one call (pdserve.worker.streams);
+each runs through the same checks and core calls as its own call would."""
 
 from __future__ import annotations
 
@@ -8,11 +10,13 @@ from collections.abc import AsyncIterator
 from grpc import aio
 
 from pdserve.engine.params import SamplingParams
+from pdserve.errors import InvalidRequestError
 from pdserve.rpc.ids import check_id
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.worker import checks, convert
 from pdserve.worker.core import WorkerCore
-from pdserve.worker.domain import Ticket
+from pdserve.worker.domain import Ticket, TokenEvent
+from pdserve.worker.streams import StreamMux
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -55,16 +59,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
-        checks.check_decode(request, self.limits)
-        events = self._core.decode(
-            request.request_id,
-            list(request.prompt_token_ids),
-            self._sampling(request.sampling),
-            request.lease_s,
-            request.num_predicted_tokens,
-            request.write_back,
-        )
-        async for ev in events:  # the ticket first, then the tokens after token 0
+        async for ev in self._decode(request):  # the ticket first, then the tokens after token 0
             if isinstance(ev, Ticket):
                 yield worker_pb2.TokenChunk(ticket=convert.ticket_to_proto(ev))
             else:
@@ -73,16 +68,44 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        async for ev in self._generate(request):
+            yield convert.chunk_to_proto(ev)
+
+    async def Streams(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.StreamsRequest],
+        context: aio.ServicerContext,
+    ) -> None:
+        await StreamMux(self._open_stream).serve(context)
+
+    def _open_stream(self, o: worker_pb2.StreamOpen) -> AsyncIterator[Ticket | TokenEvent]:
+        kind = o.WhichOneof("kind")
+        if kind == "decode":
+            return self._decode(o.decode)
+        if kind == "generate":
+            return self._generate(o.generate)
+        raise InvalidRequestError("kind", "a stream opens a decode or a generate request")
+
+    def _decode(self, request: worker_pb2.DecodeRequest) -> AsyncIterator[Ticket | TokenEvent]:
+        checks.check_decode(request, self.limits)
+        return self._core.decode(
+            request.request_id,
+            list(request.prompt_token_ids),
+            self._sampling(request.sampling),
+            request.lease_s,
+            request.num_predicted_tokens,
+            request.write_back,
+        )
+
+    def _generate(self, request: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[TokenEvent]:
         checks.check_generate(request, self.limits)
-        events = self._core.generate(
+        return self._core.generate(
             request.request_id,
             list(request.token_ids),
             self._sampling(request.sampling),
             request.use_kvstore,
             request.write_back,
         )
-        async for ev in events:
-            yield convert.chunk_to_proto(ev)
 
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: aio.ServicerContext

@@ -153,6 +153,15 @@ class Registry:
         self._changed()
         return True
 
+    def seen(self, instance_id: str) -> None:
+        """Traffic from the instance (a stream's message, an RPC's answer): it is alive, as
+        a heartbeat says. A busy worker's heartbeat can lag behind the tokens it sends; a
+        worker that sends them is not lost. (The load and the suspicion move only with
+        heartbeats.)"""
+        inst = self._instances.get(instance_id)
+        if inst is not None:
+            inst.last_heartbeat = self._clock()
+
     def deregister(self, instance_id: str) -> bool:
         removed = self._instances.pop(instance_id, None) is not None
         if removed:
@@ -190,6 +199,17 @@ class Registry:
         if inst is None:
             return instance_id in self._expired
         return self._clock() - inst.last_heartbeat > self.heartbeat_timeout_s
+
+    def serving(self, role: int) -> bool:
+        """Whether `candidates(role)` is not empty (without sorting them)."""
+        now = self._clock()
+        return any(
+            i.role == role
+            and i.state == "serving"
+            and i.suspect_since is None
+            and now - i.last_heartbeat <= self.heartbeat_timeout_s
+            for i in self._instances.values()
+        )
 
     def candidates(self, role: int) -> list[Instance]:
         now = self._clock()

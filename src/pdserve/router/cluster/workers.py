@@ -1,6 +1,6 @@
-"""gRPC access to workers: one channel + Worker stub per address, the
-request-id metadata, the mapping of a worker's RPC error to a domain error, and
-the sending of Aborts."""
+"""gRPC access to workers: one channel + Worker stub per address, one Streams call per address
+carrying every Decode and Generate stream (streams.py), and the sending of Aborts. The call
+outcomes and conversions (calls.py) are re-exported here."""
 
 from __future__ import annotations
 
@@ -9,136 +9,27 @@ from collections.abc import Callable
 
 import grpc
 
-from pdserve.engine.params import SamplingParams
-from pdserve.errors import PdserveError
 from pdserve.logging import get_logger
 from pdserve.rpc.channels import make_channel, metadata_with_request_id
-from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
-from ..job import DecodeTicket, Stages
+from .calls import (  # noqa: F401 (re-exported: the router's one place for worker calls)
+    RETRYABLE,
+    CallLost,
+    CallTimedOut,
+    RemoteError,
+    cancelled_under_us,
+    remote_error,
+    sampling_to_proto,
+    settle,
+    stages_from_proto,
+    ticket_from_proto,
+    ticket_to_proto,
+)
 from .registry import Instance
+from .streams import StreamHandle, WorkerStreams
 
 log = get_logger("pdserve.router.cluster.workers")
-
-# Worker failures after which another instance may succeed.
-RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    }
-)
-
-
-class CallLost(grpc.RpcError):
-    """A worker call ended without an answer because its instance went away: cancelled
-    although nobody cancelled the task awaiting it (the router closed the channel of an
-    instance that expired), or, for a stream, lost before its first message. It reads as
-    UNAVAILABLE, so the caller retries or migrates instead of taking it for its own
-    cancellation (which would end the client's request)."""
-
-    def __init__(
-        self, what: str = "worker call", why: str = "the instance left the registry"
-    ) -> None:
-        super().__init__(what)
-        self._details = f"{what} was cancelled: {why}"
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return self._details
-
-
-class CallTimedOut(grpc.RpcError):
-    """A worker stream sent no message within its deadline (DEADLINE_EXCEEDED: retryable)."""
-
-    def __init__(self, what: str, why: str, timeout_s: float) -> None:
-        super().__init__(what)
-        self._details = f"{what} {why} within {timeout_s:g} s"
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-
-    def details(self) -> str:
-        return self._details
-
-
-def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    """The router's validated params as workers receive them (every field explicit)."""
-    sp = common_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        output_offset=params.output_offset,
-    )
-    if params.seed is not None:
-        sp.seed = params.seed
-    return sp
-
-
-_TICKET_FIELDS = tuple(DecodeTicket.__dataclass_fields__)
-
-
-def ticket_from_proto(msg: worker_pb2.Ticket) -> DecodeTicket:
-    return DecodeTicket(**{f: getattr(msg, f) for f in _TICKET_FIELDS})
-
-
-def ticket_to_proto(ticket: DecodeTicket | None) -> worker_pb2.Ticket | None:
-    if ticket is None:
-        return None
-    return worker_pb2.Ticket(**{f: getattr(ticket, f) for f in _TICKET_FIELDS})
-
-
-def stages_from_proto(msg: common_pb2.StageCosts) -> Stages:
-    """A worker's StageCosts as the router's `Stages`."""
-    return Stages(
-        queue_ms=msg.queue_ms,
-        prefill_ms=msg.prefill_ms,
-        transfer_ms=msg.transfer_ms,
-        transfer_bytes=msg.transfer_bytes,
-        decode_ms=msg.decode_ms,
-        cached_tokens=msg.cached_tokens,
-        kvstore_tokens=msg.kvstore_tokens,
-    )
-
-
-def cancelled_under_us() -> bool:
-    """True inside `except CancelledError` when the cancellation came from the call (or
-    channel) awaited, not from a cancel of the current task."""
-    task = asyncio.current_task()
-    return task is not None and not task.cancelling()
-
-
-async def settle(call, what: str = "worker call"):
-    """Await a unary worker call; a cancel of the call itself (not of us) becomes
-    `CallLost`."""
-    try:
-        return await call
-    except asyncio.CancelledError:
-        if cancelled_under_us():
-            raise CallLost(what) from None
-        raise
-
-
-class RemoteError(PdserveError):
-    """A worker's status, relayed with its code (the interceptor maps `code`)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def remote_error(err: grpc.RpcError, what: str) -> RemoteError:
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
-    if code == grpc.StatusCode.UNKNOWN:
-        code = grpc.StatusCode.INTERNAL
-    return RemoteError(code, f"{what}: {details}")
-
 
 # How long the calls still running on a dropped instance's channel may take before the
 # channel is closed (which cancels them).
@@ -154,6 +45,7 @@ class WorkerClients:
         self._factory = channel_factory or make_channel
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self._streams: dict[str, WorkerStreams] = {}  # the one Streams call per address
         self._drop_grace_s = drop_grace_s
         self._closing: set[asyncio.Task] = set()  # dropped channels closing in the background
 
@@ -168,12 +60,35 @@ class WorkerClients:
     def addresses(self) -> list[str]:
         return list(self._channels)
 
+    def open_decode(self, address: str, request: worker_pb2.DecodeRequest) -> StreamHandle:
+        """A Decode stream on the worker at `address` (its first read is the ticket)."""
+        return self._streams_to(address).open(decode=request)
+
+    def open_generate(
+        self, address: str, request: worker_pb2.WorkerGenerateRequest
+    ) -> StreamHandle:
+        """A colocated Generate stream on the worker at `address`."""
+        return self._streams_to(address).open(generate=request)
+
+    def _streams_to(self, address: str) -> WorkerStreams:
+        streams = self._streams.get(address)
+        if streams is None or streams.broken is not None:
+            streams = WorkerStreams(self.stub(address), address, self._forget_streams)
+            self._streams[address] = streams
+        return streams
+
+    def _forget_streams(self, streams: WorkerStreams) -> None:
+        if self._streams.get(streams.address) is streams:
+            del self._streams[streams.address]
+
     def drop(self, address: str) -> None:
         """Forget the channel of an instance that left; it closes in the background after
         the calls still on it end (within `drop_grace_s`), so that those calls fail (or
         finish) on their own terms rather than all at once by the close. New calls to the
-        address get a new channel."""
+        address get a new channel (and a new Streams call: the old one ends with its
+        channel, its streams still open then failing as lost)."""
         self._stubs.pop(address, None)
+        self._streams.pop(address, None)
         channel = self._channels.pop(address, None)
         if channel is not None:
             task = asyncio.get_running_loop().create_task(channel.close(self._drop_grace_s))
@@ -183,8 +98,11 @@ class WorkerClients:
     async def close(self) -> None:
         """Close every channel now (shutdown)."""
         channels = list(self._channels.values())
+        streams = list(self._streams.values())
         self._channels.clear()
         self._stubs.clear()
+        self._streams.clear()
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
         for task in list(self._closing):
             task.cancel()
         await asyncio.gather(*self._closing, return_exceptions=True)

@@ -14,7 +14,6 @@ HTTP: pdserve.router.frontdoor.http.errors).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import secrets
 import time
 import uuid
@@ -29,6 +28,7 @@ from pdserve.errors import (
 )
 from pdserve.logging import bind_request_id, get_logger
 from pdserve.rpc.ids import MAX_ID_CHARS, check_id
+from pdserve.rpc.interceptor import status_for
 from pdserve.v1 import common_pb2, router_pb2
 
 from ..cluster.peers import PeerRouters
@@ -46,6 +46,15 @@ from .text import TextStream
 from .validation import check_messages, check_request, to_params
 
 log = get_logger("pdserve.router")
+
+
+def _reason(finish: int) -> str:
+    name = common_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
+    _REASONS[finish] = name
+    return name
+
+
+_REASONS: dict[int, str] = {}  # FinishReason -> its metric label
 
 
 def worker_request_id(rid: str) -> str:
@@ -103,20 +112,106 @@ class FrontDoor:
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """The response stream of one request; raises domain errors (before the first
         message or mid-stream). `oracle_tokens`: the true output length a benchmark request
-        carries (used only when the router runs in oracle mode)."""
+        carries (used only when the router runs in oracle mode).
+
+        Every request that got an id ends in exactly one way, counted and logged with its
+        request_id: finished (`router_requests{finish_reason}`; "request finished" at
+        DEBUG), failed at any stage (`router_request_errors{code}`; "request failed" at
+        INFO, with the error and how far it got) or left by its client
+        (`router_requests{finish_reason="abort"}`; "request cancelled by the client")."""
         t0 = time.perf_counter()
         rid = check_id("request_id", request.request_id or uuid.uuid4().hex)
         bind_request_id(rid)
-        if self.draining:
-            raise UnavailableError("router is draining")
-        if rid in self.inflight:
-            raise AlreadyExistsError(f"request_id {rid!r} is already in flight")
-        self.inflight.add(rid)
+        progress = {"prompt_tokens": 0, "completion_tokens": 0}
+        ended = False  # counted and logged as finished (before its last response is sent)
         try:
-            async for resp in self._generate(request, key, rid, t0, oracle_tokens, resume):
-                yield resp
-        finally:
-            self.inflight.discard(rid)
+            if self.draining:
+                raise UnavailableError("router is draining")
+            if rid in self.inflight:
+                raise AlreadyExistsError(f"request_id {rid!r} is already in flight")
+            self.inflight.add(rid)
+            try:
+                check_raw_request(request, self.limits)  # before any expensive work
+                async with self.admission.admit(key) as admission:
+                    job, stops = await self._prepare(request, rid)
+                    job.oracle_tokens = oracle_tokens
+                    progress["prompt_tokens"] = len(job.token_ids)
+                    text = TextStream(self.model.detokenizer(), stops)
+                    received, held = self._resumed(resume, key, rid, job, text)
+                    admission.charge(len(job.token_ids))
+                    pred = await self.orch.predict(job)
+                    await admission.turn(pred.predicted_tokens)  # once: migrations keep it
+                    totals = self.totals
+                    totals.requests += 1
+                    totals.running += 1
+                    self.idle.clear()
+                    n_out, t_first, finish = len(received), 0.0, 0
+                    token = ""  # the resume token, sent with the first tokens
+                    gen = self.orch.run(job, pred, received)
+                    try:
+                        # One chunk = every token relayed since the last one was sent: while
+                        # a write to the client is in flight, tokens merge (a busy router
+                        # sends fewer, larger messages).
+                        async for chunk in gen:
+                            step = text.push(chunk.token_ids)
+                            n_out += len(step.token_ids)
+                            progress["completion_tokens"] = n_out
+                            admission.charge(len(step.token_ids))
+                            if not t_first:
+                                t_first = time.perf_counter()
+                                if self.resume_tokens is not None:
+                                    token = self.resume_tokens.issue(rid, key.name, job)
+                            finish, delta = chunk.finish_reason, step.text
+                            if held:
+                                delta, held = held + delta, ""
+                            if step.stopped:
+                                finish = common_pb2.FINISH_REASON_STOP
+                            elif finish:
+                                delta += text.finish()  # held-back text (or a stop inside it)
+                                if text.matcher.matched is not None:
+                                    finish = common_pb2.FINISH_REASON_STOP
+                            resp = router_pb2.GenerateResponse(
+                                request_id=rid,
+                                token_ids=step.token_ids,
+                                text=delta,
+                                server_ms=(time.perf_counter() - t0) * 1000.0,
+                                finish_reason=finish,
+                                resume_token=token,
+                            )
+                            token = ""
+                            if finish:
+                                resp.usage.CopyFrom(self._usage(job, n_out, t0, t_first))
+                                # finished now: a door may close us at this last yield
+                                # (HTTP stops reading at the finish), not a cancel
+                                self._observe(job, key, finish, n_out, t0, t_first)
+                                ended = True
+                                yield resp
+                                break
+                            yield resp
+                    finally:
+                        await gen.aclose()  # stop string / cancel: the workers are aborted
+                        totals.running -= 1
+                        if not totals.running:
+                            self.idle.set()
+                    if not ended:  # (an orchestrator always ends with a finish or raises)
+                        self._observe(job, key, finish, n_out, t0, t_first)
+            finally:
+                self.inflight.discard(rid)
+        except asyncio.CancelledError:
+            if cancelled_under_us():  # not the client: a cancel leaked from a call we made
+                exc = UnavailableError("the request was cancelled inside the router")
+                self._failed(exc, key, t0, progress, internal=True)
+                raise exc from None
+            if not ended:
+                self._cancelled(key, t0, progress)
+            raise
+        except GeneratorExit:  # the client went away (at any stage), or the door is done
+            if not ended:
+                self._cancelled(key, t0, progress)
+            raise
+        except Exception as exc:
+            self._failed(exc, key, t0, progress)
+            raise
 
     async def resume(
         self, resume: router_pb2.ResumeRequest, key: ApiKey
@@ -133,92 +228,29 @@ class FrontDoor:
         async for resp in self.generate(resume.request, key, 0, resume):
             yield resp
 
-    async def _generate(
-        self,
-        request: router_pb2.GenerateRequest,
-        key: ApiKey,
-        rid: str,
-        t0: float,
-        oracle_tokens: int,
-        resume: router_pb2.ResumeRequest | None = None,
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        check_raw_request(request, self.limits)  # before any expensive work
-        progress = {"prompt_tokens": 0, "completion_tokens": 0}
-        try:
-            async with self.admission.admit(key) as admission:
-                job, stops = await self._prepare(request, rid)
-                job.oracle_tokens = oracle_tokens
-                progress["prompt_tokens"] = len(job.token_ids)
-                text = TextStream(self.model.detokenizer(), stops)
-                received, held = self._resumed(resume, key, rid, job, text)
-                admission.charge(len(job.token_ids))
-                pred = await self.orch.predict(job)
-                await admission.turn(pred.predicted_tokens)  # once: migrations keep it
-                self.totals.requests += 1
-                self.totals.running += 1
-                self.idle.clear()
-                n_out, t_first, finish = len(received), 0.0, 0
-                token = ""  # the resume token, sent with the first tokens
-                gen = self.orch.run(job, pred, received)
-                try:
-                    async for chunk in gen:
-                        step = text.push(chunk.token_ids)
-                        n_out += len(step.token_ids)
-                        progress["completion_tokens"] = n_out
-                        admission.charge(len(step.token_ids))
-                        if not t_first:
-                            t_first = time.perf_counter()
-                            if self.resume_tokens is not None:
-                                token = self.resume_tokens.issue(rid, key.name, job)
-                        finish, delta = chunk.finish_reason, held + step.text
-                        held = ""
-                        if step.stopped:
-                            finish = common_pb2.FINISH_REASON_STOP
-                        elif finish:
-                            delta += text.finish()  # release held-back text (or stop inside it)
-                            if text.matcher.matched is not None:
-                                finish = common_pb2.FINISH_REASON_STOP
-                        resp = router_pb2.GenerateResponse(
-                            request_id=rid,
-                            token_ids=step.token_ids,
-                            text=delta,
-                            server_ms=(time.perf_counter() - t0) * 1000.0,
-                            finish_reason=finish,
-                            resume_token=token,
-                        )
-                        token = ""
-                        if finish:
-                            resp.usage.CopyFrom(self._usage(job, n_out, t0, t_first))
-                            yield resp
-                            break
-                        yield resp
-                except (asyncio.CancelledError, GeneratorExit):  # the client went away
-                    self.metrics.requests.labels(finish_reason="abort").inc()
-                    raise
-                except Exception as exc:
-                    code = getattr(exc, "code", None)
-                    self.metrics.errors.labels(code=getattr(code, "name", type(exc).__name__)).inc()
-                    raise
-                finally:
-                    await gen.aclose()  # stop string / cancel: the orchestrator aborts the workers
-                    self.totals.running -= 1
-                    if not self.totals.running:
-                        self.idle.set()
-                self._observe(job, key, finish, n_out, t0, t_first)
-        except asyncio.CancelledError:
-            if cancelled_under_us():  # not the client: a cancel leaked from a call we made
-                log.error("request cancelled internally", key=key.name, **progress)
-                raise UnavailableError("the request was cancelled inside the router") from None
-            self._cancelled(key, t0, progress)
-            raise
-        except GeneratorExit:  # the client went away (at any stage)
-            self._cancelled(key, t0, progress)
-            raise
-
-    @staticmethod
-    def _cancelled(key: ApiKey, t0: float, progress: dict[str, int]) -> None:
+    def _cancelled(self, key: ApiKey, t0: float, progress: dict[str, int]) -> None:
+        self.metrics.finished("abort").inc()
         log.info(
             "request cancelled by the client",
+            key=key.name,
+            e2e_s=round(time.perf_counter() - t0, 4),
+            **progress,
+        )
+
+    def _failed(
+        self,
+        exc: Exception,
+        key: ApiKey,
+        t0: float,
+        progress: dict[str, int],
+        internal: bool = False,  # a bug: said at ERROR
+    ) -> None:
+        code, details = status_for(exc)
+        self.metrics.errors.labels(code=code.name).inc()
+        (log.error if internal else log.info)(
+            "request failed",
+            code=code.name,
+            error=details,
             key=key.name,
             e2e_s=round(time.perf_counter() - t0, 4),
             **progress,
@@ -359,17 +391,23 @@ class FrontDoor:
             prefill_instance=job.prefill_instance,
             decode_instance=job.decode_instance,
         )
-        usage.stages.CopyFrom(common_pb2.StageCosts(**dataclasses.asdict(job.stages)))
+        s, out = job.stages, usage.stages
+        out.queue_ms, out.prefill_ms, out.transfer_ms = s.queue_ms, s.prefill_ms, s.transfer_ms
+        out.transfer_bytes, out.decode_ms, out.reserve_ms = (
+            s.transfer_bytes, s.decode_ms, s.reserve_ms
+        )  # fmt: skip
+        out.cached_tokens, out.kvstore_tokens = s.cached_tokens, s.kvstore_tokens
         return usage
 
     def _observe(
         self, job: Job, key: ApiKey, finish: int, n_out: int, t0: float, t_first: float
     ) -> None:
         now = time.perf_counter()
-        reason = common_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
-        self.metrics.requests.labels(finish_reason=reason).inc()
+        reason = _REASONS.get(finish) or _reason(finish)
+        self.metrics.finished(reason).inc()
         self.metrics.completion_tokens.inc(n_out)
-        self.metrics.cached_tokens.inc(job.stages.cached_tokens)
+        if job.stages.cached_tokens:
+            self.metrics.cached_tokens.inc(job.stages.cached_tokens)
         self.totals.cached_tokens += job.stages.cached_tokens
         if job.prefill_attempts > 1:
             self.metrics.prefill_retries.inc(job.prefill_attempts - 1)
@@ -378,7 +416,7 @@ class FrontDoor:
             if n_out > 1:
                 self.metrics.tpot.observe((now - t_first) / (n_out - 1))
         self.metrics.e2e.observe(now - t0)
-        log.info(
+        log.debug(
             "request finished",
             finish_reason=reason,
             key=key.name,

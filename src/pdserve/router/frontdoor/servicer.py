@@ -6,7 +6,6 @@ cluster/servicer.py."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
 
 from pdserve.logging import get_logger
 from pdserve.v1 import router_pb2, router_pb2_grpc
@@ -39,22 +38,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, front: FrontDoor) -> None:
         self.front = front
 
-    async def Generate(
-        self, request: router_pb2.GenerateRequest, context
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def Generate(self, request: router_pb2.GenerateRequest, context) -> None:
+        """Writes each response as soon as the previous write completed (a coroutine with
+        `context.write`, not a generator: the interceptors wrap the call once, not every
+        message). What the workers sent meanwhile goes out merged in the next response."""
         key = self.front.authenticate(metadata_value(context.invocation_metadata()))
         oracle = oracle_tokens(context)
         async with contextlib.aclosing(self.front.generate(request, key, oracle)) as stream:
             async for resp in stream:
-                yield resp
+                await context.write(resp)
 
-    async def Resume(
-        self, request: router_pb2.ResumeRequest, context
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def Resume(self, request: router_pb2.ResumeRequest, context) -> None:
+        """Generate's messages, written the same way."""
         key = self.front.authenticate(metadata_value(context.invocation_metadata()))
         async with contextlib.aclosing(self.front.resume(request, key)) as stream:
             async for resp in stream:
-                yield resp
+                await context.write(resp)
 
     async def Status(self, request: router_pb2.StatusRequest, context) -> router_pb2.StatusResponse:
         self.front.authenticate(metadata_value(context.invocation_metadata()))

@@ -1,6 +1,8 @@
 """Token ids -> text deltas for one request: incremental detokenization (the U+FFFD
-rule of docs/HTTP_API.md, "Text") followed by the stop-string matcher. Feeds
-one token at a time so a stop string is attributed to the token completing it."""
+rule of docs/HTTP_API.md, "Text") followed by the stop-string matcher. With stop strings
+it feeds one token at a time, so a stop string is attributed to the token completing it;
+without, a chunk's tokens go to the detokenizer at once (two decodes per chunk, not per
+token: the same text, since the detokenizer's deltas concatenate to decode(all tokens))."""
 
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ class TextStream:
         self.text = ""  # everything sent so far
 
     def push(self, token_ids: Sequence[int]) -> TextStep:
+        if not self.matcher.stops:
+            text = self.detok.add(token_ids) if token_ids else ""
+            self.text += text
+            return TextStep(list(token_ids), text, False)
         out_ids: list[int] = []
         out_text: list[str] = []
         for tid in token_ids:

@@ -114,67 +114,75 @@ class Migrator:
         job: Job,
         attempt: Callable[[Job], AsyncIterator[Chunk]] | None = None,
         received: Sequence[int] = (),
+        on_done: Callable[[bool], None] | None = None,
     ) -> AsyncIterator[Chunk]:
         """`job`'s chunks through `attempt` (default: the one given at construction).
         `received`: tokens the client already has (a stream resumed after its router died):
-        the first attempt is the continuation after them (request id `r.r1`)."""
+        the first attempt is the continuation after them (request id `r.r1`).
+        `on_done(finished)` is called once when the request ends, however it ends."""
         attempt = attempt or self._attempt
-        emitted: list[int] = list(received)
-        current, migrations = job, 0
-        if emitted:
-            current = continuation(job, emitted, 1, kind="r")
-        wait_deadline: float | None = None  # set at the first migration
-        while True:
-            gen = attempt(current)
-            streamed = False  # this attempt yielded tokens: a failure is its stream's
-            try:
-                async for chunk in gen:
-                    streamed = True
-                    emitted.extend(chunk.token_ids)
-                    if current is not job:  # (the first attempt records its own)
-                        job.output_token_ids.extend(chunk.token_ids)
-                    yield chunk
-                    if chunk.finish_reason:
-                        return
-                return  # (an attempt always ends with a finish reason)
-            except Exception as exc:
-                if not emitted or not migratable(exc):
-                    raise
-                if migrations >= self.max_migrations:
-                    log.warning(
-                        "stream lost; no migration left",
-                        request_id=job.request_id,
-                        migrations=migrations,
-                        error=str(exc),
-                    )
-                    raise
-                assert isinstance(exc, PdserveError)  # (migratable)
-                failure = exc
-            finally:
-                await gen.aclose()
-                if current is not job:
-                    fold(job, current)
-            migrations += 1
-            # The streaming instance broke (a continuation's failed prefill is the
-            # orchestrator's to judge): skip it while it may be dead.
-            failed = (current.decode_instance or current.prefill_instance) if streamed else ""
-            if failed:
-                self.registry.mark_suspect(failed)
-            reason = "lost" if isinstance(failure, StreamLost) else failure.code.name.lower()
-            log.warning(
-                "stream migrating",
-                request_id=job.request_id,
-                migration=migrations,
-                from_instance=failed or None,
-                tokens_so_far=len(emitted),
-                reason=reason,
-                error=str(failure),
-            )
-            self._on_migration(reason)
-            if wait_deadline is None:
-                wait_deadline = time.monotonic() + self.wait_s
-            await self._wait_for_capacity(job.request_id, wait_deadline)
-            current = continuation(job, emitted, migrations)
+        finished = False
+        try:
+            emitted: list[int] = list(received)
+            current, migrations = job, 0
+            if emitted:
+                current = continuation(job, emitted, 1, kind="r")
+            wait_deadline: float | None = None  # set at the first migration
+            while True:
+                gen = attempt(current)
+                streamed = False  # this attempt yielded tokens: a failure is its stream's
+                try:
+                    async for chunk in gen:
+                        streamed = True
+                        emitted.extend(chunk.token_ids)
+                        if current is not job:  # (the first attempt records its own)
+                            job.output_token_ids.extend(chunk.token_ids)
+                        finished = finished or bool(chunk.finish_reason)
+                        yield chunk
+                        if chunk.finish_reason:
+                            return
+                    return  # (an attempt always ends with a finish reason)
+                except Exception as exc:
+                    if not emitted or not migratable(exc):
+                        raise
+                    if migrations >= self.max_migrations:
+                        log.warning(
+                            "stream lost; no migration left",
+                            request_id=job.request_id,
+                            migrations=migrations,
+                            error=str(exc),
+                        )
+                        raise
+                    assert isinstance(exc, PdserveError)  # (migratable)
+                    failure = exc
+                finally:
+                    await gen.aclose()
+                    if current is not job:
+                        fold(job, current)
+                migrations += 1
+                # The streaming instance broke (a continuation's failed prefill is the
+                # orchestrator's to judge): skip it while it may be dead.
+                failed = (current.decode_instance or current.prefill_instance) if streamed else ""
+                if failed:
+                    self.registry.mark_suspect(failed)
+                reason = "lost" if isinstance(failure, StreamLost) else failure.code.name.lower()
+                log.warning(
+                    "stream migrating",
+                    request_id=job.request_id,
+                    migration=migrations,
+                    from_instance=failed or None,
+                    tokens_so_far=len(emitted),
+                    reason=reason,
+                    error=str(failure),
+                )
+                self._on_migration(reason)
+                if wait_deadline is None:
+                    wait_deadline = time.monotonic() + self.wait_s
+                await self._wait_for_capacity(job.request_id, wait_deadline)
+                current = continuation(job, emitted, migrations)
+        finally:
+            if on_done is not None:
+                on_done(finished)
 
     async def _wait_for_capacity(self, request_id: str, deadline: float) -> None:
         """Wait (until `deadline`) for a place for the continuation: a decode and a prefill

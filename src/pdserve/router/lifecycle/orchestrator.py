@@ -41,6 +41,7 @@ from pdserve.rpc.channels import metadata_with_request_id
 from pdserve.v1 import common_pb2, worker_pb2
 
 from ..cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Instance, Registry
+from ..cluster.streams import StreamHandle
 from ..cluster.workers import (
     RETRYABLE,
     Aborter,
@@ -53,7 +54,6 @@ from ..cluster.workers import (
     sampling_to_proto,
     settle,
     stages_from_proto,
-    ticket_from_proto,
     ticket_to_proto,
 )
 from ..job import Chunk, Deadlines, DecodeTicket, Job
@@ -121,29 +121,35 @@ class Orchestrator:
     async def predict(self, job: Job) -> Prediction:
         """The request's output-length prediction (once per request: before admission)."""
         route = self._route(job)
-        return await self.length.predict(job, route, self._predictor_block_size())
+        block_size = self._predictor_block_size() if self.length.needed else 0
+        return await self.length.predict(job, route, block_size)
 
-    async def run(
+    def run(
         self, job: Job, pred: Prediction | None = None, received: Sequence[int] = ()
     ) -> AsyncIterator[Chunk]:
         """The request's chunks. When its stream breaks after the client has seen tokens,
         `Migrator` continues it on other instances (migration.py): one `_attempt` each,
         all under the request's one prediction `pred` (made here when not given).
-        `received`: a resumed stream's tokens (its router died); it continues after them."""
+        `received`: a resumed stream's tokens (its router died); it continues after them.
+        Closing the iterator (`aclose`) closes the attempt at once (it aborts the workers)."""
         if pred is None:
-            pred = await self.predict(job)
-        gen = self.migrator.run(job, lambda part: self._attempt(part, pred), received)
-        finished = False
+            return self._predict_and_run(job, received)
+        # (the Migrator's own generator: no extra level between the front door and it)
+        return self.migrator.run(
+            job,
+            lambda part: self._attempt(part, pred),
+            received,
+            # the whole request's length (all attempts), learned once
+            on_done=lambda finished: self.length.done(pred, len(job.output_token_ids), finished),
+        )
+
+    async def _predict_and_run(self, job: Job, received: Sequence[int]) -> AsyncIterator[Chunk]:
+        gen = self.run(job, await self.predict(job), received)
         try:
             async for chunk in gen:
-                finished = finished or bool(chunk.finish_reason)
                 yield chunk
         finally:
-            try:
-                await gen.aclose()  # at once, not when collected: it aborts the workers
-            finally:
-                # the whole request's length (all attempts), learned once
-                self.length.done(pred, len(job.output_token_ids), finished)
+            await gen.aclose()
 
     def _route(self, job: Job) -> RouteRequest:
         return RouteRequest(
@@ -153,11 +159,12 @@ class Orchestrator:
     async def _attempt(self, job: Job, pred: Prediction) -> AsyncIterator[Chunk]:
         """One placement of `job` (a client's job, or a migration's continuation)."""
         route = self.length.route(pred, job, self._route(job))
-        if self.registry.candidates(ROLE_PREFILL) and self.registry.candidates(ROLE_DECODE):
+        registry = self.registry
+        if registry.serving(ROLE_PREFILL) and registry.serving(ROLE_DECODE):
             lifecycle = self._disagg
-        elif self.registry.candidates(ROLE_COLOCATED):
+        elif registry.serving(ROLE_COLOCATED):
             lifecycle = self._colocated
-        elif not self.registry.candidates(ROLE_DECODE):
+        elif not registry.serving(ROLE_DECODE):
             raise UnavailableError("no decode (or colocated) instance is available")
         else:
             raise UnavailableError("no prefill instance is available")
@@ -202,7 +209,7 @@ class Orchestrator:
 
     async def _place_and_prefill(
         self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
-    ) -> tuple[int, grpc.aio.UnaryStreamCall]:
+    ) -> tuple[int, StreamHandle]:
         """Reserve on a decode (its Decode stream), prefill `prompt` on a prefill that pushes
         the KV to it, return the first token and the stream. On return
         `placement.decode`/`.ticket` hold the decode that will continue the request. A
@@ -286,6 +293,7 @@ class Orchestrator:
             resp = await settle(call, "Prefill")
         else:
             resp = await self._prefill_while_decode_lives(call, placement.decode)
+        self.registry.seen(prefill.instance_id)
         placement.leave(prefill, abort=False)  # done: its KV is on the decode (or nowhere)
         return resp
 
@@ -316,7 +324,7 @@ class Orchestrator:
                 task.cancel()
 
     async def _decode(
-        self, job: Job, placement: RequestPlacement, stream: grpc.aio.UnaryStreamCall
+        self, job: Job, placement: RequestPlacement, stream: StreamHandle
     ) -> AsyncIterator[Chunk]:
         """Relay the tokens after token 0 from the Decode stream whose ticket the prefill
         used. A failure ends this attempt; `Migrator` continues the request elsewhere."""
@@ -329,7 +337,7 @@ class Orchestrator:
 
     async def _reserve(
         self, job: Job, route: RouteRequest, placement: RequestPlacement, pred: Prediction
-    ) -> tuple[Instance, grpc.aio.UnaryStreamCall]:
+    ) -> tuple[Instance, StreamHandle]:
         """Open the Decode stream on a decode instance (its first message is the ticket);
         another one when it is dead or full; wait for
         capacity (the admission stage's `Capacity`: woken when the cluster changes) while
@@ -353,12 +361,11 @@ class Orchestrator:
             # Charged now, not when the ticket comes: concurrent picks see it at once. (It
             # may hold a reservation before we see the ticket: close() aborts it.)
             placement.charge(decode, requests=1)
-            stream = self.workers.stub(decode.address).Decode(
-                self._decode_request(job, route, prompt),
-                metadata=metadata_with_request_id(job.request_id),
+            stream = self.workers.open_decode(
+                decode.address, self._decode_request(job, route, prompt)
             )
             try:
-                ticket = await self._read_ticket(stream)
+                ticket = await self._read_ticket(stream, decode)
             except BaseException as err:
                 stream.cancel()
                 if not isinstance(err, grpc.RpcError):
@@ -380,21 +387,28 @@ class Orchestrator:
             self.length.placed(pred, decode.instance_id, len(prompt), route)
             return decode, stream
 
-    async def _read_ticket(self, stream: grpc.aio.UnaryStreamCall) -> DecodeTicket:
-        """The Decode stream's first message (its ticket), within `reserve_s`."""
+    async def _read_ticket(self, stream: StreamHandle, decode: Instance) -> DecodeTicket:
+        """The Decode stream's first message (its ticket). A decode that is alive but busy
+        is waited for, up to `reserve_s`; one that stops heartbeating is given up at once
+        (the streams' watchdog cuts the read, as the relay's)."""
+        watch = self.streams.watch(stream, decode.instance_id, self.deadlines.reserve_s)
         try:
-            msg = await asyncio.wait_for(stream.read(), self.deadlines.reserve_s)
-        except asyncio.TimeoutError:
-            raise CallTimedOut("Decode", "sent no ticket", self.deadlines.reserve_s) from None
+            msg = await stream.read()
         except asyncio.CancelledError:
-            if cancelled_under_us():
-                raise CallLost("Decode") from None
-            raise
+            if not cancelled_under_us():
+                raise
+            if watch.expired:
+                raise CallTimedOut("Decode", "sent no ticket", self.deadlines.reserve_s) from None
+            why = "the instance stopped heartbeating" if watch.lost else "the instance left"
+            raise CallLost("Decode", why) from None
+        finally:
+            self.streams.unwatch(watch)
         if msg is grpc.aio.EOF:
             raise CallLost("Decode", "the stream ended before its ticket")
-        if not msg.HasField("ticket"):
+        if msg.ticket is None:
             raise CallLost("Decode", "its first message carried no ticket")
-        return ticket_from_proto(msg.ticket)
+        self.registry.seen(decode.instance_id)
+        return msg.ticket
 
     def _decode_request(
         self, job: Job, route: RouteRequest, prompt: list[int]
@@ -420,7 +434,8 @@ class Orchestrator:
             job.prefill_attempts += 1
             job.prefill_instance = job.decode_instance = inst.instance_id
             placement.charge(inst, requests=1, tokens=len(job.token_ids))
-            call = self.workers.stub(inst.address).Generate(
+            call = self.workers.open_generate(
+                inst.address,
                 worker_pb2.WorkerGenerateRequest(
                     request_id=job.request_id,
                     token_ids=job.token_ids,
@@ -428,7 +443,6 @@ class Orchestrator:
                     use_kvstore=self.use_kvstore,
                     write_back=self.write_back,
                 ),
-                metadata=metadata_with_request_id(job.request_id),
             )
             try:
                 async for chunk in self._relay(call, inst, job, placement, "colocated"):
@@ -477,6 +491,7 @@ class Orchestrator:
                 try:
                     msg = await call.read()
                     watch.seen(self.deadlines.decode_idle_s)
+                    self.registry.seen(inst.instance_id)
                 except asyncio.CancelledError:
                     # The call was cancelled, not this task: by the watchdog (`lost`, or
                     # silent past its deadline), or by the close of a dropped instance's
@@ -510,10 +525,10 @@ class Orchestrator:
                     )
                 first = False
                 if msg.finish_reason:
-                    job.stages.add(stages_from_proto(msg.stages))
+                    job.stages.add(msg.stages)
                     finished = True
                     placement.leave(inst, abort=False)  # before yielding: we may be closed
-                yield Chunk(list(msg.token_ids), msg.finish_reason)
+                yield Chunk(msg.token_ids, msg.finish_reason)
                 if finished:
                     return
         finally:

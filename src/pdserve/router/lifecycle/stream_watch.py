@@ -7,7 +7,10 @@ relay awaits `call.read()` without a timer (an `asyncio.wait_for` per message co
 router CPU per token); the deadline is enforced here instead, by cancelling the call.
 
 Invariant: ONE task ticks every `interval_s()` for all watched streams, and only while at
-least one is watched. A task per stream (the previous design) woke 4 times a second per
+least one is watched. A tick that comes late by more than an interval (and `STALL_S`)
+judges nothing: the router itself did not run (an overloaded or descheduled process), so the
+messages and heartbeats it has not read yet may be waiting in its sockets; silence it caused
+itself is not the workers'. A task per stream (the previous design) woke 4 times a second per
 stream: at 1,024 open streams that was ~4,000 task wake-ups a second, more than the tokens
 the router relayed at saturation. A tick costs a dict walk and one registry lookup per
 distinct instance.
@@ -21,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..cluster.registry import Registry
+
+STALL_S = 0.5  # a tick this late (or an interval late) means the router itself stalled
 
 
 class WatchedStream:
@@ -66,8 +71,13 @@ class StreamWatch:
         self._streams.pop(id(stream), None)
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._streams:
-            await asyncio.sleep(self._interval_s())
+            interval = self._interval_s()
+            due = loop.time() + interval
+            await asyncio.sleep(interval)
+            if loop.time() - due > max(interval, STALL_S):  # we did not run: judge next tick
+                continue
             self.tick()
         self._task = None
 

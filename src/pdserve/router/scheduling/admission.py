@@ -9,8 +9,11 @@ migrated stream keeps it and never queues again):
    completion) over the last 60 s; over a limit -> OverloadedError at once (429 /
    RESOURCE_EXHAUSTED) with a retry hint. `Pass.charge(n)` books tokens as they are spent.
 2. `Pass.turn(predicted_tokens)`, router-wide: at most `limit()` requests run at once, the
-   smaller of `max_running` and `max_running_per_decode` x serving instances (0 = no
-   limit); the rest wait in an `OverloadQueue` (FCFS, or SJF by predicted length with
+   smaller of `max_running` and `max_running_per_decode` x serving instances; with neither
+   set, `running_per_slot` x the batch slots the serving decode (or colocated) instances
+   report (their max_num_seqs): a request the cluster cannot run soon waits here, before
+   any work is done, instead of queueing on a worker where its deadlines run (0 everywhere
+   = no limit). The rest wait in an `OverloadQueue` (FCFS, or SJF by predicted length with
    aging), at most `max_queue` of them and each at most `timeout_s`; a full queue or a
    timeout -> OverloadedError. Released when the request ends.
 3. `Capacity.wait(deadline, ready)`: a running request waiting for room on the workers
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -74,8 +78,9 @@ class AdmissionConfig:
 
     max_running: int = 0  # requests running at once; 0 = no absolute limit
     max_running_per_decode: int = 0  # x serving decode (or colocated) instances; 0 = none
-    max_queue: int = 256  # requests waiting for a turn before queue_full
-    timeout_s: float = 30.0  # longest wait for a turn before queue_timeout
+    running_per_slot: float = 0.0  # neither above: x the instances' batch slots; 0 = none
+    max_queue: int = 4096  # requests waiting for a turn before queue_full
+    timeout_s: float = 600.0  # longest wait for a turn before queue_timeout
     order: Literal["fcfs", "sjf"] = "sjf"
     aging_tokens_per_s: float = 64.0
     max_wait_s: float = DEFAULT_MAX_WAIT_S
@@ -88,6 +93,7 @@ class _KeyState:
     running: int = 0  # streams admitted for this key, waiting for a turn or running
     spent: collections.deque = field(default_factory=collections.deque)  # (t, tokens)
     total: int = 0  # tokens in `spent`
+    series: tuple = ()  # (admitted, streams) of this key, looked up once
 
     def used(self, now: float) -> int:
         while self.spent and self.spent[0][0] <= now - WINDOW_S:
@@ -171,13 +177,14 @@ class Pass:
         self._adm, self.key, self._state = admission, key, state
         self.turned = False  # holds a running slot of the queue
         self.waited_s = 0.0
+        self._tokens = admission.metrics.tokens.labels(key.name)  # (charged per chunk)
 
     def charge(self, tokens: int) -> None:
         if tokens <= 0:
             return
         self._state.spent.append((time.monotonic(), tokens))
         self._state.total += tokens
-        self._adm.metrics.tokens.labels(self.key.name).inc(tokens)
+        self._tokens.inc(tokens)
 
     async def turn(self, predicted_tokens: float) -> None:
         """Wait for a running slot (ordered by `predicted_tokens` under sjf)."""
@@ -194,12 +201,14 @@ class Admission:
         config: AdmissionConfig | None = None,
         serving: Callable[[], int] = lambda: 1,
         clock: Callable[[], float] = time.monotonic,  # the queue's (a simulator's virtual one)
+        slots: Callable[[], int] = lambda: 0,
         shared: SharedLimits | None = None,  # router replicas: limits across all of them
     ) -> None:
         self.config = c = config or AdmissionConfig()
         self.shared = shared
         self.metrics = AdmissionMetrics(metrics)
         self._serving = serving  # decode (or colocated) instances serving now
+        self._slots = slots  # their batch slots (sum of max_num_seqs; 0: unknown)
         self.queue = OverloadQueue(
             self.limit,
             order=c.order,
@@ -218,6 +227,8 @@ class Admission:
         limits = [c.max_running] if c.max_running > 0 else []
         if c.max_running_per_decode > 0:
             limits.append(c.max_running_per_decode * max(1, self._serving()))
+        if not limits and c.running_per_slot > 0 and (slots := self._slots()) > 0:
+            limits.append(max(1, math.ceil(c.running_per_slot * slots)))
         return min(limits) if limits else 0
 
     @property
@@ -272,12 +283,16 @@ class Admission:
         st.running += 1  # counted while it waits too: a key cannot flood the queue
         lease = await self._shared_lease(key, st)
         p = Pass(self, key, st)
-        self.metrics.admitted.labels(key.name).inc()
-        self.metrics.streams.labels(key.name).inc()
+        if not st.series:
+            m = self.metrics
+            st.series = (m.admitted.labels(key.name), m.streams.labels(key.name))
+        admitted, streams = st.series
+        admitted.inc()
+        streams.inc()
         try:
             yield p
         finally:
-            self.metrics.streams.labels(key.name).dec()
+            streams.dec()
             st.running -= 1
             if self.shared is not None:
                 self.shared.release(key.name, lease)
@@ -317,8 +332,12 @@ class Admission:
                 f"{self.queue.waiting} waiting (max_queue={c.max_queue})",
                 QUEUE_RETRY_S,
             )
-        if would_wait:
-            self.metrics.waiting.set(self.queue.waiting + 1)
+        if not would_wait:  # (no timer: the turn is taken at once)
+            await self.queue.acquire(predicted_tokens)
+            self.metrics.running.set(self.queue.running)
+            self.metrics.wait.observe(0.0)
+            return 0.0
+        self.metrics.waiting.set(self.queue.waiting + 1)
         try:
             # (a timeout or a cancel while waiting leaves the queue clean: acquire() drops
             # the waiter, or releases the slot it was given at that moment)

@@ -127,11 +127,11 @@ class LengthScheduling:
         )
 
     async def predict(self, job: Job, route: RouteRequest, block_size: int) -> Prediction:
-        q = self.query(job, route, block_size)
-        if not self.needed:
+        if not self.needed:  # (no prompt hashing either: nothing reads the query)
             n = job.params.max_tokens
             est = LengthEstimate(float(n), float(n), "unused")
-            return Prediction(job.request_id, q, est, n, n, n, estimated=False)
+            return Prediction(job.request_id, self.query(job, route, 0), est, n, n, n, False)
+        q = self.query(job, route, block_size)
         try:
             if q.text:  # featurizing text takes milliseconds: off the event loop
                 est = await asyncio.to_thread(self.predictor.estimate, q)
