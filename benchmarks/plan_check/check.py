@@ -98,7 +98,7 @@ def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any,
     cands = candidates(budget, args.model_config, args.network, args.dtype,
                        [int(x) for x in args.chunks.split(",")],
                        [int(x) for x in args.decode_seqs.split(",")], args.max_unit,
-                       colocated_modes=args.colocated_modes, kv_dtype=args.kv_dtype)  # fmt: skip
+                       colocated_modes=args.colocated_modes or "chunked", kv_dtype=args.kv_dtype)  # fmt: skip
     configs = configurations(cands, res["units"], budget, args.max_model_len, args.block_size)
     pick = pick_of(res, configs)
     if mine.configs:

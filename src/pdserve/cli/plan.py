@@ -12,6 +12,7 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> None:
+    from pdserve.cli.plan_map import add_map_args
     from pdserve.workload.spec import add_workload_args
 
     p = subparsers.add_parser("plan", help="how many prefill/decode instances, by simulation")
@@ -29,14 +30,16 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--decode-seqs", default="256", help="decode batch caps to try")
     p.add_argument("--max-unit", type=int, default=6, help="largest M + N of a disagg unit")
     p.add_argument("--start-rate", type=float, default=8.0, help="first rate per device (req/s)")
-    p.add_argument("--colocated-modes", default="chunked",
+    p.add_argument("--colocated-modes",
                    help="colocated schedulers to try: chunked (this engine), nochunk (vLLM <= 0.3: "
-                   "prefill priority, whole prompts), or chunked,nochunk")  # fmt: skip
+                   "prefill priority, whole prompts), or chunked,nochunk (default: chunked; "
+                   "--map: both)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=0,
                    help="processes for the simulations (0 = one per CPU); the answer is the same")  # fmt: skip
     p.add_argument("--out", default="results/plan.json")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_workload_args(p)
+    add_map_args(p)
     p.set_defaults(func=main)
 
 
@@ -70,6 +73,12 @@ def main(args: argparse.Namespace) -> int:
         args.vocab_size = shape.vocab_size
     if args.duration is None and args.num_requests is None:
         args.duration = 60.0
+    if args.map:
+        from pdserve.cli.plan_map import main_map
+
+        if args.out == "results/plan.json":
+            args.out = "results/plan_map.json"
+        return main_map(args, budget)
 
     def log(m):
         return print(m, file=sys.stderr, flush=True)

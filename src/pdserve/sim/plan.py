@@ -86,7 +86,7 @@ def plan(
     seqs = [int(x) for x in args.decode_seqs.split(",")]
     kv_dtype = getattr(args, "kv_dtype", None)
     cands = candidates(budget, model, network, dtype, chunks, seqs, args.max_unit,
-                       colocated_modes=getattr(args, "colocated_modes", "chunked"),
+                       colocated_modes=getattr(args, "colocated_modes", None) or "chunked",
                        kv_dtype=kv_dtype)  # fmt: skip
     jobs = getattr(args, "jobs", 1) or os.cpu_count() or 1
     log(f"{len(cands)} candidate units; simulating the rate searches ({jobs} processes) ...")
