@@ -158,8 +158,10 @@ class SimCluster:
         self.admitted: list[str] = []  # request ids in the order admission gave them turns
         self.flips: list[dict[str, Any]] = []
         self.instances: dict[str, SimInstance] = {}
+        per_role: dict[str, int] = {}
         for pool in spec.pools:
-            for k in range(pool.count):
+            for _ in range(pool.count):
+                k = per_role[pool.role] = per_role.get(pool.role, -1) + 1  # pools of one role
                 iid = f"{pool.role}-{k}"
                 inst = SimInstance(iid, ROLE_BY_NAME[pool.role], pool.costs, pool.config)
                 self.instances[iid] = inst
