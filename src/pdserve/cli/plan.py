@@ -103,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
     path = write_json(out, res | {"config": {k: v for k, v in vars(args).items() if k != "func"}})
     if args.json:
         keys = ("best", "best_overall", "disagg_over_colocated_per_device",
-                "disagg_over_colocated_nochunk_per_device", "wall_s")  # fmt: skip
+                "disagg_over_colocated_nochunk_per_device", "cost_ranking", "wall_s")  # fmt: skip
         json.dump({k: res.get(k) for k in keys},
                   sys.stdout, indent=1, default=str)  # fmt: skip
         print()
@@ -116,6 +116,16 @@ def main(args: argparse.Namespace) -> int:
     for u in sorted(res["units"], key=lambda u: -u["per_device_goodput"]):
         print(f"{u['label']:<52}{u['goodput_req_s']:>9.2f}{u['per_device_goodput']:>9.2f}"
               f"{_fmt(u['cost_per_m_output_tokens']):>9}")  # fmt: skip
+    if res["prices"]:
+        print()
+        print("ranked by cost per goodput (units, and the best of each kind at full scale):")
+        head = f"{'configuration':<58}{'req/s':>9}{'$/h':>8}{'$/h per req/s':>15}{'$/M out':>9}"
+        print(head)
+        print("-" * len(head))
+        for r in res["cost_ranking"]:
+            print(f"{r['label']:<58}{r['goodput_req_s']:>9.2f}{_fmt(r['usd_per_hour']):>8}"
+                  f"{_fmt(r['usd_per_hour_per_req_s'], '.3f'):>15}"
+                  f"{_fmt(r['cost_per_m_output_tokens']):>9}")  # fmt: skip
     print()
     for kind, b in best.items():
         fs = b["full_scale"] or {}
