@@ -36,7 +36,7 @@ from typing import Any
 
 from benchmarks.evidence.emulated import EmuOptions, emulated_arm
 from benchmarks.plan_check.configs import Config, configurations, pick_of
-from benchmarks.plan_check.metrics import run_metrics
+from benchmarks.plan_check.metrics import pair_errors, run_metrics
 from benchmarks.plan_check.search import format_table, search_rate, verdict
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.run import sim_workload, text_prompt_ids
@@ -85,8 +85,8 @@ def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any,
     from pdserve.sim.plan import plan
 
     budget = Budget.parse(args.hardware, args.prices)
-    if len(budget.devices) != 1 or args.network != "nvlink" or args.dtype != "bfloat16":
-        raise ValueError("one hardware type, nvlink and bfloat16 only (what `up --emulate` models)")
+    if args.network != "nvlink" or args.dtype != "bfloat16":
+        raise ValueError("nvlink and bfloat16 only (what `up --emulate` models)")
     shape = load_model_config(args.model_config)
     args.vocab_size = args.vocab_size or shape.vocab_size
     args.max_model_len = args.max_model_len or shape.max_position_embeddings
@@ -106,7 +106,7 @@ def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any,
         configs = [c for c in configs if c.name in keep]
     log(f"plan's pick: {pick.name} ({pick.unit} x{pick.replicas}); checking "
         f"{len(configs)} configurations: {', '.join(c.name for c in configs)}")  # fmt: skip
-    check = Checker(args, mine, next(iter(budget.devices)), log)
+    check = Checker(args, mine, log)
     check.result.update(argv=argv, plan=res, plan_wall_s=plan_s, pick=pick.name)
     for c in configs:
         row = check.config(c)
@@ -126,14 +126,14 @@ class Checker:
     """Each configuration's simulated, then emulated, goodput search; every run is saved
     to `--out` as it ends (a long check can be cut)."""
 
-    def __init__(self, args: argparse.Namespace, mine: argparse.Namespace, hw: str,
+    def __init__(self, args: argparse.Namespace, mine: argparse.Namespace,
                  log: Callable[[str], None]) -> None:  # fmt: skip
         self.args, self.mine, self.log = args, mine, log
         self.slo = SLO.parse(args.goodput).only("ttft", "tpot")
         self.out = Path(args.out)
         self.opt = EmuOptions(time_scale=mine.time_scale, tokenizer=mine.tokenizer,
                               log_dir=self.out.parent / f"{self.out.stem}_emu",
-                              emulate=("--emulate", hw, "--model-config", args.model_config))  # fmt: skip
+                              emulate=("--model-config", args.model_config))  # fmt: skip
         self.result: dict[str, Any] = {
             "time_scale": mine.time_scale, "resolution": mine.resolution,
             "target": args.target, "slo": self.slo.to_json(), "configs": [],
@@ -158,11 +158,7 @@ class Checker:
         self.result["configs"].append(row)
 
         def sim_attain(rate: float) -> float:
-            reqs = self.requests(rate)
-            records = SimCluster(c.spec).run([replace(r) for r in reqs])
-            run = run_metrics(records, reqs, self.slo) | {"rate": rate}
-            row["sim_runs"].append(run)
-            return run["attainment"]
+            return self._simulated(c, row, rate)["attainment"]
 
         start = c.unit_goodput * c.replicas or args.start_rate * c.devices
         s = search_rate(sim_attain, start, args.target, mine.resolution)
@@ -174,11 +170,22 @@ class Checker:
         e = search_rate(lambda rate: self._emulated(c, row, rate), s.goodput or start,
                         args.target, mine.resolution, max_runs=mine.max_runs)  # fmt: skip
         lags = [r["step_lag"] for r in row["emu_runs"] if r.get("step_lag") is not None]
+        errs = [r["vs_sim"]["max_rel_error"] for r in row["emu_runs"]
+                if r["vs_sim"]["max_rel_error"] is not None]  # fmt: skip
+        row["vs_sim_max_rel_error"] = max(errs) if errs else None
         row.update(emu_goodput=e.goodput, emu_per_device=e.goodput / c.devices,
                    emu_points=e.points, step_lag_max=max(lags) if lags else None,
                    step_lag_mean=sum(lags) / len(lags) if lags else None)  # fmt: skip
         self.save()
         return row
+
+    def _simulated(self, c: Config, row: dict[str, Any], rate: float) -> dict[str, Any]:
+        """One simulated run of `c` at `rate` (kept in the row's sim_runs)."""
+        reqs = self.requests(rate)
+        records = SimCluster(c.spec).run([replace(r) for r in reqs])
+        run = run_metrics(records, reqs, self.slo) | {"rate": rate}
+        row["sim_runs"].append(run)
+        return run
 
     def _emulated(self, c: Config, row: dict[str, Any], rate: float) -> float:
         """One emulated run of `c` at `rate` on a fresh cluster; its attainment."""
@@ -188,6 +195,8 @@ class Checker:
                            metrics=run_metrics)  # fmt: skip
         run |= {"rate": rate, "load_avg": os.getloadavg()[0]}
         row["emu_runs"].append(run)
+        sim = next((r for r in row["sim_runs"] if r["rate"] == rate), None)
+        run["vs_sim"] = pair_errors(sim or self._simulated(c, row, rate), run)
         self.save()
         self.log(f"  emulated {c.name} @ {rate:.2f} req/s ({len(reqs)} requests): attainment "
                  f"{run['attainment']:.3f} (TTFT {run['attainment_ttft']:.3f}, TPOT "
