@@ -5,7 +5,8 @@ from __future__ import annotations
 from pdserve.costmodel.costs import CostModel, StepCost
 from pdserve.router.app import RouterApp
 from pdserve.router.scheduling.admission import Admission
-from pdserve.router.scheduling.policies import PredictedFootprint, SessionAffinity
+from pdserve.router.scheduling.decode_placement import PredictedFootprint
+from pdserve.router.scheduling.policies import SessionAffinity
 from pdserve.router.scheduling.predictor import OraclePredictor
 from pdserve.router.scheduling.predictor.online import OnlineLengthPredictor
 from pdserve.sim.cluster import SimCluster

@@ -66,7 +66,7 @@ def predictions_needed(s: RouterSettings) -> bool:
     )
     return bool(
         sjf_queue
-        or s.placement.decode_placement == "predicted"
+        or s.placement.decode_placement in ("predicted", "length")
         or s.placement.reserve_max_tokens > 0
         or s.flip.flip_enabled
         or s.length.predictor_oracle
@@ -100,6 +100,7 @@ class RouterApp(ServiceApp):
             settings.placement.session_affinity,
             settings.placement.decode_placement,
             self.demand,
+            settings.placement.length_routing_tokens,
         )
         self.registry.on_forget(self.policy.forget)
         self.registry.on_forget(self.demand.forget)

@@ -111,10 +111,17 @@ class PlacementSettings(SettingsGroup):
     session_affinity: bool = Field(
         True, description="same session_id -> same prefill/colocated instance while it lives"
     )
-    decode_placement: Literal["count", "predicted"] = Field(
+    decode_placement: Literal["count", "predicted", "length"] = Field(
         "count",
-        description="decode placement: count (the policy's request counts) or predicted "
-        "(least predicted KV footprint over the request's predicted lifetime)",
+        description="decode placement: count (the policy's request counts), predicted "
+        "(least predicted KV footprint over the request's predicted lifetime) or length "
+        "(for decodes of mixed memory: answers predicted long to those with the most KV)",
+    )
+    length_routing_tokens: int = Field(
+        256,
+        ge=1,
+        description="--decode-placement length: a predicted answer (p50) of this many tokens "
+        "or more goes to the decodes with the most KV",
     )
     reserve_max_tokens: int = Field(
         0,

@@ -127,7 +127,11 @@ class SimCluster:
         self.settings = rs
         self.demand = DecodeDemand()
         self.policy = policy or make_policy(
-            spec.policy, spec.session_affinity, rs.placement.decode_placement, self.demand
+            spec.policy,
+            spec.session_affinity,
+            rs.placement.decode_placement,
+            self.demand,
+            rs.placement.length_routing_tokens,
         )
         if hasattr(self.policy, "_clock"):  # session TTLs run on simulated time
             self.policy._clock = self.loop.clock  # type: ignore[attr-defined]

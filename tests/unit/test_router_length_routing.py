@@ -1,0 +1,64 @@
+"""Decode placement by predicted length (`--decode-placement length`): on a decode pool of
+mixed memory, long answers to the decodes with the most KV, short ones to the rest; a
+uniform pool is placed as before; the settings turn it on and make the router predict."""
+
+from __future__ import annotations
+
+from pdserve.router.app import predictions_needed
+from pdserve.router.cluster.registry import ROLE_DECODE, Instance, LoadReport
+from pdserve.router.scheduling.decode_placement import LengthRouted
+from pdserve.router.scheduling.policies import RouteRequest, SessionAffinity, make_policy
+from pdserve.sim.router_side import router_settings
+
+
+def decode(iid, blocks, inflight=0, free=None):
+    return Instance(instance_id=iid, address=f"{iid}:1", role=ROLE_DECODE,
+                    model_fingerprint="fp", block_size=16,
+                    load=LoadReport(total_blocks=blocks, free_blocks=blocks if free is None
+                                    else free),
+                    last_heartbeat=0.0, inflight_requests=inflight)  # fmt: skip
+
+
+def route(predicted, prompt=100):
+    return RouteRequest("r", [1] * prompt, predicted_tokens=predicted)
+
+
+def test_long_answers_go_to_the_most_memory_short_ones_elsewhere():
+    p = make_policy("least_loaded", decode_placement="length", length_routing_tokens=300)
+    assert isinstance(p, LengthRouted) and p.long_tokens == 300
+    # h100-sized decodes hold 26,674 blocks, l40s-sized 13,000; the big ones are busier
+    pool = [decode("h0", 26_674, inflight=5), decode("l0", 13_000, inflight=1),
+            decode("h1", 26_674, inflight=4), decode("l1", 13_000, inflight=0)]  # fmt: skip
+    assert p.pick_decode(route(300), pool).instance_id == "h1"  # long: least loaded big one
+    assert p.pick_decode(route(2000), pool).instance_id == "h1"
+    assert p.pick_decode(route(299), pool).instance_id == "l1"  # short: least loaded small one
+    count = make_policy("least_loaded")
+    assert count.pick_decode(route(2000), pool).instance_id == "l1"  # counts alone
+
+
+def test_a_uniform_pool_is_placed_by_the_inner_policy():
+    p = make_policy("least_loaded", decode_placement="length")
+    pool = [decode("a", 1000, inflight=3), decode("b", 1000, inflight=1)]
+    for n in (1, 10_000):
+        assert p.pick_decode(route(n), pool).instance_id == "b"
+
+
+def test_a_full_group_spills_to_the_other_one_with_room():
+    p = make_policy("least_loaded", decode_placement="length", length_routing_tokens=100)
+    big_full = decode("big", 30_000, free=3)  # 48 tokens free: the 100-token prompt waits
+    small = decode("small", 10_000)
+    assert p.pick_decode(route(500), [big_full, small]).instance_id == "small"
+    # neither has room: keep the length's group (the request waits there for blocks)
+    small_full = decode("small", 10_000, free=0)
+    assert p.pick_decode(route(500), [big_full, small_full]).instance_id == "big"
+    assert p.pick_decode(route(5), [big_full, small]).instance_id == "small"
+
+
+def test_setting_turns_it_on_keeps_prefill_and_session_and_needs_predictions():
+    s = router_settings(["--decode-placement", "length", "--length-routing-tokens", "512"])
+    assert s.placement.decode_placement == "length" and s.placement.length_routing_tokens == 512
+    assert predictions_needed(s)
+    assert not predictions_needed(router_settings([]))
+    p = make_policy("prefix_aware", session_affinity=True, decode_placement="length")
+    assert isinstance(p, SessionAffinity) and isinstance(p.inner, LengthRouted)
+    assert p.inner.name == "prefix_aware+length"
