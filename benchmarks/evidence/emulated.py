@@ -85,7 +85,11 @@ def up_flags(up: list[str], opt: EmuOptions, log_dir: Path) -> list[str]:
     """The arm's `pdserve up` flags as an emulated cluster."""
     # the launcher converts the router's and workers' timers (heartbeats, queue timeouts and
     # aging, deadlines, flip periods) from modelled to wall seconds (pdserve.emulate.timers)
-    flags = [*up, *opt.emulate, "--time-scale", f"{opt.time_scale:g}"]
+    emulate = list(opt.emulate)
+    if "--emulate" in up and "--emulate" in emulate:  # the arm names its pools' hardware
+        k = emulate.index("--emulate")
+        del emulate[k : k + 2]
+    flags = [*up, *emulate, "--time-scale", f"{opt.time_scale:g}"]
     if opt.tokenizer:
         flags += ["--tokenizer", opt.tokenizer]
     return [*flags, "--log-dir", str(log_dir)]

@@ -47,6 +47,7 @@ from pdserve.router.scheduling.predictor import LengthEstimate, OutputLengthPred
 from pdserve.router.scheduling.predictor.stats import kendall_tau
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.run import spec_from_up_flags, text_prompt_ids
+from pdserve.sim.validate import flag_value
 from pdserve.workload.goodput import SLO
 from pdserve.workload.spec import add_workload_args, workload_at
 
@@ -132,7 +133,8 @@ def _brief(run: dict[str, Any]) -> dict[str, Any]:
 def run_arm(
     up: list[str], reqs: list[Any], slo: SLO, predictor: OutputLengthPredictor | None = None
 ) -> dict[str, Any]:
-    costs = pool_costs("llama3-8b", "h100", "nvlink", "bfloat16")
+    # the hardware the arm's pools emulate (`--emulate prefill=h100,decode=h100+l40s`), else H100
+    costs = pool_costs("llama3-8b", flag_value(up, "--emulate") or "h100", "nvlink", "bfloat16")
     spec = spec_from_up_flags(up, costs, MAX_LEN)
     cluster = SimCluster(spec, predictor=predictor)
     records = cluster.run([replace(r) for r in reqs])
@@ -156,6 +158,11 @@ SJF_ARMS = {
     "sjf oracle": [LEN, Q, "--queue-order=sjf", "--predictor-oracle"],
 }
 PLACE = {"count": [LEN], "predicted": [LEN, "--decode-placement=predicted"]}
+# 4 H100 prefills, decodes alternately H100 (26,674 KV blocks) and L40S (13,125): long answers
+# (predicted >= 256 tokens) to the H100s
+MIXED = ["--emulate", "prefill=h100,decode=h100+l40s"]
+LENGTH_ARMS = {"count": [LEN], "length": [LEN, "--decode-placement=length"],
+               "length oracle": [LEN, "--decode-placement=length", "--predictor-oracle"]}
 SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str]], str]] = [
     ("sjf", "lengths", "4P4D", D44, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
     ("sjf", "lengths", "8 colocated", C8, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),

@@ -62,3 +62,31 @@ def test_setting_turns_it_on_keeps_prefill_and_session_and_needs_predictions():
     p = make_policy("prefix_aware", session_affinity=True, decode_placement="length")
     assert isinstance(p, SessionAffinity) and isinstance(p.inner, LengthRouted)
     assert p.inner.name == "prefix_aware+length"
+
+
+def _routed(p, values, decode_inst):
+    for v in values:
+        p.on_routed(route(v), None, decode_inst)
+
+
+def test_adaptive_cut_sends_the_big_decodes_their_kv_share_of_the_longest():
+    p = make_policy("least_loaded", decode_placement="length")  # length_routing_tokens 0
+    # the big one holds 2/3 of the pool's KV and is the busier
+    big, small = decode("big", 20_000, inflight=2), decode("small", 10_000)
+    assert p.pick_decode(route(10_000), [big, small]).instance_id == "small"  # no history:
+    _routed(p, range(1, 101), big)  # the whole pool, least loaded
+    assert p.is_long(40, 2 / 3) is True  # 39 % of recent predictions are shorter: >= 1/3
+    assert p.is_long(20, 2 / 3) is False  # 20 % at most as long: within the short third
+    assert p.is_long(34, 2 / 3) is None  # the cut (1/3) falls on it: the whole pool
+    assert p.pick_decode(route(90), [big, small]).instance_id == "big"
+    assert p.pick_decode(route(5), [big, small]).instance_id == "small"
+    picks = [p.pick_decode(route(v), [big, small]).instance_id for v in range(1, 101)]
+    assert picks.count("big") == 66  # 35..100: about the big decodes' share of the KV
+
+
+def test_a_predictor_that_cannot_rank_leaves_placement_to_the_inner_policy():
+    p = make_policy("least_loaded", decode_placement="length")
+    big, small = decode("big", 20_000, inflight=3), decode("small", 10_000, inflight=1)
+    _routed(p, [64] * 100, big)  # every prediction the same
+    assert p.is_long(64, 2 / 3) is None
+    assert p.pick_decode(route(64), [big, small]).instance_id == "small"  # least loaded

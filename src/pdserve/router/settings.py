@@ -118,10 +118,11 @@ class PlacementSettings(SettingsGroup):
         "(for decodes of mixed memory: answers predicted long to those with the most KV)",
     )
     length_routing_tokens: int = Field(
-        256,
-        ge=1,
+        0,
+        ge=0,
         description="--decode-placement length: a predicted answer (p50) of this many tokens "
-        "or more goes to the decodes with the most KV",
+        "or more goes to the decodes with the most KV; 0 = the longest share of requests "
+        "(their share of the pool's KV), ranked among recent predictions",
     )
     reserve_max_tokens: int = Field(
         0,

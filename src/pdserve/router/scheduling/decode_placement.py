@@ -10,6 +10,7 @@ request's predicted length.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from ..cluster.registry import Instance
@@ -70,25 +71,50 @@ def kv_tokens(inst: Instance) -> int:
 
 
 class LengthRouted(PlacementPolicy):
-    """Decode placement by predicted length, for a decode pool of mixed memory: a request
-    predicted (p50) to run `long_tokens` or more goes to the decodes with the most KV (the
-    largest reported block pool: a long answer holds and grows its KV longest), the others to
-    the rest; within each group the inner policy chooses. When the group has no room for the
-    prompt now and the other group has, the other one is used (no wait for blocks). A pool
-    of one memory size is placed as the inner policy places it. Prefill: the inner policy's."""
+    """Decode placement by predicted length, for a decode pool of mixed memory: long answers
+    go to the decodes with the most KV (the largest reported block pool: a long answer holds
+    and grows its KV longest), short ones to the rest; within each group the inner policy
+    chooses. A pool of one memory size is placed as the inner policy places it.
 
-    def __init__(self, inner: PlacementPolicy, long_tokens: int = 256) -> None:
+    What is long: with `long_tokens` > 0, a prediction (p50) of that many tokens or more.
+    With 0 (adaptive), the longest share f of requests, f = the big decodes' share of the
+    pool's KV, ranked among the last `window` predictions: a prediction at or above the
+    (1 - f) quantile is long, below it short, and one tied across the cut (a predictor with
+    nothing to tell them apart) is placed over the whole pool, as is everything until
+    `min_samples` predictions were seen. So a predictor that ranks badly cannot send the
+    whole load to one group. When the chosen group has no room for the prompt now and the
+    other has, the other is used (no wait for blocks). Prefill: the inner policy's."""
+
+    def __init__(self, inner: PlacementPolicy, long_tokens: int = 0, window: int = 512,
+                 min_samples: int = 32) -> None:  # fmt: skip
         self.inner = inner
         self.long_tokens = long_tokens
+        self.min_samples = min_samples
+        self._recent: deque[int] = deque(maxlen=window)
         self.name = f"{inner.name}+length"
+
+    def is_long(self, predicted: int, big_share: float) -> bool | None:
+        """True (big decodes), False (the others) or None (the whole pool)."""
+        if self.long_tokens > 0:
+            return predicted >= self.long_tokens
+        n = len(self._recent)
+        if n < self.min_samples:
+            return None
+        below = sum(1 for x in self._recent if x < predicted) / n
+        at_most = sum(1 for x in self._recent if x <= predicted) / n
+        cut = 1.0 - big_share
+        if below >= cut:
+            return True
+        return False if at_most <= cut else None
 
     def pick_decode(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
         most = max(kv_tokens(i) for i in candidates)
         big = [i for i in candidates if kv_tokens(i) == most]
         small = [i for i in candidates if kv_tokens(i) < most]
-        if not small:
+        share = sum(kv_tokens(i) for i in big) / max(1, sum(kv_tokens(i) for i in candidates))
+        long = None if not small else self.is_long(request.predicted_tokens, share)
+        if long is None:
             return self.inner.pick_decode(request, candidates)
-        long = request.predicted_tokens >= self.long_tokens
         first, other = (big, small) if long else (small, big)
         need = len(request.token_ids) + 1
 
@@ -98,13 +124,15 @@ class LengthRouted(PlacementPolicy):
         group = other if not room(first) and room(other) else first
         return self.inner.pick_decode(request, group)
 
-    def pick_prefill(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
-        return self.inner.pick_prefill(request, candidates)
-
     def on_routed(
         self, request: RouteRequest, prefill: Instance | None, decode: Instance | None
     ) -> None:
+        if decode is not None:
+            self._recent.append(request.predicted_tokens)
         self.inner.on_routed(request, prefill, decode)
+
+    def pick_prefill(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
+        return self.inner.pick_prefill(request, candidates)
 
     def forget(self, instance_id: str) -> None:
         self.inner.forget(instance_id)
@@ -114,7 +142,7 @@ def with_decode_placement(
     policy: PlacementPolicy,
     decode_placement: str,
     demand: DecodeDemand | None = None,
-    length_routing_tokens: int = 256,
+    length_routing_tokens: int = 0,
 ) -> PlacementPolicy:
     """`policy` with the named decode placement ("count": unchanged)."""
     if decode_placement == "predicted":

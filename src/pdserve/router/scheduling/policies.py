@@ -225,7 +225,7 @@ def make_policy(
     session_affinity: bool = False,
     decode_placement: str = "count",
     demand: DecodeDemand | None = None,
-    length_routing_tokens: int = 256,
+    length_routing_tokens: int = 0,
 ) -> PlacementPolicy:
     """`decode_placement`: "count" = the policy's own choice (request counts), or a decode
     placement wrapped around it (`decode_placement.py`: "predicted" = PredictedFootprint over
