@@ -98,9 +98,10 @@ def short(label: str) -> str:
 
 
 def table(panels: dict[str, dict[str, Any]]) -> str:
-    """Markdown: one row per (panel, TTFT), the ratio per TPOT (and the two winners)."""
-    lines = ["| model, shape | TTFT ms | " + " | ".join(["TPOT ms: ratio (colocated / disagg)"] * 1)
-             + " |", "|---|---:|---|"]  # fmt: skip
+    """Markdown: per panel and TTFT SLO, the ratio at each TPOT SLO (tight, medium,
+    relaxed) with the best colocated / disaggregated units."""
+    lines = ["| model, shape | TTFT SLO (ms) | TPOT tight | TPOT medium | TPOT relaxed |",
+             "|---|---:|---|---|---|"]  # fmt: skip
     for name, res in panels.items():
         by = {(c["ttft_ms"], c["tpot_ms"]): c for c in res["cells"]}
         for t in res["grid"]["ttft_ms"]:
@@ -108,10 +109,28 @@ def table(panels: dict[str, dict[str, Any]]) -> str:
             for p in res["grid"]["tpot_ms"]:
                 c = by[(t, p)]
                 r = "-" if c["ratio"] is None else f"**{c['ratio']:.2f}**"
-                who = "/".join(short(c[k]["unit"]) if c[k] and c[k]["goodput_req_s"] else "-"
-                               for k in ("colocated", "disagg"))  # fmt: skip
-                cells.append(f"{p:g}: {r} ({who})")
-            lines.append(f"| {name} | {t:g} | " + "; ".join(cells) + " |")
+                who = " / ".join(short(c[k]["unit"]) if c[k] and c[k]["goodput_req_s"] else "-"
+                                 for k in ("colocated", "disagg"))  # fmt: skip
+                cells.append(f"{p:g} ms: {r} ({who})")
+            lines.append(f"| {name} | {t:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def corners(panels: dict[str, dict[str, Any]]) -> str:
+    """TaiChi's two corners per panel: tight TTFT with relaxed TPOT (colocation should
+    win) and tight TPOT with relaxed TTFT (disaggregation should win); and the cells where
+    disaggregation reaches 1.2x."""
+    lines = ["| model, shape | tight TTFT, relaxed TPOT | tight TPOT, relaxed TTFT | "
+             "cells >= 1.2x | range |", "|---|---:|---:|---|---|"]  # fmt: skip
+    for name, res in panels.items():
+        ttft, tpot = res["grid"]["ttft_ms"], res["grid"]["tpot_ms"]
+        by = {(c["ttft_ms"], c["tpot_ms"]): c["ratio"] for c in res["cells"]}
+        f = lambda r: "-" if r is None else f"{r:.2f}"  # noqa: E731
+        wins = [f"{t:g}/{p:g}" for (t, p), r in by.items() if r is not None and r >= 1.2]
+        vals = [r for r in by.values() if r is not None]
+        rng = f"{min(vals):.2f}-{max(vals):.2f}" if vals else "-"
+        lines.append(f"| {name} | {f(by[(ttft[0], tpot[-1])])} | {f(by[(ttft[-1], tpot[0])])} "
+                     f"| {', '.join(wins) or 'none'} | {rng} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -140,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
     png = plot_ratio_maps(panels, a.png or Path(a.out_dir) / "disagg_map.png")
     print(table(panels))
+    print()
+    print(corners(panels))
     print(f"wrote {png}")
     return 0
 

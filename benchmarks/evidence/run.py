@@ -126,6 +126,21 @@ class NoisyOracle(OutputLengthPredictor):
         return LengthEstimate(p, p * 2.0, "noisy")
 
 
+class RandomRank(OutputLengthPredictor):
+    """A prediction that says nothing of the length: uniform on 1..1e6, seeded."""
+
+    name = "random-rank"
+
+    def __init__(self, seed: int) -> None:
+        import random
+
+        self.rng = random.Random(seed)
+
+    def estimate(self, query):  # type: ignore[no-untyped-def]
+        p = float(self.rng.randint(1, 10**6))
+        return LengthEstimate(p, p, "random")
+
+
 def _brief(run: dict[str, Any]) -> dict[str, Any]:
     """A run without its per-request timeline (for the log)."""
     return {k: v for k, v in run.items() if k != "timeline"}
@@ -173,7 +188,7 @@ LENGTH_ARMS = {
 }
 # arm -> the predictor it simulates with, per seed (such arms are not emulated)
 SIM_PREDICTORS: dict[str, Callable[[int], OutputLengthPredictor]] = {
-    "length random rank": lambda seed: NoisyOracle(1e3, seed)
+    "length random rank": lambda seed: RandomRank(seed)
 }
 SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str]], str]] = [
     ("sjf", "lengths", "4P4D", D44, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
