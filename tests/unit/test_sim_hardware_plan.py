@@ -44,12 +44,20 @@ def test_config_json_from_a_path(tmp_path):
 def test_roofline_decode_is_memory_bound_prefill_compute_bound():
     m = load_model_config("llama3-8b")
     hw = ACCELERATORS["h100"]
-    st = RooflineStep(m, hw, 2, 1, compute_eff=0.5, memory_eff=0.8, step_overhead_s=0.0)
-    weights_s = m.matmul_params * 2 / (hw.mem_bw_TBps * 1e12 * 0.8)
+    peak, bw = hw.bf16_tflops * 1e12, hw.mem_bw_TBps * 1e12
+    st = RooflineStep(m, hw, 2, 1, compute_eff=0.5, memory_eff=0.8, step_overhead_s=0.0,
+                      attn_compute_eff=0.4, attn_memory_eff=0.7)  # fmt: skip
+    weights_s = m.matmul_params * 2 / (bw * 0.8)  # every weight once, lm_head included
     assert st.step_s([(0, 1)]) == pytest.approx(weights_s, rel=1e-3)
-    flops_s = 2 * m.matmul_params * 4096 / (hw.bf16_tflops * 1e12 * 0.5)
-    assert st.step_s([(0, 4096)]) > flops_s  # plus attention
-    assert st.step_s([(0, 4096)]) < 1.5 * flops_s
+    # prefill: the layers' matmuls per token, the lm_head once per sequence, attention apart
+    layers = m.matmul_params - m.head_params
+    dense_s = 2 * (layers * 4096 + m.head_params) / (peak * 0.5)
+    attn_s = 4 * m.num_layers * m.num_heads * m.head_dim * (4096 * 4097 / 2) / (peak * 0.4)
+    assert st.step_s([(0, 4096)]) == pytest.approx(dense_s + attn_s, rel=1e-9)
+    # a mixed step: compute-bound matmuls and memory-bound KV reads add, neither hides the other
+    mixed = [(0, 2048)] + [(4096, 1)] * 64
+    kv_s = (2048 + 64 * 4097) * m.kv_bytes_per_token(2) / (bw * 0.7)
+    assert st.step_s(mixed) > st.step_s([(0, 2048)]) + 0.9 * kv_s
 
 
 def test_kv_capacity_and_tensor_parallel():

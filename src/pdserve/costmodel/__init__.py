@@ -5,4 +5,5 @@
 - hardware.py  accelerators and networks (vendor datasheets)
 - shapes.py    ModelShape: a model's shapes from config.json; built-in public configs
 - roofline.py  RooflineStep and roofline_costs: a step's time on an accelerator
+- calibration.py  the roofline's efficiencies per accelerator (fitted/calibration.json)
 """

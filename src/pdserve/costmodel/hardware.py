@@ -85,9 +85,18 @@ NETWORKS: dict[str, Network] = {
 }  # fmt: skip
 
 
+def split_hardware(spec: str) -> tuple[str, int]:
+    """'h100' -> ('h100', 1); 'h100x2' -> ('h100', 2); 'mi300x' -> ('mi300x', 1)."""
+    spec = spec.lower().strip()
+    name, sep, tp = spec.rpartition("x")
+    if sep and name and tp.isdigit():
+        return name, int(tp)
+    return spec, 1
+
+
 def parse_hardware(spec: str) -> tuple[Accelerator, int]:
     """'h100' | 'h100x2' (tensor parallel 2) -> (accelerator, tp)."""
-    name, _, tp = spec.lower().partition("x")
-    if name not in ACCELERATORS:
+    name, tp = split_hardware(spec)
+    if name not in ACCELERATORS or tp < 1:
         raise ValueError(f"unknown hardware {spec!r}; known: {sorted(ACCELERATORS)} (NAMExTP)")
-    return ACCELERATORS[name], int(tp or 1)
+    return ACCELERATORS[name], tp

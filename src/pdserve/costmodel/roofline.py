@@ -1,13 +1,18 @@
 """Roofline step costs: an engine step's time on an accelerator from its peak FLOP/s and
-memory bandwidth, scaled by efficiency factors and a per-step overhead.
+memory bandwidth, scaled by efficiency factors, plus a per-layer and per-step floor.
 
-Roofline of one engine step (batch of (start, new) entries):
-    flops = 2 * matmul_params * new_tokens + 4 * layers * heads * head_dim * attention_pairs
-    bytes = weight_bytes + context_tokens * kv_bytes_per_token
-    step_s = step_overhead_s + max(flops / (peak_flops * compute_eff),
-                                   bytes / (mem_bw * memory_eff))
-The efficiency factors default to commonly reported fractions (see DEFAULT_EFFICIENCY) and
-are calibrated from a real profile with `calibrate` where one exists (only this CPU here).
+One engine step (batch of (start, new) entries, `plan_features`), three terms:
+    dense = max(2 * (layer_params * new_tokens + head_params * sequences) / (peak * compute),
+                (layer_params + head_params) * itemsize / (mem_bw * memory))
+    attn  = max(4 * layers * heads * head_dim * attention_pairs / (peak * attention_compute),
+                context_tokens * kv_bytes_per_token / (mem_bw * attention_memory))
+    step_s = step_overhead_s + layers * layer_overhead_s + dense + attn
+Matmuls and attention are separate kernels, each bound by its own resource (a mixed step's
+matmuls can be compute-bound while its decodes' KV reads are memory-bound), so their times
+add. The lm_head runs once per sequence (the engine computes logits only where it samples).
+The efficiencies and floors come from `calibration.json` for the accelerators it covers
+(fitted on published measurements: `calibration.py`, docs/studies/published-calibration.md),
+else from DEFAULT_EFFICIENCY (assumed fractions typical of vLLM-class engines).
 KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * KV dtype bytes, the KV
 dtype apart from the weights' (`kv_dtype`: fp8/int8 KV halves the bytes a decode step reads,
 the KV that fits beside the weights, and what moves prefill -> decode; pdserve's quantized KV
@@ -21,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pdserve.costmodel.calibration import DEFAULT_EFFICIENCY, efficiency_for
 from pdserve.costmodel.costs import CostModel, LinkCost, StepCost, plan_features
 from pdserve.costmodel.hardware import NETWORKS, Accelerator, parse_hardware
 from pdserve.costmodel.pools import ANY, ROLES, PoolHardware
@@ -31,15 +37,13 @@ from pdserve.costmodel.shapes import (
     load_model_config,
 )
 
-# Fractions of peak an engine reaches (prefill MFU ~0.5-0.6 and decode ~0.6-0.8 of HBM
-# bandwidth are typical of vLLM/SGLang-class engines on these parts; DistServe and Vidur
-# calibrate per GPU). Override with `calibrate` from a real profile.
-DEFAULT_EFFICIENCY = {"compute": 0.55, "memory": 0.75, "step_overhead_s": 0.002}
+__all__ = ["DEFAULT_EFFICIENCY", "RooflineStep", "pool_costs", "roofline_costs"]
 
 
 @dataclass(frozen=True)
 class RooflineStep:
-    """Step cost of `model` on `tp` x `hw` (tensor parallel; its all-reduces not modelled)."""
+    """Step cost of `model` on `tp` x `hw` (tensor parallel; its all-reduces not modelled).
+    `lm_head=False` leaves the lm_head out (what per-layer operator data covers)."""
 
     model: ModelShape
     hw: Accelerator
@@ -49,6 +53,10 @@ class RooflineStep:
     memory_eff: float = DEFAULT_EFFICIENCY["memory"]
     step_overhead_s: float = DEFAULT_EFFICIENCY["step_overhead_s"]
     kv_bytes: int = 0  # KV bytes per token (0 = the weights' itemsize)
+    attn_compute_eff: float = DEFAULT_EFFICIENCY["attention_compute"]
+    attn_memory_eff: float = DEFAULT_EFFICIENCY["attention_memory"]
+    layer_overhead_s: float = DEFAULT_EFFICIENCY["layer_overhead_s"]
+    lm_head: bool = True
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -61,6 +69,10 @@ class RooflineStep:
         )
         return tflops * 1e12 * self.tp
 
+    @property
+    def mem_bw(self) -> float:
+        return self.hw.mem_bw_TBps * 1e12 * self.tp
+
     def step_s(self, batch: Sequence[tuple[int, int]]) -> float:
         if not batch:
             return 0.0
@@ -68,17 +80,38 @@ class RooflineStep:
 
     def features_s(self, features: tuple[float, float, float, float, float]) -> float:
         """A non-empty step from its `plan_features`."""
-        _, new, _, ctx, pairs = features
+        _, new, seqs, ctx, pairs = features
         m = self.model
-        flops = 2.0 * m.matmul_params * new + 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs
-        nbytes = m.matmul_params * self.itemsize + ctx * self.kv_bytes_per_token
-        t_c = flops / (self.peak_flops * self.compute_eff)
-        t_m = nbytes / (self.hw.mem_bw_TBps * 1e12 * self.tp * self.memory_eff)
-        return self.step_overhead_s + max(t_c, t_m)
+        head = m.head_params if self.lm_head else 0
+        layers = m.matmul_params - m.head_params
+        dense_c = 2.0 * (layers * new + head * seqs) / (self.peak_flops * self.compute_eff)
+        dense_m = (layers + head) * self.itemsize / (self.mem_bw * self.memory_eff)
+        attn_flops = 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs
+        attn_c = attn_flops / (self.peak_flops * self.attn_compute_eff)
+        attn_m = ctx * self.kv_bytes_per_token / (self.mem_bw * self.attn_memory_eff)
+        floor = self.step_overhead_s + m.num_layers * self.layer_overhead_s
+        return floor + max(dense_c, dense_m) + max(attn_c, attn_m)
 
     def kv_capacity_bytes(self, mem_fraction: float = 0.9) -> int:
         total = self.hw.mem_GB * 1e9 * self.tp * mem_fraction
         return max(0, int(total - self.model.params * self.itemsize))
+
+    @classmethod
+    def build(
+        cls,
+        model: ModelShape,
+        hardware: str,
+        dtype: str = "bfloat16",
+        efficiency: dict[str, float] | None = None,
+        kv_bytes: int = 0,
+        lm_head: bool = True,
+    ) -> RooflineStep:
+        """`hardware`'s calibrated efficiencies (or the defaults), `efficiency` on top."""
+        hw, tp = parse_hardware(hardware)
+        eff = efficiency_for(hardware) | (efficiency or {})
+        return cls(model, hw, itemsize_of(dtype), tp, eff["compute"], eff["memory"],
+                   eff["step_overhead_s"], kv_bytes, eff["attention_compute"],
+                   eff["attention_memory"], eff["layer_overhead_s"], lm_head)  # fmt: skip
 
 
 def roofline_costs(
@@ -89,13 +122,12 @@ def roofline_costs(
     efficiency: dict[str, float] | None = None,
     kv_dtype: str | None = None,
 ) -> CostModel:
-    """`dtype`: the weights'; `kv_dtype`: the KV cache's (None = the weights')."""
+    """`dtype`: the weights'; `kv_dtype`: the KV cache's (None = the weights').
+    `efficiency`: keys of DEFAULT_EFFICIENCY overriding the accelerator's calibration."""
     shape = load_model_config(model) if isinstance(model, str) else model
-    hw, tp = parse_hardware(hardware)
-    eff = DEFAULT_EFFICIENCY | (efficiency or {})
+    _, tp = parse_hardware(hardware)
     kv_bytes = kv_bytes_per_token_of(shape, kv_dtype or dtype)
-    step = RooflineStep(shape, hw, itemsize_of(dtype), tp, eff["compute"], eff["memory"],
-                        eff["step_overhead_s"], kv_bytes)  # fmt: skip
+    step = RooflineStep.build(shape, hardware, dtype, efficiency, kv_bytes)
     if network not in NETWORKS:
         raise ValueError(f"unknown network {network!r}; known: {sorted(NETWORKS)}")
     net = NETWORKS[network]
@@ -161,12 +193,16 @@ def calibrate(profile: dict[str, Any], peak_flops: float, mem_bw_Bps: float) -> 
     dec = st.step_s([(512, 1)] * 16) - st.base_s
     flops = 2.0 * params * 512
     nbytes = params * itemsize + 16 * 513 * eng["kv_bytes_per_token"]
-    return {
-        "compute": min(1.0, flops / pre / peak_flops) if pre > 0 else math.nan,
-        "memory": min(1.0, nbytes / dec / mem_bw_Bps) if dec > 0 else math.nan,
-        "step_overhead_s": st.base_s,
-    }
+    compute = min(1.0, flops / pre / peak_flops) if pre > 0 else math.nan
+    memory = min(1.0, nbytes / dec / mem_bw_Bps) if dec > 0 else math.nan
+    return {"compute": compute, "memory": memory, "attention_compute": compute,
+            "attention_memory": memory, "step_overhead_s": st.base_s,
+            "layer_overhead_s": 0.0}  # fmt: skip
 
 
 def with_efficiency(step: RooflineStep, eff: dict[str, float]) -> RooflineStep:
-    return replace(step, compute_eff=eff["compute"], memory_eff=eff["memory"])
+    e = DEFAULT_EFFICIENCY | eff
+    return replace(step, compute_eff=e["compute"], memory_eff=e["memory"],
+                   attn_compute_eff=e["attention_compute"],
+                   attn_memory_eff=e["attention_memory"], step_overhead_s=e["step_overhead_s"],
+                   layer_overhead_s=e["layer_overhead_s"])  # fmt: skip

@@ -53,6 +53,11 @@ class ModelShape:
         return self.num_layers * (attn + mlp + 2 * h) + self.vocab_size * h + h
 
     @property
+    def head_params(self) -> int:
+        """The lm_head's parameters (run once per sampled sequence, not per token)."""
+        return self.vocab_size * self.hidden_size
+
+    @property
     def params(self) -> int:
         emb = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         return self.matmul_params + emb
