@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.costmodel.costs import CostModel
+from pdserve.costmodel.hardware import split_hardware
 from pdserve.costmodel.roofline import roofline_costs
 from pdserve.sim.cluster import ClusterSpec, PoolSpec
 from pdserve.sim.instance import InstanceConfig
@@ -34,8 +35,8 @@ class Budget:
     def instance_specs(self) -> list[str]:
         out = []
         for hw in self.devices:
-            name, _, tps = self.specs.get(hw, hw).partition("x")
-            out += [f"{name}x{t}" for t in tps.split("/")] if tps else [name]
+            name, tps = split_tps(self.specs.get(hw, hw))
+            out += [f"{name}x{t}" for t in tps] if tps else [name]
         return out
 
     @classmethod
@@ -46,9 +47,9 @@ class Budget:
         devices, specs = {}, {}
         for part in spec.split(","):
             name, _, count = part.strip().partition(":")
-            base, _, tps = name.lower().partition("x")
+            base, tps = split_tps(name.lower())
             bad = not name or not count.isdigit() or int(count) < 1
-            if bad or any(not t.isdigit() or int(t) < 1 for t in tps.split("/") if tps):
+            if bad or ("/" in name and not tps) or any(int(t) < 1 for t in tps):
                 raise ValueError(f"bad --hardware {spec!r}: NAME[xTP[/TP]]:COUNT[,NAME[xTP]:COUNT]")
             if base in devices:
                 raise ValueError(f"bad --hardware {spec!r}: {base} given twice")
@@ -59,6 +60,16 @@ class Budget:
                 name, _, val = part.partition("=")
                 pr[name.strip().lower()] = float(val)
         return cls(devices, pr, specs)
+
+
+def split_tps(spec: str) -> tuple[str, list[str]]:
+    """'h100' -> ('h100', []); 'h100x2' -> ('h100', ['2']); 'h100x4/8' -> ('h100', ['4',
+    '8']); 'mi300x' -> ('mi300x', []) (`hardware.split_hardware`, with TP alternatives)."""
+    base, sep, tps = spec.rpartition("x")
+    parts = tps.split("/")
+    if sep and base and all(t.isdigit() for t in parts):
+        return base, parts
+    return spec, []
 
 
 @dataclass
@@ -89,8 +100,8 @@ class Candidate:
         out: dict[str, int] = {}
         pre = self.costs["prefill"].devices
         dec = self.costs["decode"].devices
-        base_p = self.hw_prefill.split("x")[0]
-        base_d = self.hw_decode.split("x")[0]
+        base_p = split_hardware(self.hw_prefill)[0]
+        base_d = split_hardware(self.hw_decode)[0]
         if self.kind != "disagg":
             out[base_p] = self.n_prefill * pre
             return out
