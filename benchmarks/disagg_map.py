@@ -5,11 +5,12 @@ one heatmap and one table.
     python -m benchmarks.disagg_map --out-dir bench-results/disagg_map --report \
         --png docs/img/disagg_map.png
 
-Models (H100 roofline, `costmodel/roofline.py`): Llama-3-8B at TP 1 on 8 H100s, and
-Llama-3-70B on 32 H100s with TP 4 or TP 8 per pool (`h100x4/8:32`). Each cell: the best
-colocated configuration (chunked prefill at 256-2,048 tokens, or no chunking) and the best
-disaggregated one (M:N units up to M + N = `--max-unit`), each replicated to the budget and
-walked at full scale, 90 % attainment of both SLOs.
+Models (the calibrated H100 roofline, `costmodel/roofline.py`): Llama-3-8B at TP 1 on one
+8-GPU node (units up to M + N = 5, 20 s of arrivals per run), and Llama-3-70B on 32 H100s
+with TP 4 or TP 8 per pool (`h100x4/8:32`, units up to M + N = 3, 30 s per run). Each cell:
+the best colocated configuration (chunked prefill at 256-2,048 tokens (70B: 512, 2,048), or
+no chunking at a 2,048-token budget) and the best disaggregated one (prefill chunk 2,048),
+each replicated to the budget and walked at full scale, 90 % attainment of both SLOs.
 
 Workload shapes (lengths in tokens; `lognormal:MEAN,SIGMA` = mean, sigma of the log):
 - chat: the Azure LLM inference conversation trace (Splitwise, ISCA 2024), its own lengths
@@ -37,12 +38,16 @@ SHAPES: dict[str, list[str]] = {
     "code": ["--input-len", "lognormal:1800,0.6", "--output-len", "lognormal:21,1.0"],
     "summarization": ["--input-len", "uniform:4096,7680", "--output-len", "lognormal:256,0.5"],
 }
-# model -> (plan flags, TPOT grid); TTFT grids per (model, shape)
+# model -> (plan flags, TPOT grid)
 MODELS: dict[str, tuple[list[str], str]] = {
-    "llama3-8b": (["--model-config", "llama3-8b", "--hardware", "h100:8", "--start-rate", "8"],
+    # one 8-GPU node; units up to M + N = 5
+    "llama3-8b": (["--model-config", "llama3-8b", "--hardware", "h100:8", "--start-rate", "8",
+                   "--max-unit", "5", "--chunks", "256,512,1024,2048", "--duration", "20"],
                   "15,30,60"),
+    # four nodes; TP 4 or TP 8 per pool, units up to M + N = 3
     "llama3-70b": (["--model-config", "llama3-70b", "--hardware", "h100x4/8:32",
-                    "--start-rate", "2"], "30,60,120"),
+                    "--start-rate", "2", "--max-unit", "3", "--chunks", "512,2048",
+                    "--duration", "30"], "30,60,120"),
 }  # fmt: skip
 TTFT: dict[tuple[str, str], str] = {
     ("llama3-8b", "chat"): "100,300,1000",
@@ -58,9 +63,8 @@ def plan_argv(model: str, shape: str, a: argparse.Namespace, out: Path) -> list[
     flags, tpot = MODELS[model]
     return [
         "plan", "--map", *flags, *SHAPES[shape], "--map-ttft", TTFT[(model, shape)],
-        "--map-tpot", tpot, "--chunks", "256,512,1024,2048", "--disagg-chunks", a.disagg_chunks,
-        "--decode-seqs", "256", "--max-unit", str(a.max_unit), "--duration", str(a.duration),
-        "--seed", "1", "--jobs", str(a.jobs), "--out", str(out),
+        "--map-tpot", tpot, "--nochunk-budget", "2048", "--disagg-chunks", "2048",
+        "--decode-seqs", "256", "--seed", "1", "--jobs", str(a.jobs), "--out", str(out),
     ]  # fmt: skip
 
 
@@ -140,9 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--out-dir", default="bench-results/disagg_map")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
-    p.add_argument("--max-unit", type=int, default=4)
-    p.add_argument("--disagg-chunks", default="2048")
     p.add_argument("--report", action="store_true", help="only read the saved panels")
     p.add_argument("--png", help="the heatmap (default: OUT_DIR/disagg_map.png)")
     a = p.parse_args(argv)

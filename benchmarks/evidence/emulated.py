@@ -159,6 +159,8 @@ def emulated_arm(
         send_lag_ms_max=max((r.send_s - r.arrival_s) * 1e3 for r in records),
         prompt_tokens_differ=sum(1 for r in records if r.ok and r.n_in != n_in[r.index]),
         workers_read=len(after),
+        # each worker's KV blocks: the hardware its pool emulates (`--emulate ROLE=HW`)
+        kv_blocks={i.instance_id: i.load["total_blocks"] for i in status.instances},
         wall_s=time.perf_counter() - t0,
         start_s=started,
     )
