@@ -81,16 +81,22 @@ class LengthRouted(PlacementPolicy):
     pool's KV, ranked among the last `window` predictions: a prediction at or above the
     (1 - f) quantile is long, below it short, and one tied across the cut (a predictor with
     nothing to tell them apart) is placed over the whole pool, as is everything until
-    `min_samples` predictions were seen. So a predictor that ranks badly cannot send the
-    whole load to one group. When the chosen group has no room for the prompt now and the
-    other has, the other is used (no wait for blocks). Prefill: the inner policy's."""
+    `min_samples` predictions were seen. A predictor still learning drifts (each prediction
+    above the older ones it is ranked against), so the split is also held to the share: when
+    more than f + `slack` of the last `window` requests placed by length went to the big
+    decodes, a long one goes to the others (and the reverse). So a predictor that ranks
+    badly cannot send the whole load to one group. When the chosen group has no room for the
+    prompt now and the other has, the other is used (no wait for blocks). Prefill: the inner
+    policy's."""
 
     def __init__(self, inner: PlacementPolicy, long_tokens: int = 0, window: int = 512,
-                 min_samples: int = 32) -> None:  # fmt: skip
+                 min_samples: int = 32, slack: float = 0.1) -> None:  # fmt: skip
         self.inner = inner
         self.long_tokens = long_tokens
         self.min_samples = min_samples
+        self.slack = slack
         self._recent: deque[int] = deque(maxlen=window)
+        self._sent_big: deque[bool] = deque(maxlen=window)  # the adaptive cut's decisions
         self.name = f"{inner.name}+length"
 
     def is_long(self, predicted: int, big_share: float) -> bool | None:
@@ -103,9 +109,19 @@ class LengthRouted(PlacementPolicy):
         below = sum(1 for x in self._recent if x < predicted) / n
         at_most = sum(1 for x in self._recent if x <= predicted) / n
         cut = 1.0 - big_share
-        if below >= cut:
-            return True
-        return False if at_most <= cut else None
+        return True if below >= cut else False if at_most <= cut else None
+
+    def held_to_share(self, long: bool, big_share: float) -> bool:
+        """The adaptive cut's decision, turned over when the last decisions sent the big
+        decodes more (or less) than their share by over `slack`; recorded."""
+        if len(self._sent_big) >= self.min_samples:
+            sent = sum(self._sent_big) / len(self._sent_big)
+            if long and sent > big_share + self.slack:
+                long = False
+            elif not long and sent < big_share - self.slack:
+                long = True
+        self._sent_big.append(long)
+        return long
 
     def pick_decode(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
         most = max(kv_tokens(i) for i in candidates)
@@ -115,6 +131,8 @@ class LengthRouted(PlacementPolicy):
         long = None if not small else self.is_long(request.predicted_tokens, share)
         if long is None:
             return self.inner.pick_decode(request, candidates)
+        if self.long_tokens <= 0:
+            long = self.held_to_share(long, share)
         first, other = (big, small) if long else (small, big)
         need = len(request.token_ids) + 1
 
