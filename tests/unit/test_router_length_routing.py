@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from pdserve.router.app import predictions_needed
+from pdserve.router.app import mixed_memory, predictions_needed
 from pdserve.router.cluster.registry import ROLE_DECODE, Instance, LoadReport
 from pdserve.router.scheduling.decode_placement import LengthRouted
 from pdserve.router.scheduling.policies import RouteRequest, SessionAffinity, make_policy
@@ -59,8 +59,11 @@ def test_a_full_group_spills_to_the_other_one_with_room():
 def test_setting_turns_it_on_keeps_prefill_and_session_and_needs_predictions():
     s = router_settings(["--decode-placement", "length", "--length-routing-tokens", "512"])
     assert s.placement.decode_placement == "length" and s.placement.length_routing_tokens == 512
-    assert predictions_needed(s)
-    assert not predictions_needed(router_settings([]))
+    assert predictions_needed(s, mixed_decodes=True)
+    assert not predictions_needed(s)  # a uniform decode pool: nothing reads them
+    assert not predictions_needed(router_settings([]), mixed_decodes=True)
+    assert mixed_memory([decode("a", 100), decode("b", 200)])
+    assert not mixed_memory([decode("a", 100), decode("b", 100)])
     p = make_policy("prefix_aware", session_affinity=True, decode_placement="length")
     assert isinstance(p, SessionAffinity) and isinstance(p.inner, LengthRouted)
     assert p.inner.name == "prefix_aware+length"
@@ -111,3 +114,32 @@ def test_a_predictor_that_cannot_rank_leaves_placement_to_the_inner_policy():
     _routed(p, [64] * 100, big)  # every prediction the same
     assert p.is_long(64, 2 / 3) is None
     assert p.pick_decode(route(64), [big, small]).instance_id == "small"  # least loaded
+
+
+def test_the_router_predicts_only_while_its_decode_pool_is_of_mixed_memory():
+    from pdserve.config import load_settings
+    from pdserve.router.app import RouterApp
+    from pdserve.router.settings import RouterSettings
+
+    app = RouterApp(load_settings(RouterSettings, ["--decode-placement", "length"]))
+    reg = app.registry
+    reg.register("d0", "d0:1", ROLE_DECODE, "fp", 16, LoadReport(total_blocks=26_674))
+    reg.register("d1", "d1:1", ROLE_DECODE, "fp", 16, LoadReport(total_blocks=26_674))
+    assert not app._predictions_needed()  # one memory size: placement by counts, no predictor
+    reg.register("d2", "d2:1", ROLE_DECODE, "fp", 16, LoadReport(total_blocks=13_125))
+    assert app._predictions_needed()
+
+
+def test_the_simulator_predicts_only_for_a_decode_pool_of_mixed_memory():
+    from pdserve.costmodel.roofline import pool_costs
+    from pdserve.sim.cluster import SimCluster
+    from pdserve.sim.run import spec_from_up_flags
+
+    flags = ["--mode", "disagg", "--prefill", "1", "--decode", "2",
+             "--router-arg=--decode-placement=length"]  # fmt: skip
+    mixed = pool_costs("llama3-8b", "prefill=h100,decode=h100+l40s")
+    c = SimCluster(spec_from_up_flags(flags, mixed, 8192))
+    assert c.length is not None and c.length.is_needed()
+    assert (
+        SimCluster(spec_from_up_flags(flags, pool_costs("llama3-8b", "h100"), 8192)).length is None
+    )

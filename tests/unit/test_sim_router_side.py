@@ -61,8 +61,9 @@ def test_the_same_objects_as_router_app():
     theirs = app._length_scheduling(app._predictor())
     ours = build_length(s, build_predictor(s), app.demand)
     assert type(app.policy) is SessionAffinity and type(app.policy.inner) is PredictedFootprint
-    for attr in ("reserve_max_tokens", "oracle", "use_max_tokens", "needed"):
+    for attr in ("reserve_max_tokens", "oracle", "use_max_tokens"):
         assert getattr(ours, attr) == getattr(theirs, attr)
+    assert ours.is_needed() == theirs.is_needed()  # the router asks per request
     assert type(ours.predictor) is type(theirs.predictor) is OnlineLengthPredictor
     assert (ours.predictor.text_model is None) == (theirs.predictor.text_model is None)
     adm = build_admission(s, lambda: 1, lambda: 0.0)

@@ -138,7 +138,11 @@ class SimCluster:
         # The router's length scheduling when some decision reads a prediction (or a
         # predictor is given explicitly, e.g. by a test) or the admission queue orders by it;
         # the admission stage when a running limit can make requests wait.
-        needed = predictor is not None or predictions_needed(rs)
+        # (length routing reads predictions on decodes of mixed memory: the spec's decode
+        # pools; the router asks its registry per request, so a flip can change it there)
+        decode_kv = {p.config.num_blocks * p.config.block_size
+                     for p in spec.pools if p.role == "decode"}  # fmt: skip
+        needed = predictor is not None or predictions_needed(rs, len(decode_kv) > 1)
         limited = router_side.admission_limited(rs)
         self.length: LengthScheduling | None = None
         self.admission: Admission | None = None
@@ -339,7 +343,7 @@ class SimCluster:
         st.job = job
         # the front door: predict (Orchestrator.predict), then one admission turn
         coro = self.length.predict(job, st.route, self._block_size())
-        st.pred = self.aio.run(coro, needs_loop=bool(req.prompt_text) and self.length.needed)
+        st.pred = self.aio.run(coro, needs_loop=bool(req.prompt_text) and self.length.is_needed())
         if self.admission is None:
             self._admitted(rid)
             return
