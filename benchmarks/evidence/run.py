@@ -179,7 +179,7 @@ PLACE = {"count": [LEN], "predicted": [LEN, "--decode-placement=predicted"]}
 MIXED = ["--emulate", "prefill=h100,decode=h100+l40s"]
 D4M = ["--mode", "disagg", "--prefill", "4", "--decode", "4", *MIXED]
 LENGTH_ARMS = {
-    "count": [LEN],
+    "count": [LEN, "--decode-placement=count"],
     "length": [LEN, "--decode-placement=length"],
     "length oracle": [LEN, "--decode-placement=length", "--predictor-oracle"],
     # the same split by the KV share, the lengths ranked at random: what the
