@@ -121,9 +121,9 @@ def plot_ratio_maps(
     n = len(panels)
     cols = min(n, 3)
     rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 0.8, 3.0 * rows + 0.6),
-                             squeeze=False)  # fmt: skip
-    norm = TwoSlopeNorm(vmin=0.25, vcenter=1.0, vmax=2.0)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols + 1.0, 3.2 * rows + 0.6),
+                             squeeze=False, layout="constrained")  # fmt: skip
+    norm = TwoSlopeNorm(vmin=0.5, vcenter=1.0, vmax=1.5)
     image = None
     for ax, (name, res) in zip(axes.flat, panels.items(), strict=False):
         ttft, tpot = res["grid"]["ttft_ms"], res["grid"]["tpot_ms"]
@@ -131,7 +131,7 @@ def plot_ratio_maps(
         for c in res["cells"]:
             if c["ratio"] is not None:
                 vals[ttft.index(c["ttft_ms"]), tpot.index(c["tpot_ms"])] = c["ratio"]
-        image = ax.imshow(np.clip(vals, 0.25, 2.0), cmap="RdBu_r", norm=norm, origin="lower",
+        image = ax.imshow(np.clip(vals, 0.5, 1.5), cmap="RdBu_r", norm=norm, origin="lower",
                           aspect="auto")  # fmt: skip
         for (r, k), v in np.ndenumerate(vals):
             ax.text(k, r, "-" if np.isnan(v) else f"{v:.2f}", ha="center", va="center",
