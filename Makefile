@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml services/*/pyproject.toml
 	python3 -m venv $(VENV)
 	# torch 2.13.0: the CPU build lies on local disk; a bare `torch` would pull CUDA.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[engine,ucx,bench,dev]'
+	$(PIP) install -q -e '.[engine,ucx,bench,dev,replicas]'
 	$(PIP) install -q -e services/router -e services/prefill -e services/decode -e services/kvstore
 	touch $@
 

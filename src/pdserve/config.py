@@ -118,7 +118,9 @@ class ServiceSettings(BaseSettings):
         default_factory=_new_instance_id, description="unique id of this process (generated)"
     )
     router_addr: str | None = Field(
-        None, description="HOST:PORT of the router to register with (none = standalone)"
+        None,
+        description="HOST:PORT of the router to register with; several replicas "
+        "comma-separated (a:1,b:2): a worker registers with each (none = standalone)",
     )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="longest wait for in-flight work on shutdown, seconds"

@@ -37,6 +37,10 @@ class ManagedProcess:
     port: int | None = None
     info: dict = field(default_factory=dict)  # the READY line's JSON
     started_at: float = 0.0  # time.monotonic() of the last start
+    # A program that prints no READY line (the shared Redis): ready once its log holds
+    # `ready_text`, on the port it was given.
+    ready_text: str | None = None
+    fixed_port: int | None = None
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
@@ -69,6 +73,8 @@ class ManagedProcess:
             text = self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return None
+        if self.ready_text is not None:
+            return {"port": self.fixed_port} if self.ready_text in text else None
         for line in text.splitlines():
             info = parse_ready_line(line)
             if info is not None:
@@ -123,8 +129,13 @@ class ClusterConfig:
     # budget in block bytes (modelled bytes on an emulated cluster, like the RAM capacity)
     kvstore_disk_dir: str | None = None
     kvstore_disk_bytes: int = 16 << 30
-    port: int = 50051  # router port; 0 = any free port
+    port: int = 50051  # router port; 0 = any free port (replica i: port + i)
     http_port: int | None = None  # router's OpenAI HTTP API; 0 = any free port; None = off
+    # Router replicas (docs/ARCHITECTURE.md, "Router replicas"): processes router, router1,
+    # ...; every worker registers with each. With 2 or more a Redis server is started for
+    # what they share (per-key limits, the flip leader), unless `redis_url` names one.
+    routers: int = 1
+    redis_url: str | None = None
     api_key: str | None = None  # a key the router accepts (for the launcher's Status polls)
     pin_cpus: bool = False
     policy: str | None = None
@@ -161,6 +172,9 @@ class Cluster:
         self.router_internal_port: int | None = None
         self.http_port: int | None = None
         self.kvstore_port: int | None = None
+        self.redis_port: int | None = None
+        # every router replica's ports: name -> (public, internal, http or None)
+        self.router_ports: dict[str, tuple[int, int, int | None]] = {}
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="pdserve-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self._next_cpu = 0
@@ -174,6 +188,29 @@ class Cluster:
     def internal_addr(self) -> str:
         """The router's internal listener (registry), where workers register."""
         return f"127.0.0.1:{self.router_internal_port}"
+
+    @property
+    def addrs(self) -> list[str]:
+        """Every router replica's public gRPC address (PDSERVE_ROUTERS)."""
+        return [f"127.0.0.1:{p[0]}" for p in self.router_ports.values()]
+
+    @property
+    def http_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p[2]}/v1" for p in self.router_ports.values() if p[2]]
+
+    @property
+    def internal_addrs(self) -> list[str]:
+        return [f"127.0.0.1:{p[1]}" for p in self.router_ports.values()]
+
+    def router_names(self) -> list[str]:
+        return ["router", *(f"router{i}" for i in range(1, max(1, self.config.routers)))]
+
+    @property
+    def shared_redis_url(self) -> str | None:
+        """The replicas' shared store: the given one, or the Redis this cluster runs."""
+        if self.config.redis_url:
+            return self.config.redis_url
+        return f"redis://127.0.0.1:{self.redis_port}/0" if self.redis_port else None
 
     @property
     def http_url(self) -> str | None:
@@ -207,8 +244,8 @@ class Cluster:
 
         proc = self.processes.get(target)
         addr = f"127.0.0.1:{proc.port}" if proc is not None else target
-        if target == "router":
-            addr = self.internal_addr
+        if target in self.router_ports:
+            addr = f"127.0.0.1:{self.router_ports[target][1]}"
         if self.tls_dir is None:
             return grpc.insecure_channel(addr)
         return secure_channel_sync(addr, self.tls_files(as_name))
@@ -221,13 +258,18 @@ class Cluster:
         self.model_dir = self._resolve_model()
         try:
             self._make_certs()
+            c = self.config
+            if c.routers > 1 and not c.redis_url:
+                self.redis_port = _free_port()
+                self._spawn_redis().wait_ready(deadline)
             if self.config.kvstore:
                 kv = self._spawn("kvstore", self._kvstore_argv())
                 self.kvstore_port = kv.wait_ready(deadline)
-            router = self._spawn("router", self._router_argv())
-            self.router_port = router.wait_ready(deadline)
-            self.router_internal_port = int((router.ready_info() or {})["internal_port"])
-            self.http_port = router.info.get("http_port")
+            for i, name in enumerate(self.router_names()):
+                port, http = (self._replica_port(p, i) for p in (c.port, c.http_port))
+                self._spawn(name, self._router_argv(port, 0, http))
+            for name in self.router_names():
+                self._router_ready(name, deadline)
             for name, role in self._worker_plan():
                 self._spawn(name, self._worker_argv(role, name), cpu=self._pick_cpu())
             for name in self.worker_names():
@@ -238,9 +280,23 @@ class Cluster:
             raise
         return self
 
+    def _router_ready(self, name: str, deadline: float) -> None:
+        proc = self.processes[name]
+        port = proc.wait_ready(deadline)
+        info = proc.ready_info() or {}
+        self.router_ports[name] = (port, int(info["internal_port"]), info.get("http_port"))
+        if name == "router":
+            self.router_port, self.router_internal_port = port, int(info["internal_port"])
+            self.http_port = info.get("http_port")
+
+    @staticmethod
+    def _replica_port(port: int | None, i: int) -> int | None:
+        """Replica i's port: `port` + i (0 = any free port, None = off)."""
+        return port if not port else port + i
+
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM workers, then router and kvstore; SIGKILL what is still alive."""
-        order = [*self.worker_names(), "router", "kvstore"]
+        """SIGTERM workers, then routers, kvstore and Redis; SIGKILL what is still alive."""
+        order = [*self.worker_names(), *self.router_names(), "kvstore", "redis"]
         for name in order:
             proc = self.processes.get(name)
             if proc is not None:
@@ -270,9 +326,9 @@ class Cluster:
         port = new.wait_ready(deadline)
         if name == "kvstore":
             self.kvstore_port = port
-        elif name == "router":
-            self.router_port = port
-        if name == "kvstore":
+        elif name in self.router_ports:
+            self._router_ready(name, deadline)
+        if name in ("kvstore", "redis"):
             return
         # Other workers may be dead on purpose (fault tests): count and watch the live ones.
         live = [n for n in self.worker_names() if self.processes[n].alive]
@@ -288,10 +344,12 @@ class Cluster:
             )
         if name == "kvstore":
             return self._spawn(name, self._kvstore_argv(port=self.kvstore_port or 0))
-        if name == "router":
+        if name == "redis":
+            return self._spawn_redis()
+        if name in self.router_ports:
             # the same ports: clients and workers keep the addresses they were given
-            argv = self._router_argv(self.router_port, self.router_internal_port or 0)
-            return self._spawn(name, argv)
+            port, internal, http = self.router_ports[name]
+            return self._spawn(name, self._router_argv(port, internal, http))
         role = name.rstrip("0123456789")
         return self._spawn(name, self._worker_argv(role, name), cpu=old.cpu)
 
@@ -307,11 +365,16 @@ class Cluster:
     def wait_registered(
         self, count: int, deadline: float, names: Sequence[str] | None = None
     ) -> None:
-        """Poll the router's Status until `count` instances are registered; fail at once
-        when one of the workers `names` (default: all) dies meanwhile."""
+        """Poll every live router's Status until each lists `count` registered instances;
+        fail at once when one of the workers `names` (default: all) dies meanwhile."""
         while time.monotonic() < deadline:
             try:
-                if registered_instances(self.addr, 2.0, self.config.api_key) >= count:
+                addrs = [
+                    f"127.0.0.1:{self.router_ports[n][0]}"
+                    for n in self.router_names()
+                    if n in self.router_ports and self.processes[n].alive
+                ] or [self.addr]
+                if all(registered_instances(a, 2.0, self.config.api_key) >= count for a in addrs):
                     return
             except Exception:  # router still starting
                 pass
@@ -378,6 +441,31 @@ class Cluster:
         plan += [(f"decode{i}", "decode") for i in range(c.decode)]
         return plan
 
+    def _spawn_redis(self) -> ManagedProcess:
+        """The routers' shared store: a real redis-server (from the venv or PATH) on
+        127.0.0.1, nothing persisted (leases and the flip lock are renewed state)."""
+        binary = Path(sys.executable).parent / "redis-server"
+        program = str(binary) if binary.exists() else "redis-server"
+        argv = [
+            sys.executable, "-m", "pdserve.rpc.exec_with_parent", program,
+            "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(self._log_dir),
+        ]  # fmt: skip
+        proc = self._spawn("redis", argv)
+        proc.ready_text, proc.fixed_port = "Ready to accept connections", self.redis_port
+        return proc
+
+    def _resume_secret(self) -> Path:
+        """One secret for every router replica's resume tokens (mode 0600)."""
+        path = self._log_dir / "resume.secret"
+        if not path.exists():
+            import secrets
+
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+        return path
+
     def _make_certs(self) -> None:
         """A CA and one certificate per process (+ admin, for operators and tests)."""
         if self.tls_dir is None:
@@ -442,26 +530,32 @@ class Cluster:
 
         return max(1 << 16, int(cap * wire_ratio(self.model_dir)))
 
-    def _router_argv(self, port: int | None = None, internal_port: int = 0) -> list[str]:
+    def _router_argv(
+        self, port: int | None = None, internal_port: int = 0, http_port: int | None = None
+    ) -> list[str]:
+        """A router replica's command (`http_port` None: no HTTP API)."""
         port = self.config.port if port is None else port
         argv = [
             sys.executable, *self.config.router_python_args, "-m", "pdserve.router",
             "--port", str(port),
             "--internal-port", str(internal_port), "--model", self.model_dir,
+            "--resume-secret-file", str(self._resume_secret()),
             *self._tls_argv("router"),
         ]  # fmt: skip
         if self.kvstore_port is not None:
             argv += ["--kvstore-addr", f"127.0.0.1:{self.kvstore_port}"]
+        if self.shared_redis_url:
+            argv += ["--redis-url", self.shared_redis_url]
         if self.config.policy:
             argv += ["--policy", self.config.policy]
-        if self.config.http_port is not None:
-            argv += ["--http-port", str(self.config.http_port)]
+        if http_port is not None:
+            argv += ["--http-port", str(http_port)]
         return argv + self._modelled(self.config.router_args, "router")
 
     def _worker_argv(self, role: str, name: str) -> list[str]:
         return [
             sys.executable, "-m", "pdserve.worker", "--port", "0", "--role", role,
-            "--model", self.model_dir, "--router-addr", self.internal_addr,
+            "--model", self.model_dir, "--router-addr", ",".join(self.internal_addrs),
             *self._tls_argv(name), *self._emulate_argv(role, name),
             *self._modelled(self.config.worker_args, "worker"),
         ]  # fmt: skip
@@ -482,6 +576,14 @@ class Cluster:
 
             table = timers.WORKER_TIMERS
         return timers.modelled_timer_args(cls, table, args, self.config.time_scale)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def registered_instances(addr: str, timeout: float, api_key: str | None = None) -> int:

@@ -96,6 +96,7 @@ def up(serving_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("up-logs")
     argv = [
         *_pdserve(), "up", "--port", "0", "--http-port", "0", "--prefill", "1", "--decode", "1",
+        "--routers", "2",  # two router replicas and their Redis, as a user starts them
         "--model", str(serving_model_dir), "--worker-arg=--num-blocks=256",
         "--log-dir", str(log_dir),
     ]  # fmt: skip
@@ -110,10 +111,31 @@ def up(serving_model_dir, tmp_path_factory):
 
 
 def test_ready_line(up):
-    _handle, info, log_dir = up
+    handle, info, log_dir = up
     assert info["service"] == "cluster"
     assert isinstance(info["port"], int) and info["port"] > 0
     assert Path(info["log_dir"]) == log_dir
+    routers = info["routers"]
+    assert len(routers) == 2 and routers[0] == f"127.0.0.1:{info['port']}"
+    deadline = time.monotonic() + 10  # (printed right after the READY line)
+    while time.monotonic() < deadline and not any("PDSERVE_ROUTERS=" in x for x in handle.lines):
+        handle.drain_output()
+        time.sleep(0.05)
+    assert f"PDSERVE_ROUTERS={','.join(routers)}" in handle.lines
+
+
+def test_both_replicas_serve_and_status_lists_them(up):
+    _handle, info, _ = up
+    addrs = ",".join(info["routers"])
+    common = ["--prompt-ids", "1,2,3", "--max-tokens", "5", "--temperature", "0", "--json"]
+    out = {json.dumps(json.loads(_run(["generate", "--addr", a, *common]).stdout)["token_ids"])
+           for a in info["routers"]}  # fmt: skip
+    assert len(out) == 1  # the same tokens from either replica
+    status = json.loads(_run(["status", "--addr", addrs, "--json"]).stdout)
+    assert sorted(r["address"] for r in status["routers"]) == sorted(info["routers"])
+    assert status["shared_store"] == "redis up"
+    table = _run(["status", "--addr", addrs]).stdout
+    assert "routers (2 known" in table
 
 
 def test_generate_over_addr_matches_in_process(up, serving_model_dir):
@@ -168,9 +190,10 @@ def test_sigterm_stops_everything(up):
     handle, _info, log_dir = up
     banner = "\n".join(handle.lines)
     pids = [int(p) for p in re.findall(r"\(pid (\d+), port", banner)]
-    assert len(pids) == 4, banner  # kvstore (on by default), router, prefill0, decode0
+    # redis, kvstore (on by default), router, router1, prefill0, decode0
+    assert len(pids) == 6, banner
     logs = sorted(p.stem for p in log_dir.glob("*.log"))
-    assert logs == ["decode0", "kvstore", "prefill0", "router"]
+    assert logs == ["decode0", "kvstore", "prefill0", "redis", "router", "router1"]
     assert all(_alive(pid) for pid in pids)
     handle.proc.send_signal(signal.SIGTERM)
     assert handle.proc.wait(60) == 0

@@ -243,7 +243,7 @@ def test_status_and_reflection(cluster, grpc_client, serving_model_dir):
 
         pool = DescriptorPool(db)
         router = pool.FindServiceByName("pdserve.v1.Router")
-        assert {m.name for m in router.methods} == {"Generate", "Status"}
+        assert {m.name for m in router.methods} == {"Generate", "Status", "Resume"}
         status_msg = pool.FindMessageTypeByName("pdserve.v1.StatusResponse")
         assert "context_length" in status_msg.fields_by_name
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 
 import grpc
 import pytest
@@ -241,3 +242,134 @@ def test_sync_client_and_chat_session():
     finally:
         state["loop"].call_soon_threadsafe(state["stop"].set)
         t.join(10)
+
+
+# -- several routers: the SDK picks a live one, moves on, and resumes a broken stream
+
+
+class ResumingRouter(FakeRouter):
+    """A replica that hands out resume tokens and continues streams on Resume: token i of
+    a stream is prompt[0] + i; it dies (UNAVAILABLE) after `die_after` tokens if set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.die_after: int | None = None
+        self.answered = False  # the router itself fails the stream (its verdict: no resume)
+        self.fail_resume = False  # a Resume here fails at once (the replica is going too)
+        self.resumes: list[router_pb2.ResumeRequest] = []
+
+    async def _stream(self, request, start: int, context):
+        ids = list(request.token_ids.ids)
+        n = request.sampling.max_tokens
+        for i in range(start, n):
+            if self.die_after is not None and i - start == self.die_after:
+                if self.answered:  # what the router's ErrorInterceptor sends
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, "decode instance d1: lost; no migration left",
+                        trailing_metadata=(("pdserve-answered", "1"),),
+                    )  # fmt: skip
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+            last = i == n - 1
+            yield router_pb2.GenerateResponse(
+                request_id=request.request_id,
+                token_ids=[ids[0] + i],
+                text=f"t{i} ",
+                finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
+                resume_token="tok" if i == start else "",
+            )
+
+    async def Generate(self, request, context):
+        self.calls += 1
+        self.requests.append(request)
+        async for resp in self._stream(request, 0, context):
+            yield resp
+
+    async def Resume(self, request, context):
+        self.resumes.append(request)
+        if self.fail_resume:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+        async for resp in self._stream(request.request, len(request.received_token_ids), context):
+            yield resp
+
+
+@pytest.fixture
+async def pair():
+    out, servers = [], []
+    for _ in range(2):
+        servicer = ResumingRouter()
+        server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+        servicer.addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        out.append(servicer)
+        servers.append(server)
+    yield out
+    for server in servers:
+        await server.stop(0)
+
+
+def _dead_addr() -> str:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on (closed right away)
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+async def test_a_stream_resumes_on_the_other_router(pair):
+    a, b = pair
+    a.die_after = b.die_after = 3  # each router dies after 3 tokens of whatever it carries
+    async with AsyncClient([a.addr, b.addr], retry_backoff_s=0.01) as c:
+        res = await c.generate(token_ids=[10], max_tokens=8, request_id="s1")
+    assert res.token_ids == list(range(10, 18)) and res.finish_reason == "length"
+    assert res.text == "".join(f"t{i} " for i in range(8))  # each token once, in order
+    resumes = sorted(a.resumes + b.resumes, key=lambda r: len(r.received_token_ids))
+    assert [list(r.received_token_ids) for r in resumes] == [[10, 11, 12], [10, 11, 12, 13, 14, 15]]
+    assert all(r.resume_token == "tok" and r.request.request_id == "s1" for r in resumes)
+    assert resumes[0].received_text == "t0 t1 t2 "
+
+
+async def test_an_unreachable_router_in_the_list_is_skipped(pair):
+    a, _b = pair
+    async with AsyncClient(f"{_dead_addr()},{a.addr}", retry_backoff_s=0.01) as c:
+        for _ in range(4):  # whichever the round robin starts with
+            res = await c.generate(token_ids=[1], max_tokens=2)
+            assert res.token_ids == [1, 2]
+        assert (await c.status()).model == "m"
+
+
+async def test_all_routers_down_is_unavailable_naming_them():
+    dead = [_dead_addr(), _dead_addr()]
+    async with AsyncClient(dead, max_retries=2, retry_backoff_s=0.01) as c:
+        with pytest.raises(Unavailable) as info:
+            await c.generate(token_ids=[1], max_tokens=2)
+        assert all(addr in info.value.message for addr in dead)
+        with pytest.raises(Unavailable) as info:
+            await c.status(timeout=2)
+        assert all(addr in info.value.message for addr in dead)
+    with pytest.raises(ValueError, match="no router address"):
+        AsyncClient(" , ")
+
+
+async def test_resume_gives_up_after_resume_timeout(pair):
+    """Mid-stream, every router gone: Unavailable once resume_timeout_s passed."""
+    a, _b = pair
+    a.die_after, a.fail_resume = 2, True
+    async with AsyncClient([a.addr, _dead_addr()], resume_timeout_s=0.5, retry_backoff_s=0.01) as c:
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable):
+            await c.generate(token_ids=[1], max_tokens=6, request_id="r")
+        assert time.monotonic() - t0 < 10  # (bounded: a hang guard)
+    assert a.resumes, "it tried to resume"
+
+
+async def test_a_stream_the_router_itself_failed_is_not_resumed(pair):
+    """UNAVAILABLE that the router decided (its worker died past its migrations) is the
+    stream's outcome; only a broken connection (the router died) is resumed."""
+    a, b = pair
+    a.die_after = b.die_after = 2
+    a.answered = b.answered = True
+    async with AsyncClient([a.addr, b.addr], retry_backoff_s=0.01) as c:
+        with pytest.raises(Unavailable, match="no migration left") as info:
+            await c.generate(token_ids=[1], max_tokens=6)
+    assert info.value.answered and not (a.resumes or b.resumes)

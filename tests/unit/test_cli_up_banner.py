@@ -76,3 +76,24 @@ def test_bench_arms_choose_the_kvstore():
     from pdserve.cli.main import build_parser
 
     assert build_parser().parse_args(cmd[cmd.index("up") :]).kvstore is True
+
+
+def test_router_replicas_in_the_banner():
+    cluster = _cluster()
+    cluster.addrs = ["127.0.0.1:50051", "127.0.0.1:50052"]
+    cluster.internal_addrs = ["127.0.0.1:50061", "127.0.0.1:50062"]
+    cluster.http_urls = ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1"]
+    cluster.shared_redis_url = "redis://127.0.0.1:6390/0"
+    text = "\n".join(banner_lines(cluster, True, [], None))
+    assert "2 router replicas, gRPC API on 127.0.0.1:50051, 127.0.0.1:50052" in text
+    assert "share Redis at redis://127.0.0.1:6390/0" in text
+    assert "HTTP API on http://127.0.0.1:8000/v1, http://127.0.0.1:8001/v1" in text
+    assert "generate --addr 127.0.0.1:50051,127.0.0.1:50052" in text  # the SDK takes both
+
+
+def test_routers_flag():
+    from pdserve.cli.main import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["up"]).routers == 1
+    assert parse(["up", "--routers", "3", "--redis-url", "redis://h:1/0"]).routers == 3

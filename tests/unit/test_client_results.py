@@ -6,11 +6,14 @@ import pytest
 
 from pdserve.client import (
     ClusterStatus,
+    FailedPrecondition,
     GenerationEvent,
     InstanceInfo,
     Internal,
     InvalidArgument,
+    NotFound,
     PdserveClientError,
+    PermissionDenied,
     Unavailable,
     Usage,
     build_request,
@@ -72,8 +75,15 @@ def test_error_mapping():
     assert isinstance(e, InvalidArgument) and e.message.startswith("top_p")
     assert isinstance(from_rpc_error(_Err(grpc.StatusCode.UNAVAILABLE, "x")), Unavailable)
     assert isinstance(from_rpc_error(_Err(grpc.StatusCode.INTERNAL, "x")), Internal)
-    other = from_rpc_error(_Err(grpc.StatusCode.NOT_FOUND, "gone"))
-    assert type(other) is PdserveClientError and other.code == grpc.StatusCode.NOT_FOUND
+    gone = from_rpc_error(_Err(grpc.StatusCode.NOT_FOUND, "unknown stream"))
+    assert isinstance(gone, NotFound) and gone.code == grpc.StatusCode.NOT_FOUND
+    for code, cls in (
+        (grpc.StatusCode.PERMISSION_DENIED, PermissionDenied),
+        (grpc.StatusCode.FAILED_PRECONDITION, FailedPrecondition),
+    ):
+        assert isinstance(from_rpc_error(_Err(code, "x")), cls)
+    other = from_rpc_error(_Err(grpc.StatusCode.ABORTED, "x"))
+    assert type(other) is PdserveClientError and other.code == grpc.StatusCode.ABORTED
 
 
 def test_status_table_and_hit_rate():

@@ -66,11 +66,32 @@ def _published(ports: list) -> list[int]:
 
 
 def _server_services(services: dict) -> list[str]:
-    return [n for n in services if not n.endswith("-init")]
+    """pdserve's own long-running services (not the one-shot jobs, not Redis)."""
+    return [n for n in services if not n.endswith("-init") and n not in NOT_PDSERVE]
+
+
+NOT_PDSERVE = ("redis",)  # the router replicas' shared store: the official image
+ROUTERS = ("router", "router-2")
 
 
 def test_expected_services(services):
     assert {"router", "prefill", "decode", "kvstore", "model-init"} <= set(services)
+
+
+def test_two_router_replicas_share_redis(services):
+    """Two routers with the same command (any takes any request), each on its own host
+    ports, pointed at the redis service; Redis is internal only."""
+    a, b = (services[n] for n in ROUTERS)
+    assert _command(a) == _command(b)
+    assert set(_published(a["ports"])) == set(_published(b["ports"]))
+    host_ports = [str(p).rsplit(":", 1)[0] for svc in (a, b) for p in svc["ports"]]
+    assert len(set(host_ports)) == 4, host_ports  # no clash on the host
+    for svc in (a, b):
+        assert svc["environment"]["PDSERVE_REDIS_URL"] == "redis://redis:6379/0"
+        assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+    redis = services["redis"]
+    assert redis["image"].startswith("redis:") and redis["networks"] == ["internal"]
+    assert "6379" in [str(p) for p in redis["expose"]] and not redis.get("ports")
 
 
 def test_commands_run_existing_modules_with_known_flags(services, monkeypatch):
@@ -119,7 +140,7 @@ def test_workers_scale(services):
         _module, args = _module_and_args(svc)
         assert not svc.get("ports"), f"{name} publishes host ports: --scale would clash"
         assert "container_name" not in svc, f"{name} has a fixed container name"
-        assert _flag(args, "--router-addr") == f"router:{router_port}"
+        assert _flag(args, "--router-addr") == ",".join(f"{r}:{router_port}" for r in ROUTERS)
         assert _flag(args, "--advertise-host") is None, f"{name} advertises a fixed address"
         assert _flag(args, "--host") == "0.0.0.0"
         assert _flag(args, "--instance-id") is None, f"{name} has a fixed instance id"
@@ -133,13 +154,20 @@ def test_no_hard_coded_instance_addresses(services):
             if a in ("0.0.0.0",):  # a bind address, not an instance address
                 continue
             assert not ip.search(a), f"{name}: hard-coded address {a!r}"
-            m = re.fullmatch(r"([a-z][a-z0-9-]*):(\d+)", a)
-            if m:  # HOST:PORT must name a compose service and one of its ports
-                host, port = m.group(1), int(m.group(2))
-                assert host in services, f"{name}: {a} names no service"
-                target = _module_and_args(services[host])[1]
-                ports = {int(_flag(target, f) or 0) for f in ("--port", "--internal-port")}
-                assert port in ports, f"{name}: {a} wrong port"
+            for part in a.split(","):  # (several routers: a list)
+                _check_service_address(services, name, part)
+
+
+def _check_service_address(services: dict, name: str, a: str) -> None:
+    """A HOST:PORT argument must name a compose service and one of its ports."""
+    m = re.fullmatch(r"([a-z][a-z0-9-]*):(\d+)", a)
+    if not m:
+        return
+    host, port = m.group(1), int(m.group(2))
+    assert host in services, f"{name}: {a} names no service"
+    target = _module_and_args(services[host])[1]
+    ports = {int(_flag(target, f) or 0) for f in ("--port", "--internal-port")}
+    assert port in ports, f"{name}: {a} wrong port"
 
 
 def test_two_planes_only_the_public_port_is_published(compose, services):
@@ -156,7 +184,7 @@ def test_two_planes_only_the_public_port_is_published(compose, services):
     for name in _server_services(services):
         svc = services[name]
         assert "internal" in svc["networks"], f"{name} is not on the internal network"
-        if name != "router":
+        if name not in ROUTERS:
             assert svc["networks"] == ["internal"], f"{name} joins {svc['networks']}"
             assert not svc.get("ports"), f"{name} publishes ports"
 
@@ -217,7 +245,7 @@ def test_dockerfile_installs_the_service_packages(services):
         line for line in docker.replace("\\\n", " ").splitlines() if "pip install" in line
     )
     for name in _server_services(services):
-        pkg = name  # services/<compose service>/ deploys it
+        pkg = "router" if name in ROUTERS else name  # services/<service>/ deploys it
         assert (ROOT / "services" / pkg / "pyproject.toml").exists()
         assert f"./services/{pkg}" in installs, f"Dockerfile does not install services/{pkg}"
     # the root package (the `pdserve` CLI of model-init) with the extras the workers need

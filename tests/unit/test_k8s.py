@@ -1,8 +1,10 @@
 """deploy/k8s agrees with the Kubernetes schemas (kubernetes-validate, offline, strict) and
 with the code: every container runs a module that exists with flags and env its own settings
 accept, probes and Services point at ports the container listens on, workers register with
-the control-plane Service and advertise their pod IP, each worker pool has an HPA, the
-NetworkPolicies select pods that exist."""
+the control-plane Service and advertise their pod IP, every service finds its mTLS
+certificate in the `pdserve-tls` Secret (the files `pdserve certs make` writes) and probes its
+port the way that port answers (gRPC on the router's public port, the admin certificate on an
+internal one), each worker pool has an HPA, the NetworkPolicies select pods that exist."""
 
 from __future__ import annotations
 
@@ -61,10 +63,15 @@ def test_every_manifest_is_listed_and_valid(kustomization, objects):
     for obj in objects:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)  # raises on any error
     for f in kustomization.get("secretGenerator", []):
+        if f["name"] == "pdserve-tls":  # made by the user: `pdserve certs make deploy/k8s/certs`
+            continue
         for spec in f["files"]:
             source = K8S / spec.split("=", 1)[-1]
-            keys = json.loads(source.read_text())["keys"]
-            assert keys and all(k["key"] and k["name"] for k in keys)
+            if source.suffix == ".json":  # the API keys
+                keys = json.loads(source.read_text())["keys"]
+                assert keys and all(k["key"] and k["name"] for k in keys)
+            else:  # the resume secret: what the routers' --resume-secret-file accepts
+                assert len(source.read_bytes().strip()) >= 16, source
 
 
 def test_validation_catches_a_broken_manifest(objects):
@@ -78,7 +85,8 @@ def test_validation_catches_a_broken_manifest(objects):
 def test_four_services_and_their_commands(objects, monkeypatch):
     from pdserve.config import load_settings
 
-    deployments = _by_kind(objects, "Deployment")
+    monkeypatch.delenv("PDSERVE_INSECURE", raising=False)  # (the test session's plaintext)
+    deployments = _pdserve_deployments(objects)
     components = {
         d["spec"]["template"]["metadata"]["labels"][COMPONENT] for d in deployments.values()
     }
@@ -102,7 +110,14 @@ def test_four_services_and_their_commands(objects, monkeypatch):
         assert ports["grpc"] == settings.port and settings.host == "0.0.0.0", name
         assert ports["metrics"] == 9090
         for probe in ("readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == settings.port, f"{name} {probe}"
+            if cmd[2] == "pdserve.router":  # the public port: plaintext, the kubelet's probe
+                assert container[probe]["grpc"]["port"] == settings.port, f"{name} {probe}"
+            else:  # an mTLS port: the probe presents the admin certificate (PDSERVE_TLS_DIR)
+                probe_cmd = container[probe]["exec"]["command"]
+                assert probe_cmd == [
+                    "python", "-m", "pdserve.rpc.health_probe", f"127.0.0.1:{settings.port}"
+                ], f"{name} {probe}"  # fmt: skip
+        _check_tls(objects, dep, container, settings, cmd[2])
         assert container["resources"]["requests"]["cpu"], name
         if cmd[2] == "pdserve.router":
             assert ports["http"] == settings.http_port
@@ -110,16 +125,78 @@ def test_four_services_and_their_commands(objects, monkeypatch):
             kv_host, kv_port = settings.kvstore_addr.split(":")
             kvstore = _by_kind(objects, "Service")[kv_host]
             assert kvstore["spec"]["ports"][0]["port"] == int(kv_port)
+        if cmd[2] == "pdserve.router":
+            redis = settings.replicas.redis_url.removeprefix("redis://").split("/")[0]
+            host, port = redis.split(":")
+            svc = _by_kind(objects, "Service")[host]
+            assert svc["spec"]["ports"][0]["port"] == int(port)
+            assert ports["internal"] == settings.internal_port
+            assert settings.replicas.resume_secret_file
         if cmd[2] == "pdserve.worker":
             assert settings.role == labels[COMPONENT]
             host, port = settings.router_addr.split(":")
             control = _by_kind(objects, "Service")[host]
             assert control["spec"]["type"] == "ClusterIP"
+            assert control["spec"]["clusterIP"] == "None"  # headless: every router pod
+            assert settings.router_discovery == "dns"
             assert control["spec"]["selector"][COMPONENT] == "router"
             assert control["spec"]["ports"][0]["port"] == int(port)
+            assert control["spec"]["ports"][0]["targetPort"] == "internal"
             env = {e["name"]: e for e in container["env"]}
             ref = env["PDSERVE_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
             assert ref == "status.podIP"
+
+
+TLS_NAMES = {"pdserve.router": "router", "pdserve.worker": "worker", "pdserve.kvstore": "kvstore"}
+
+
+def _tls_secret_files(kustomization: dict) -> set[str]:
+    (gen,) = [g for g in kustomization["secretGenerator"] if g["name"] == "pdserve-tls"]
+    return {Path(f.split("=", 1)[-1]).name for f in gen["files"]}
+
+
+def _check_tls(objects, dep: dict, container: dict, settings, module: str) -> None:
+    """The service's TLS directory is the pdserve-tls Secret, which holds its certificate."""
+    assert not settings.insecure, module
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    volume = volumes[mounts[settings.tls_dir]]
+    assert volume["secret"]["secretName"] == "pdserve-tls"
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    name = settings.tls_name or TLS_NAMES[module]
+    files = _tls_secret_files(kustomization)
+    assert {"ca.crt", f"{name}.crt", f"{name}.key", "admin.crt", "admin.key"} <= files
+
+
+def test_the_tls_secret_holds_what_certs_make_writes(kustomization, tmp_path):
+    """Every file the Secret lists is one `pdserve certs make` writes (the CA's key stays out)."""
+    from pdserve.rpc.certs import make_dev_pki
+
+    make_dev_pki(tmp_path)
+    written = {p.name for p in tmp_path.iterdir()}
+    assert _tls_secret_files(kustomization) == written - {"ca.key"}
+
+
+def _pdserve_deployments(objects) -> dict[str, dict]:
+    """The Deployments running the pdserve image (not the routers' Redis)."""
+    return {
+        n: d
+        for n, d in _by_kind(objects, "Deployment").items()
+        if d["spec"]["template"]["spec"]["containers"][0]["image"] == "pdserve"
+    }
+
+
+def test_router_replicas_with_a_disruption_budget_and_redis(objects):
+    """At least 2 router pods, rolled one at a time, a PDB keeping one, and a Redis."""
+    router = _by_kind(objects, "Deployment")["pdserve-router"]
+    assert router["spec"]["replicas"] >= 2
+    assert router["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    (pdb,) = _by_kind(objects, "PodDisruptionBudget").values()
+    assert pdb["spec"]["minAvailable"] >= 1
+    assert pdb["spec"]["selector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
+    redis = _by_kind(objects, "Deployment")["pdserve-redis"]
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    assert container["image"].startswith("redis:")
 
 
 def test_services_target_named_container_ports(objects):

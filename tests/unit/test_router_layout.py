@@ -27,7 +27,17 @@ ALLOWED: dict[str, set[str]] = {
     "scheduling": {"job", "scheduling", "cluster.registry"},
     "lifecycle": {"job", "lifecycle", "scheduling", "cluster"},
     "flip": {"flip", "scheduling", "cluster"},
-    "frontdoor": {"job", "metrics", "frontdoor", "lifecycle", "scheduling", "cluster.registry"},
+    # (cluster.peers: the router replicas the workers report, read for Status like the registry)
+    "frontdoor": {
+        "job",
+        "metrics",
+        "frontdoor",
+        "lifecycle",
+        "scheduling",
+        "cluster.registry",
+        "cluster.peers",
+    },
+    "replicas": {"replicas"},  # the shared store: per-key limits, the flip leader
     "job": set(),
     "metrics": set(),
     "settings": {"scheduling.overload_queue"},  # (its one default)

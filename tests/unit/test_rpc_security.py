@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.errors import InvalidRequestError, PermissionDeniedError
 from pdserve.rpc.authz import authorize
-from pdserve.rpc.certs import Identity, identity_of_pem, make_cert, make_dev_pki
+from pdserve.rpc.certs import Identity, identity_of_pem, make_cert, make_dev_pki, san_hosts
 from pdserve.rpc.ids import check_id, is_valid_id
 from pdserve.rpc.tls import TlsConfigError, TlsFiles, files_from_settings
 
@@ -40,6 +40,48 @@ def test_dev_pki_names_each_holder_in_a_spiffe_uri(tmp_path):
 def test_bad_role_or_name_is_refused(tmp_path, role, name):
     with pytest.raises(ValueError):
         make_cert(tmp_path, role, name)
+
+
+def test_certificates_name_their_hosts(tmp_path):
+    """A multi-host layout: each certificate names the address (or DNS name) of its host,
+    besides the cluster name every client verifies; `common_hosts` go into every one."""
+    make_dev_pki(
+        tmp_path,
+        [("worker", "decode0"), ("router", "router")],
+        hosts={"decode0": ["10.77.0.40", "Decode0.example", "10.77.0.40"]},
+        common_hosts=["fd00::7"],
+    )
+    decode = san_hosts((tmp_path / "decode0.crt").read_bytes())
+    router = san_hosts((tmp_path / "router.crt").read_bytes())
+    assert decode.count("10.77.0.40") == 1 and "decode0.example" in decode
+    assert {"pdserve.internal", "127.0.0.1", "fd00::7"} <= set(decode)
+    assert "10.77.0.40" not in router and "fd00::7" in router
+
+
+@pytest.mark.parametrize("host", ["bad_host", "-x.example", "a..b", "", "x" * 254])
+def test_a_host_that_is_no_address_or_dns_name_is_refused(tmp_path, host):
+    with pytest.raises(ValueError, match="IP address or a DNS name"):
+        make_cert(tmp_path, "worker", "w", hosts=[host])
+    assert not (tmp_path / "w.crt").exists()
+
+
+def test_certs_make_names_hosts_from_the_command_line(tmp_path, capsys):
+    from pdserve.cli.main import main
+
+    out = tmp_path / "certs"
+    rc = main(
+        ["certs", "make", str(out), "--service", "worker:prefill0@10.77.0.20,p0.internal",
+         "--service", "admin:admin", "--san", "10.77.0.99"]
+    )  # fmt: skip
+    assert rc == 0
+    assert {"10.77.0.20", "p0.internal", "10.77.0.99"} <= set(
+        san_hosts((out / "prefill0.crt").read_bytes())
+    )
+    assert "10.77.0.20" not in san_hosts((out / "admin.crt").read_bytes())
+    assert "(10.77.0.20, p0.internal, 10.77.0.99)" in capsys.readouterr().out
+    assert main(["certs", "make", str(out), "--service", "worker:p1@"]) == 2
+    assert main(["certs", "make", str(out), "--service", "worker:p1@no_such host"]) == 2
+    assert "IP address or a DNS name" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -175,8 +175,19 @@ async def test_health_not_serving_until_started_then_serving_then_draining() -> 
     assert await _health(runner.address) == NOT_SERVING
     assert await _health(runner.address, "toy.Toy") == NOT_SERVING
     assert ready.getvalue() == ""  # not announced yet
+    # a method not registered yet while the app starts: busy, not missing (retryable)
+    with pytest.raises(aio.AioRpcError) as info:
+        await _call(runner.address, "NotYet", b"too early")
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "starting" in info.value.details()
+    got: list[bytes] = []
+    with pytest.raises(aio.AioRpcError) as info:
+        await _stream(runner.address, "NotYetStream", b"3", got)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and got == []
     app.release_start.set()
     assert await starting == runner.port
+    with pytest.raises(aio.AioRpcError) as info:  # started: an unknown method is missing
+        await _call(runner.address, "NotYet", b"late")
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert await _health(runner.address) == SERVING
     assert await _health(runner.address, "toy.Toy") == SERVING
     info = parse_ready_line(ready.getvalue())

@@ -22,9 +22,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--service",
         action="append",
         default=[],
-        metavar="ROLE:NAME",
-        help="a certificate to make instead of the default set, e.g. worker:prefill0 "
-        "(repeatable; roles: router, worker, kvstore, admin)",
+        metavar="ROLE:NAME[@HOST,...]",
+        help="a certificate to make instead of the default set, e.g. worker:prefill0, or "
+        "worker:prefill0@10.77.0.10 to also name the address (or DNS name) of the host it "
+        "serves on (repeatable; roles: router, worker, kvstore, admin)",
+    )
+    make.add_argument(
+        "--san",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="an IP address or DNS name every certificate made here also names (repeatable)",
     )
     make.add_argument(
         "--workers", type=int, default=0, help="also make worker-0 .. worker-N-1 (own identities)"
@@ -36,21 +44,29 @@ def run_make(args: argparse.Namespace) -> int:
     from pdserve.rpc.certs import DEFAULT_SERVICES, make_dev_pki
 
     services: list[tuple[str, str]] = []
+    hosts: dict[str, list[str]] = {}
     for spec in args.service:
-        role, sep, name = spec.partition(":")
-        if not sep:
-            print(f"pdserve certs: --service wants ROLE:NAME, got {spec!r}", file=sys.stderr)
+        role, sep, rest = spec.partition(":")
+        name, at, addrs = rest.partition("@")
+        if not sep or (at and not addrs):
+            print(
+                f"pdserve certs: --service wants ROLE:NAME[@HOST,...], got {spec!r}",
+                file=sys.stderr,
+            )
             return 2
         services.append((role, name))
+        hosts.setdefault(name, []).extend(a.strip() for a in addrs.split(",") if a.strip())
     if not services:
         services = list(DEFAULT_SERVICES)
     services += [("worker", f"worker-{i}") for i in range(max(0, args.workers))]
     try:
-        made = make_dev_pki(args.dir, services)
+        made = make_dev_pki(args.dir, services, hosts, args.san)
     except ValueError as exc:
         print(f"pdserve certs: {exc}", file=sys.stderr)
         return 2
     for ident in made:
-        print(f"{args.dir}/{ident.name}.crt  {ident.uri}")
+        named = [*hosts.get(ident.name, ()), *args.san]
+        extra = f"  ({', '.join(dict.fromkeys(named))})" if named else ""
+        print(f"{args.dir}/{ident.name}.crt  {ident.uri}{extra}")
     print(f"{args.dir}/ca.crt  (cluster CA; keep {args.dir}/ca.key private)")
     return 0

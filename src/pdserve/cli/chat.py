@@ -33,7 +33,9 @@ class Turn:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("chat", help="interactive multi-turn chat with a running router")
-    p.add_argument("--addr", default="127.0.0.1:50051", help="router HOST:PORT")
+    p.add_argument(
+        "--addr", default="127.0.0.1:50051", help="router HOST:PORT, or several replicas a:1,b:2"
+    )
     p.add_argument(
         "--api-key", default=None, help="API key (default: $PDSERVE_CLIENT_API_KEY, if set)"
     )

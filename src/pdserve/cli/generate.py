@@ -19,7 +19,9 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("generate", help="generate from one prompt")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", help="checkpoint directory: run an in-process engine")
-    where.add_argument("--addr", help="router HOST:PORT: call a running cluster")
+    where.add_argument(
+        "--addr", help="router HOST:PORT, or several replicas a:1,b:2: call a running cluster"
+    )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
     what.add_argument("--prompt-ids", help="prompt as comma-separated token ids: 1,2,3")

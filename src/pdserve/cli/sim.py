@@ -29,7 +29,15 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hardware", help="accelerator (roofline), e.g. h100; PREFILL_HW,DECODE_HW; "
                    "prefill=h100,decode=h100+l40s (costmodel.pools); sim validate without it: "
                    "each arm's --emulate")  # fmt: skip
-    g.add_argument("--network", default="nvlink", help="KV link between pools (roofline)")
+    g.add_argument(
+        "--network",
+        default=None,
+        help="KV link between pools (default: nvlink for a roofline, free for DistServe's)",
+    )
+    g.add_argument("--cost-model", default="roofline",
+                   help="roofline (--model-config + --hardware), or distserve:FILE_OR_NAME[:ENGINE]: "
+                   "DistServe's fitted step latencies (e.g. distserve:opt-13b:vllm), tensor "
+                   "parallel per pool from --hardware (a100x2,a100)")  # fmt: skip
     g.add_argument("--dtype", default="bfloat16", help="roofline serving dtype (weights)")
     g.add_argument("--kv-dtype", default=None, choices=["bfloat16", "float16", "fp8", "int8"],
                    help="roofline KV cache dtype (default: --dtype)")  # fmt: skip
@@ -104,13 +112,34 @@ def costs_from_args(args: argparse.Namespace) -> Any:
             fields = StepCost.__dataclass_fields__
             costs.step = StepCost(**{k: v for k, v in prof["step_floor"].items() if k in fields})
         return costs
+    if args.cost_model != "roofline":
+        return distserve_pool_costs(args)
     if args.model_config and args.hardware:
         from pdserve.costmodel.roofline import pool_costs
 
         return pool_costs(
-            args.model_config, args.hardware, args.network, args.dtype, None, args.kv_dtype
-        )
+            args.model_config, args.hardware, args.network or "nvlink", args.dtype, None,
+            args.kv_dtype,
+        )  # fmt: skip
     raise SystemExit("pdserve sim: give --profile, or --model-config and --hardware")
+
+
+def distserve_pool_costs(args: argparse.Namespace) -> Any:
+    """Per-role costs from DistServe's coefficients (`--cost-model distserve:...`)."""
+    from pdserve.costmodel.distserve import distserve_costs, load_distserve, parse_cost_model
+    from pdserve.costmodel.hardware import split_hardware
+
+    try:
+        name, engine = parse_cost_model(args.cost_model)
+        gpu = load_distserve(name)["gpu"]
+        parts = [split_hardware(p) for p in (args.hardware or gpu).split(",") if p.strip()]
+        if any(hw != gpu for hw, _ in parts):
+            raise ValueError(f"--hardware {args.hardware!r}: the coefficients are for {gpu}")
+        pre, dec = (distserve_costs(name, engine, tp, args.network)
+                    for tp in (parts[0][1], parts[-1][1]))  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"pdserve sim: {exc}") from None
+    return {"prefill": pre, "decode": dec, "colocated": pre}
 
 
 def calibrated_costs(profile: str, factor: float) -> Any:
@@ -130,10 +159,15 @@ def _defaults_from_costs(args: argparse.Namespace, costs: Any) -> None:
     """Roofline runs have no checkpoint: vocab/context come from the model config."""
     if args.model or args.vocab_size:
         return
-    if args.model_config:
+    model = args.model_config
+    if not model and args.cost_model.startswith("distserve:"):
+        from pdserve.costmodel.distserve import load_distserve, parse_cost_model
+
+        model = load_distserve(parse_cost_model(args.cost_model)[0])["model"]
+    if model:
         from pdserve.costmodel.shapes import load_model_config
 
-        m = load_model_config(args.model_config)
+        m = load_model_config(model)
         args.vocab_size = m.vocab_size
         args.max_model_len = args.max_model_len or m.max_position_embeddings
 
@@ -224,7 +258,7 @@ def validate_main(args: argparse.Namespace) -> int:
             from pdserve.costmodel.roofline import pool_costs
 
             arm_costs = pool_costs(args.model_config, flag_value(flags + extra, "--emulate"),
-                                   args.network, args.dtype, None, args.kv_dtype)  # fmt: skip
+                                   args.network or "nvlink", args.dtype, None, args.kv_dtype)  # fmt: skip
         if real[name].get("path_overhead_s") is not None:  # measured on the emulated cluster
             arm_costs = with_router_overhead(arm_costs, real[name]["path_overhead_s"])
         spec = spec_from_up_flags(flags + extra, arm_costs, max_model_len(args), args.block_size)

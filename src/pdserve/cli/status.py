@@ -9,7 +9,9 @@ import sys
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("status", help="instances, roles, load, cache hit rate")
-    p.add_argument("--addr", default="127.0.0.1:50051", help="router HOST:PORT")
+    p.add_argument(
+        "--addr", default="127.0.0.1:50051", help="router HOST:PORT, or several replicas a:1,b:2"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--api-key", default=None, help="API key (default: $PDSERVE_CLIENT_API_KEY, if set)"
@@ -67,6 +69,17 @@ def format_table(status) -> str:
     ]
     if not status.instances:
         lines.append("(no instances registered)")
+    routers = getattr(status, "routers", [])
+    if routers:
+        lines += ["", f"routers ({len(routers)} known to {status.router_id or 'this one'}):"]
+        for r in routers:
+            http = f"  http {r.http_address}" if r.http_address else ""
+            me = "  (answered)" if r.is_self else ""
+            lines.append(
+                f"  {r.router_id}  {r.address or '-'}{http}  reported by {r.workers} worker(s){me}"
+            )
+        if getattr(status, "shared_store", ""):
+            lines.append(f"  shared store: {status.shared_store}")
     lines += [
         "",
         f"model: {status.model or '-'}    kvstore: {status.kvstore_address or '-'}",

@@ -43,7 +43,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=16 << 30,
         help="disk tier budget in block bytes (with --kvstore-disk-dir)",
     )
-    p.add_argument("--port", type=int, default=50051, help="router port (0 = any free port)")
+    p.add_argument(
+        "--port", type=int, default=50051, help="router port (0 = any free port; replica i: +i)"
+    )
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router replicas, active-active: any takes any request; workers register with "
+        "each; with 2 or more a Redis server is started for per-key limits and the flip "
+        "leader (default: 1)",
+    )
+    p.add_argument(
+        "--redis-url",
+        help="use this Redis (redis://HOST:PORT/DB) as the replicas' shared store instead of "
+        "starting one",
+    )
     p.add_argument(
         "--http-port",
         type=int,
@@ -143,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.launcher import Cluster, ClusterConfig
     from pdserve.supervisor import RestartPolicy, Supervisor
 
-    for name in ("prefill", "decode", "colocated"):
+    for name in ("prefill", "decode", "colocated", "routers"):
         if getattr(args, name) < 1:
             print(f"pdserve up: --{name} must be at least 1", file=sys.stderr)
             return 2
@@ -172,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         kvstore_disk_dir=args.kvstore_disk_dir,
         kvstore_disk_bytes=args.kvstore_disk_bytes,
         port=args.port,
+        routers=args.routers,
+        redis_url=args.redis_url,
         pin_cpus=args.pin_cpus,
         policy=args.policy,
         log_dir=args.log_dir,
@@ -230,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
                 supervisor.tick()
                 continue
             for name, proc in cluster.processes.items():
-                if not proc.alive and name in ("router", "kvstore"):
+                if not proc.alive and name in (*cluster.router_names(), "kvstore", "redis"):
                     print(f"pdserve: {name} exited (--no-restart); stopping", file=sys.stderr)
                     stop_signals.append(0)
     finally:
@@ -287,13 +304,25 @@ def banner_lines(
             "gibberish; start with --model DIR for a real checkpoint"
         )
     lines.append(f"pdserve: processes: {procs}")
-    lines.append(f"pdserve: gRPC API on {cluster.addr} (internal plane: {cluster.internal_addr})")
+    addrs = getattr(cluster, "addrs", None) or [cluster.addr]
+    if len(addrs) > 1:
+        lines.append(
+            f"pdserve: {len(addrs)} router replicas, gRPC API on {', '.join(addrs)} "
+            f"(internal plane: {', '.join(cluster.internal_addrs)}); any takes any request"
+        )
+        if getattr(cluster, "shared_redis_url", None):
+            lines.append(f"pdserve: the replicas share Redis at {cluster.shared_redis_url}")
+    else:
+        lines.append(
+            f"pdserve: gRPC API on {cluster.addr} (internal plane: {cluster.internal_addr})"
+        )
     tls = cluster.tls_dir
     lines.append(
         f"pdserve: internal plane {'mutual TLS, certificates in ' + str(tls) if tls else 'INSECURE'}"
     )
-    if cluster.http_url:
-        lines.append(f"pdserve: OpenAI-compatible HTTP API on {cluster.http_url}")
+    urls = getattr(cluster, "http_urls", None) or ([cluster.http_url] if cluster.http_url else [])
+    if urls:
+        lines.append(f"pdserve: OpenAI-compatible HTTP API on {', '.join(urls)}")
     if keys or keys_file:
         lines.append("pdserve: API keys required (authorization: Bearer KEY)")
         key_flag = " --api-key KEY"
@@ -301,10 +330,11 @@ def banner_lines(
     else:
         lines.append("pdserve: no API key configured: the API is open to anyone who can reach it")
         key_flag = curl_auth = ""
+    addr = ",".join(addrs)  # the SDK and the CLI take every replica, and move on if one dies
     lines += [
-        f'  try:  {cmd} generate --addr {cluster.addr}{key_flag} --prompt "Hello" --max-tokens 16',
-        f"        {cmd} chat --addr {cluster.addr}{key_flag}",
-        f"        {cmd} status --addr {cluster.addr}{key_flag}",
+        f'  try:  {cmd} generate --addr {addr}{key_flag} --prompt "Hello" --max-tokens 16',
+        f"        {cmd} chat --addr {addr}{key_flag}",
+        f"        {cmd} status --addr {addr}{key_flag}",
     ]
     if cluster.http_url:
         body = '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
@@ -335,4 +365,6 @@ def _print_banner(cluster, args: argparse.Namespace) -> None:
     }
     if cluster.http_port:
         info["http_port"] = cluster.http_port
+    info["routers"] = cluster.addrs
     print(format_ready_line(info), flush=True)
+    print(f"PDSERVE_ROUTERS={','.join(cluster.addrs)}", flush=True)

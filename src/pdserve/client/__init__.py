@@ -5,14 +5,24 @@ from .chat import AsyncChatSession, ChatSession
 from .errors import (
     Cancelled,
     DeadlineExceeded,
+    FailedPrecondition,
     Internal,
     InvalidArgument,
+    NotFound,
     PdserveClientError,
+    PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
 )
-from .results import ClusterStatus, GenerationEvent, GenerationResult, InstanceInfo, Usage
+from .results import (
+    ClusterStatus,
+    GenerationEvent,
+    GenerationResult,
+    InstanceInfo,
+    RouterInfo,
+    Usage,
+)
 from .sync import Client
 
 __all__ = [
@@ -23,13 +33,17 @@ __all__ = [
     "Client",
     "ClusterStatus",
     "DeadlineExceeded",
+    "FailedPrecondition",
     "GenerationEvent",
     "GenerationResult",
     "InstanceInfo",
     "Internal",
     "InvalidArgument",
+    "NotFound",
     "PdserveClientError",
+    "PermissionDenied",
     "ResourceExhausted",
+    "RouterInfo",
     "Unauthenticated",
     "Unavailable",
     "Usage",

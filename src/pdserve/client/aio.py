@@ -13,7 +13,7 @@ import grpc
 
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-from .errors import Unavailable, from_rpc_error
+from .errors import PdserveClientError, Unavailable, from_rpc_error
 from .results import (
     FINISH_REASONS,
     ROLES,
@@ -21,15 +21,21 @@ from .results import (
     GenerationEvent,
     GenerationResult,
     InstanceInfo,
+    RouterInfo,
     Usage,
     collect,
 )
+from .routers import Routers
 
 DEFAULT_ADDR = "127.0.0.1:50051"
 API_KEY_ENV = "PDSERVE_CLIENT_API_KEY"  # not PDSERVE_API_KEY: that is the router's key list
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 30_000),
+    # a router restarting (or a replica coming back) is found within a second, not after
+    # grpc's default reconnect back-off (up to 120 s)
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 
 
@@ -122,25 +128,39 @@ def _status(resp: router_pb2.StatusResponse) -> ClusterStatus:
         predictor_observed=resp.predictor_observed,
         queue_waiting=resp.queue_waiting,
         checkpoint_dtype=resp.checkpoint_dtype,
+        routers=[
+            RouterInfo(r.router_id, r.address, r.http_address, r.workers, r.is_self)
+            for r in resp.routers
+        ],
+        router_id=resp.router_id,
+        shared_store=resp.shared_store,
     )
 
 
 class AsyncClient:
-    """`timeout`: default per-call deadline in seconds (None = none). Calls that fail
-    with UNAVAILABLE before the first token are retried `max_retries` times with
-    exponential backoff from `retry_backoff_s`. `api_key` (default: $PDSERVE_CLIENT_API_KEY) is
-    sent as `authorization: Bearer KEY` when set."""
+    """`addr`: one router, or several replicas ("a:1,b:2" or ["a:1", "b:2"]): each call
+    picks the next live one (round robin) and moves on when one fails.
+
+    `timeout`: default per-call deadline in seconds (None = none). A call that fails with
+    UNAVAILABLE before its first token is retried `max_retries` times, on the next router,
+    with exponential backoff from `retry_backoff_s`. A stream whose router dies after
+    tokens arrived is resumed on another replica (or on the same address once it is back)
+    for up to `resume_timeout_s`: the router continues it from the tokens received, so the
+    caller sees every token once, in order (docs/FAULTS.md, "Router replicas").
+    `api_key` (default: $PDSERVE_CLIENT_API_KEY) is sent as `authorization: Bearer KEY`."""
 
     def __init__(
         self,
-        addr: str = DEFAULT_ADDR,
+        addr: str | Sequence[str] = DEFAULT_ADDR,
         *,
         timeout: float | None = None,
         max_retries: int = 3,
         retry_backoff_s: float = 0.1,
         api_key: str | None = None,
+        resume_timeout_s: float = 30.0,
     ) -> None:
-        self.addr = addr
+        self.routers = Routers(addr)
+        self.addr = ",".join(self.routers.addrs)
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
         self._auth: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {key}"),) if key else ()
@@ -148,8 +168,17 @@ class AsyncClient:
         self.timeout = timeout
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
-        self._channel = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self.resume_timeout_s = resume_timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, router_pb2_grpc.RouterStub] = {}
+
+    def _stub(self, addr: str) -> router_pb2_grpc.RouterStub:
+        stub = self._stubs.get(addr)
+        if stub is None:  # created on first use, on the loop that uses it
+            channel = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+            self._channels[addr] = channel
+            stub = self._stubs[addr] = router_pb2_grpc.RouterStub(channel)
+        return stub
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -158,7 +187,9 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        for channel in channels:
+            await channel.close()
 
     async def generate_stream(
         self, *, timeout: float | None = None, **kwargs: Any
@@ -175,41 +206,64 @@ class AsyncClient:
             metadata += (("pdserve-oracle-tokens", str(oracle)),)
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        attempt = 0
+        stream = _StreamState()
+        attempt = 0  # failed tries before the first token
+        failures: dict[str, str] = {}  # router -> its last failure (the final error names them)
         while True:
+            addr = self.routers.pick()
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            call = self._stub.Generate(req, timeout=left, metadata=metadata + self._auth)
-            got_any = False
+            call = self._open(addr, req, stream, left, metadata)
             try:
-                while True:
+                while True:  # to the end of the call: the router finishes its bookkeeping
                     msg = await call.read()
                     if msg is grpc.aio.EOF:
                         return
-                    got_any = True
-                    yield GenerationEvent(
-                        request_id=msg.request_id,
-                        token_ids=list(msg.token_ids),
-                        text=msg.text,
-                        arrival_s=time.perf_counter(),
-                        server_ms=msg.server_ms,
-                        finish_reason=FINISH_REASONS.get(msg.finish_reason),
-                        usage=_usage(msg.usage) if msg.HasField("usage") else None,
-                    )
+                    event = stream.take(msg)
+                    yield event
             except grpc.RpcError as err:
+                if stream.finished:  # the last message arrived; the router died after it
+                    return
                 error = from_rpc_error(err)
-                backoff = self.retry_backoff_s * (2**attempt)
-                retry = (
-                    isinstance(error, Unavailable)
-                    and not got_any
-                    and attempt < self.max_retries
-                    and (deadline is None or time.monotonic() + backoff < deadline)
-                )
-                if not retry:
+                if not isinstance(error, Unavailable):
                     raise error from None
+                self.routers.failed(addr)
+                failures[addr] = error.message
+                now = time.monotonic()
+                if stream.received:  # mid-stream: resume elsewhere, if the router died
+                    if not stream.resume_token or error.answered:  # (it answered: its verdict)
+                        raise error from None
+                    stream.resume_deadline = stream.resume_deadline or now + self.resume_timeout_s
+                    backoff = self.routers.backoff(stream.resumes, self.retry_backoff_s)
+                    stream.resumes += 1
+                    give_up = now + backoff > stream.resume_deadline
+                else:
+                    backoff = self.routers.backoff(attempt, self.retry_backoff_s)
+                    attempt += 1
+                    give_up = attempt > self.max_retries
+                if give_up or (deadline is not None and now + backoff >= deadline):
+                    raise self.routers.unavailable(error, failures) from None
             finally:
                 call.cancel()  # no-op when done; cancels the stream when left early
-            attempt += 1
             await asyncio.sleep(backoff)
+
+    def _open(
+        self,
+        addr: str,
+        req: router_pb2.GenerateRequest,
+        stream: _StreamState,
+        timeout: float | None,
+        metadata: tuple[tuple[str, str], ...],
+    ):
+        stub = self._stub(addr)
+        if stream.received:
+            resume = router_pb2.ResumeRequest(
+                request=req,
+                received_token_ids=stream.received,
+                resume_token=stream.resume_token,
+                received_text="".join(stream.texts),
+            )
+            return stub.Resume(resume, timeout=timeout, metadata=metadata + self._auth)
+        return stub.Generate(req, timeout=timeout, metadata=metadata + self._auth)
 
     async def generate(self, *, timeout: float | None = None, **kwargs: Any) -> GenerationResult:
         start = time.perf_counter()
@@ -217,10 +271,51 @@ class AsyncClient:
         return collect(events, start)
 
     async def status(self, *, timeout: float | None = 10.0) -> ClusterStatus:
-        try:
-            resp = await self._stub.Status(
-                router_pb2.StatusRequest(), timeout=timeout, metadata=self._auth
-            )
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        return _status(resp)
+        """The cluster as the first router that answers sees it."""
+        failures: dict[str, str] = {}
+        error: PdserveClientError | None = None
+        for addr in self.routers.in_order():
+            try:
+                resp = await self._stub(addr).Status(
+                    router_pb2.StatusRequest(), timeout=timeout, metadata=self._auth
+                )
+            except grpc.RpcError as err:
+                error = from_rpc_error(err)
+                if not isinstance(error, Unavailable):
+                    raise error from None
+                self.routers.failed(addr)
+                failures[addr] = error.message
+                continue
+            return _status(resp)
+        assert error is not None
+        raise self.routers.unavailable(error, failures) from None
+
+
+class _StreamState:
+    """What a stream received so far: what a resume on another router sends back."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.texts: list[str] = []
+        self.resume_token = ""
+        self.finished = False  # the message with the finish reason arrived
+        self.resumes = 0
+        self.resume_deadline: float | None = None
+
+    def take(self, msg: router_pb2.GenerateResponse) -> GenerationEvent:
+        if msg.resume_token:
+            self.resume_token = msg.resume_token
+        if msg.token_ids:  # the stream moves again: a later failure gets a fresh budget
+            self.resumes, self.resume_deadline = 0, None
+        self.finished = self.finished or bool(msg.finish_reason)
+        self.received.extend(msg.token_ids)
+        self.texts.append(msg.text)
+        return GenerationEvent(
+            request_id=msg.request_id,
+            token_ids=list(msg.token_ids),
+            text=msg.text,
+            arrival_s=time.perf_counter(),
+            server_ms=msg.server_ms,
+            finish_reason=FINISH_REASONS.get(msg.finish_reason),
+            usage=_usage(msg.usage) if msg.HasField("usage") else None,
+        )

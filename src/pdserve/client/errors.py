@@ -13,6 +13,9 @@ class PdserveClientError(Exception):
         super().__init__(message)
         self.message = message
         self.retry_after_s: float | None = None  # the server's retry hint, when it sent one
+        # True: the server decided this status; False: the call failed on the way (the
+        # connection broke, nothing listens, the server was still starting)
+        self.answered = False
         if code is not None:
             self.code = code
 
@@ -47,6 +50,24 @@ class Unauthenticated(PdserveClientError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class NotFound(PdserveClientError):
+    """Unknown request or stream (e.g. a resume the cluster never issued)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class PermissionDenied(PdserveClientError):
+    """Not yours: e.g. a stream started with another API key."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class FailedPrecondition(PdserveClientError):
+    """The state forbids it: e.g. resuming a stream that already finished."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 _BY_CODE: dict[grpc.StatusCode, type[PdserveClientError]] = {
     cls.code: cls
     for cls in (
@@ -57,6 +78,9 @@ _BY_CODE: dict[grpc.StatusCode, type[PdserveClientError]] = {
         Cancelled,
         Internal,
         Unauthenticated,
+        NotFound,
+        PermissionDenied,
+        FailedPrecondition,
     )
 }
 
@@ -71,4 +95,6 @@ def from_rpc_error(err: grpc.RpcError) -> PdserveClientError:
     for key, value in trailing or ():
         if key == "retry-after":
             error.retry_after_s = float(value)
+        elif key == "pdserve-answered":
+            error.answered = True
     return error

@@ -73,6 +73,17 @@ class InstanceInfo:
 
 
 @dataclass(frozen=True)
+class RouterInfo:
+    """A router replica as the answering router knows it (from the workers' reports)."""
+
+    router_id: str
+    address: str  # public gRPC HOST:PORT
+    http_address: str = ""
+    workers: int = 0  # registered workers that report it
+    is_self: bool = False  # the replica that answered
+
+
+@dataclass(frozen=True)
 class ClusterStatus:
     instances: list[InstanceInfo]
     requests_total: int
@@ -90,6 +101,9 @@ class ClusterStatus:
     predictor_observed: int = 0
     queue_waiting: int = 0
     checkpoint_dtype: str = ""  # config.json's torch_dtype; `dtype` is what the workers serve
+    routers: list[RouterInfo] = field(default_factory=list)  # the replicas it knows of
+    router_id: str = ""  # the replica that answered
+    shared_store: str = ""  # "redis up" | "redis down: ..." | "" (a router alone)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -116,6 +130,9 @@ class ClusterStatus:
             "predictor_kendall_tau": self.predictor_kendall_tau,
             "predictor_observed": self.predictor_observed,
             "queue_waiting": self.queue_waiting,
+            "routers": [vars(r) for r in self.routers],
+            "router_id": self.router_id,
+            "shared_store": self.shared_store,
         }
 
 

@@ -21,11 +21,12 @@ import concurrent.futures
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from .aio import DEFAULT_ADDR, AsyncClient
 from .results import ClusterStatus, GenerationEvent, GenerationResult, collect
+from .routers import parse_addrs
 
 T = TypeVar("T")
 
@@ -121,16 +122,20 @@ async def _pump(agen: AsyncGenerator[GenerationEvent, None], q: queue.SimpleQueu
 
 
 class Client:
+    """The synchronous twin of AsyncClient (same arguments: one router address or several,
+    "a:1,b:2" or a list; a stream whose router dies is resumed on another one)."""
+
     def __init__(
         self,
-        addr: str = DEFAULT_ADDR,
+        addr: str | Sequence[str] = DEFAULT_ADDR,
         *,
         timeout: float | None = None,
         max_retries: int = 3,
         retry_backoff_s: float = 0.1,
         api_key: str | None = None,
+        resume_timeout_s: float = 30.0,
     ) -> None:
-        self.addr = addr
+        self.addr = ",".join(parse_addrs(addr))  # (a bad address list fails here, at once)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="pdserve-client", daemon=True
@@ -144,6 +149,7 @@ class Client:
                 max_retries=max_retries,
                 retry_backoff_s=retry_backoff_s,
                 api_key=api_key,
+                resume_timeout_s=resume_timeout_s,
             )
 
         self._aclient = self._run(make())

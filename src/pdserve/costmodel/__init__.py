@@ -6,4 +6,5 @@
 - shapes.py    ModelShape: a model's shapes from config.json; built-in public configs
 - roofline.py  RooflineStep and roofline_costs: a step's time on an accelerator
 - calibration.py  the roofline's efficiencies per accelerator (fitted/calibration.json)
+- distserve.py  DistServe's fitted step form from its published coefficients (fitted/)
 """

@@ -10,12 +10,14 @@ from typing import Any
 
 from pdserve.kv.hashing import block_hashes
 from pdserve.logging import get_logger
+from pdserve.rpc.advertise import advertised_address
 from pdserve.rpc.channels import SERVER_OPTIONS
 from pdserve.rpc.metrics import Metrics
 from pdserve.rpc.reflection import enable_reflection
 from pdserve.rpc.server import ServiceApp
 from pdserve.v1 import router_pb2_grpc
 
+from .cluster.peers import PeerRouters, RouterIdentity
 from .cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_NAMES, Instance, Registry
 from .cluster.servicer import RegistryServicer
 from .cluster.workers import WorkerClients
@@ -27,10 +29,14 @@ from .frontdoor.http.app import OpenAIApp
 from .frontdoor.http.server import HttpServer
 from .frontdoor.input_limits import InputLimits
 from .frontdoor.model_info import ModelInfo
+from .frontdoor.resume import ResumeTokens, load_secret
 from .frontdoor.servicer import RouterServicer
 from .job import Deadlines
 from .lifecycle.orchestrator import Orchestrator
 from .metrics import RouterMetrics, Totals
+from .replicas.key_limits import SharedKeyLimits
+from .replicas.leader import Leadership
+from .replicas.store import SharedStore
 from .scheduling.admission import Admission, AdmissionConfig
 from .scheduling.demand import DecodeDemand
 from .scheduling.length import LengthMetrics, LengthScheduling
@@ -132,6 +138,18 @@ class RouterApp(ServiceApp):
         self._tasks: list[asyncio.Task] = []
         self.flip: FlipController | None = None  # set when settings.flip.flip_enabled
         self.length: LengthScheduling | None = None  # built in start() (loads the predictor)
+        # Router replicas: who this one is, the others (from worker reports), the shared store
+        r = settings.replicas
+        self.identity = RouterIdentity(r.router_id or settings.instance_id)
+        self.peers = PeerRouters(self.identity)
+        self.registry.on_forget(self.peers.forget)
+        self.store = SharedStore(r.redis_url, self.raw_metrics) if r.redis_url else None
+        self.shared_limits = (
+            SharedKeyLimits(self.store, self.identity.router_id, self._replicas, r.key_lease_ttl_s)
+            if self.store is not None
+            else None
+        )
+        self.leadership = Leadership(self.store, self.identity.router_id, r.leader_ttl_s)
         self.admission = self._admission()  # the one admission stage (scheduling/admission.py)
 
     def _prefix_hashes(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
@@ -161,9 +179,31 @@ class RouterApp(ServiceApp):
         serving = self.registry.candidates(ROLE_DECODE) or self.registry.candidates(ROLE_COLOCATED)
         return len(serving)
 
+    def _replicas(self) -> int:
+        """Router replicas known now (itself included): the local share's divisor."""
+        live = [i.instance_id for i in self.registry.instances()]
+        return len(self.peers.known(live))
+
+    def _resume_tokens(self) -> ResumeTokens:
+        import secrets
+
+        from pdserve.rpc.tls import files_from_settings
+
+        s = self.settings
+        tls = files_from_settings(s, self.tls_name)
+        secret, source = load_secret(
+            s.replicas.resume_secret_file,
+            str(tls.key) if tls is not None else None,
+            insecure_fallback=secrets.token_bytes(32),
+        )
+        log.info("resume tokens", secret=source, ttl_s=s.replicas.resume_token_ttl_s)
+        return ResumeTokens(secret, s.replicas.resume_token_ttl_s)
+
     def _admission(self) -> Admission:
         s = self.settings
-        admission = Admission(self.raw_metrics, admission_config(s), serving=self._serving)
+        admission = Admission(
+            self.raw_metrics, admission_config(s), serving=self._serving, shared=self.shared_limits
+        )
         self.registry.on_change(admission.capacity.changed)
         return admission
 
@@ -231,12 +271,19 @@ class RouterApp(ServiceApp):
             self.admission,
             kv,
             limits=InputLimits.from_settings(s.limits, self.model.max_model_len),
+            resume_tokens=await asyncio.to_thread(self._resume_tokens),
+            peers=self.peers,
+            shared_store=self.store,
         )
         self.router_servicer = RouterServicer(self.front)
         router_pb2_grpc.add_RouterServicer_to_server(self.router_servicer, server)
         router_pb2_grpc.add_RegistryServicer_to_server(
             RegistryServicer(
-                self.registry, s.heartbeat_interval_s, kv, s.max_instances_per_identity
+                self.registry,
+                s.heartbeat_interval_s,
+                kv,
+                s.max_instances_per_identity,
+                self.peers,
             ),
             server,
         )
@@ -250,9 +297,15 @@ class RouterApp(ServiceApp):
             )
             await self.http.start()
         self._tasks.append(asyncio.create_task(self._housekeeping()))
+        if self.store is not None:
+            self.store.start()
+            assert self.shared_limits is not None
+            self.shared_limits.start()
         if s.flip.flip_enabled:
             self.flip = self._flip_controller()
             self._tasks.append(asyncio.create_task(self.flip.run()))
+            if self.store is not None:
+                self._tasks.append(asyncio.create_task(self.leadership.run()))
         log.info(
             "router ready",
             model=self.model.name or None,
@@ -263,7 +316,18 @@ class RouterApp(ServiceApp):
             flip=s.flip.flip_enabled,
             http_port=self.http.port if self.http else None,
             api_keys=len(self.keys) or "open",
+            router_id=self.identity.router_id,
+            shared_store=self.store.describe() if self.store else None,
         )
+
+    async def on_serving(self, port: int) -> None:
+        """The public addresses are known now: workers report them to the other replicas."""
+        r, host = self.settings.replicas, self.settings.host
+        http = advertised_address(host, self.http.port, r.advertise_host) if self.http else ""
+        self.identity = RouterIdentity(
+            self.identity.router_id, advertised_address(host, port, r.advertise_host), http
+        )
+        self.peers.me = self.identity
 
     def ready_info(self) -> dict[str, Any]:
         return {"http_port": self.http.port} if self.http is not None else {}
@@ -287,6 +351,7 @@ class RouterApp(ServiceApp):
             set_role_timeout_s=s.flip.flip_timeout_s,
             on_role_changed=self.policy.forget,  # prefix LRU / session affinity of the old role
             demand=self.demand,
+            may_flip=self.leadership.is_leader,  # one replica at a time (replicas/leader.py)
         )
 
     async def drain(self) -> None:
@@ -304,6 +369,11 @@ class RouterApp(ServiceApp):
         if self.orchestrator is not None:
             await self.orchestrator.close()
         await self.workers.close()
+        if self.shared_limits is not None:
+            await self.shared_limits.close()
+        await self.leadership.release()
+        if self.store is not None:
+            await self.store.close()
 
     async def _housekeeping(self) -> None:
         """Expire silent instances; refresh the per-instance gauges."""

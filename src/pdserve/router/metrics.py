@@ -50,6 +50,11 @@ class RouterMetrics:
             "streams moved to another worker after theirs died mid-stream",
             ["reason"],
         )
+        self.resumes = m.counter(
+            "router_resumes",
+            "Resume calls: streams continued here after their router died, or refused",
+            ["outcome"],  # resumed | not_found | permission_denied | failed_precondition | ...
+        )
         self.inflight = m.gauge(
             "router_instance_inflight",
             "requests the router has in flight per instance",

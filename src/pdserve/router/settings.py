@@ -240,6 +240,40 @@ class FlipSettings(SettingsGroup):
     )
 
 
+class ReplicaSettings(SettingsGroup):
+    """Router replicas (docs/ARCHITECTURE.md, "Router replicas"): each learns the workers
+    from the workers; what they must agree on (per-key limits, who flips) goes through a
+    shared Redis; streams resume on any replica with a resume token."""
+
+    router_id: str | None = Field(
+        None, description="this replica's id in Status and worker reports (default: instance id)"
+    )
+    advertise_host: str | None = Field(
+        None,
+        description="host clients should dial for this replica (Status lists it; default: "
+        "--host, or this host's IP when bound to a wildcard)",
+    )
+    redis_url: str | None = Field(
+        None,
+        description="shared store of the replicas (redis://HOST:PORT/DB): per-key limits "
+        "across replicas and one flip leader; none = this router is alone",
+    )
+    key_lease_ttl_s: float = Field(
+        10.0, gt=0, description="a per-key stream lease lives this long unless renewed, s"
+    )
+    leader_ttl_s: float = Field(
+        10.0, gt=0, description="the flip leader's lock lives this long unless renewed, s"
+    )
+    resume_secret_file: str | None = Field(
+        None,
+        description="file with the secret (>= 16 bytes) that signs resume tokens, the same "
+        "on every replica (default: derived from the router's TLS key)",
+    )
+    resume_token_ttl_s: float = Field(
+        3600.0, gt=0, description="how long a stream's resume token stays valid, seconds"
+    )
+
+
 class RouterSettings(ServiceSettings):
     """pdserve router: the public endpoint (Router) and the worker registry (Registry)."""
 
@@ -281,3 +315,4 @@ class RouterSettings(ServiceSettings):
     length: LengthSettings = Field(default_factory=LengthSettings)
     lifecycle: LifecycleSettings = Field(default_factory=LifecycleSettings)
     flip: FlipSettings = Field(default_factory=FlipSettings)
+    replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)

@@ -4,7 +4,9 @@ Every certificate names its holder in a SAN URI `spiffe://pdserve/<role>/<name>`
 (router, worker, kvstore, admin) is what the authorization table of `pdserve.rpc.authz`
 checks, the whole URI is the peer's identity (e.g. a worker's registration is bound to it).
 Every certificate also carries the DNS name `pdserve.internal` (clients verify the server
-against that name, wherever it runs), `localhost`, its own name and 127.0.0.1.
+against that name, wherever it runs), `localhost`, its own name and 127.0.0.1, plus the
+addresses or DNS names of the host it serves on when given (`hosts`: a multi-host layout,
+where tools that verify a server by the address they dial need its address in the SAN).
 
 Files in DIR: `ca.crt`, `ca.key`, `<name>.crt`, `<name>.key` (keys: EC P-256, PEM, mode 0600).
 `pdserve certs make DIR` (pdserve.cli.certs) is the command line; the launcher calls
@@ -17,7 +19,7 @@ import datetime as dt
 import ipaddress
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,9 @@ TRUST_DOMAIN = "pdserve"
 SERVER_NAME = "pdserve.internal"  # DNS SAN of every certificate; clients check this name
 ROLES = ("router", "worker", "kvstore", "admin")
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+HOST_RE = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
 VALID_DAYS = 365
 DEFAULT_SERVICES: tuple[tuple[str, str], ...] = (
     ("router", "router"),
@@ -143,6 +148,17 @@ def load_ca(
     return cert, key
 
 
+def host_san(host: str) -> x509.GeneralName:
+    """The SAN entry naming `host`: an IP address (v4 or v6) or a DNS name."""
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    if not HOST_RE.fullmatch(host):
+        raise ValueError(f"host must be an IP address or a DNS name, got {host!r}")
+    return x509.DNSName(host.lower())
+
+
 def make_cert(
     directory: str | os.PathLike[str],
     role: str,
@@ -163,11 +179,10 @@ def make_cert(
         x509.DNSName(name),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
     ]
-    for host in hosts:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            sans.append(x509.DNSName(host))
+    for host in dict.fromkeys(hosts):  # each once, in order
+        san = host_san(host)
+        if san not in sans:
+            sans.append(san)
     cert = (
         x509.CertificateBuilder()
         .subject_name(
@@ -201,10 +216,28 @@ def make_cert(
 def make_dev_pki(
     directory: str | os.PathLike[str],
     services: Iterable[tuple[str, str]] = DEFAULT_SERVICES,
+    hosts: dict[str, Sequence[str]] | None = None,
+    common_hosts: Sequence[str] = (),
 ) -> list[Identity]:
-    """A CA (reused if DIR already has one) and a certificate per (role, name)."""
+    """A CA (reused if DIR already has one) and a certificate per (role, name). The
+    certificate of `name` also names `hosts[name]` and `common_hosts` (IP addresses or DNS
+    names) in its SAN."""
     ca = make_ca(directory)
-    return [make_cert(directory, role, name, ca) for role, name in services]
+    per = hosts or {}
+    return [
+        make_cert(directory, role, name, ca, [*per.get(name, ()), *common_hosts])
+        for role, name in services
+    ]
+
+
+def san_hosts(pem: bytes) -> list[str]:
+    """The IP addresses and DNS names in a PEM certificate's SAN, in order."""
+    cert = x509.load_pem_x509_certificate(pem)
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return [
+        *map(str, san.get_values_for_type(x509.IPAddress)),
+        *san.get_values_for_type(x509.DNSName),
+    ]
 
 
 def identity_of_pem(pem: bytes) -> Identity | None:

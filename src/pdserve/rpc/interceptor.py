@@ -35,6 +35,10 @@ from pdserve.rpc.ids import is_valid_id
 
 REQUEST_ID_KEY = "x-request-id"
 RETRY_AFTER_KEY = "retry-after"
+# Trailing metadata on every status a pdserve service sends for an error it decided: the
+# client can tell "the server answered UNAVAILABLE" (e.g. a router whose worker died past
+# its migrations) from "the connection failed" (the server died: the SDK resumes elsewhere).
+ANSWERED_KEY = "pdserve-answered"
 MAX_DETAILS = 300
 
 _PASS_THROUGH = frozenset(
@@ -80,7 +84,8 @@ async def _abort(context: aio.ServicerContext, exc: Exception, method: str) -> N
         _log.error("rpc crashed", method=method, code=code.name, exc_info=exc)
     else:
         _log.warning("rpc failed upstream", method=method, code=code.name, details=details)
-    await context.abort(code, details, trailing_metadata=retry_metadata(exc))  # raises
+    trailing = (*retry_metadata(exc), (ANSWERED_KEY, "1"))
+    await context.abort(code, details, trailing_metadata=trailing)  # raises
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 

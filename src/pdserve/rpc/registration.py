@@ -15,14 +15,29 @@ from typing import Any
 import grpc
 from grpc import aio
 
+STARTING = "the service is starting: not serving yet (retry)"
+
+
+async def _refuse_starting(request: Any, context: Any) -> None:
+    await context.abort(grpc.StatusCode.UNAVAILABLE, STARTING)
+
+
+# Any method's answer while the app starts: no message, status UNAVAILABLE (retryable),
+# whatever the method's arity (the request is read as raw bytes and never parsed).
+_STARTING_HANDLER = grpc.unary_unary_rpc_method_handler(_refuse_starting)
+
 
 class LateHandlers(grpc.GenericRpcHandler):
     """Registered on the server before it starts; servicers added later (by app.start,
-    while health already answers) are looked up here at call time."""
+    while health already answers) are looked up here at call time. Until the runner sets
+    `ready` (app.start returned), a call its plane serves but finds no handler for is
+    UNAVAILABLE, not UNIMPLEMENTED: a restarting service is busy, not missing a method, and
+    clients retry it (e.g. the SDK on a router the supervisor just restarted)."""
 
     def __init__(self) -> None:
         self.by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
         self.generic: list[grpc.GenericRpcHandler] = []
+        self.ready = False
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
         # method = "/package.Service/Method"
@@ -49,7 +64,10 @@ class PlaneHandlers(grpc.GenericRpcHandler):
         service = handler_call_details.method.lstrip("/").partition("/")[0]
         if not self._serves(service):
             return None
-        return self._late.service(handler_call_details)
+        found = self._late.service(handler_call_details)
+        if found is None and not self._late.ready:
+            return _STARTING_HANDLER
+        return found
 
 
 class AppServer:

@@ -195,6 +195,7 @@ class ServiceRunner:
         )  # fmt: skip
         try:
             await self.app.start(cast(aio.Server, AppServer(self.server, late)))
+            late.ready = True  # from now on an unknown method is UNIMPLEMENTED
         except BaseException as exc:  # incl. CancelledError (signal during start)
             self._log.error("start failed", error=repr(exc), exc_info=exc)
             await self._stop_server_and_close(grace=0)

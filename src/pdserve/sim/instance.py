@@ -194,6 +194,8 @@ class SimInstance:
         pairs = sum(map(mul, news, starts)) + (sum(map(mul, news, news)) + new) // 2
         features = (1.0, float(new), float(len(sched)), float(ctx), float(pairs))
         streamed = sum(map(_SAMPLE, sched))
+        if getattr(self.costs.step, "needs_batch", False):  # a form that reads the entries
+            return plan, self.costs.step_time_s(list(zip(starts, news, strict=True)), streamed)
         if self.costs.serves_prefill_extra:  # a profile of a CPU engine (see CostModel)
             chunks = [n for n in news if n > 1]
             return plan, self.costs.step_time_features_s(

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x06 \x01(\tB\x08\n\x06prompt\"\xcc\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x05 \x01(\x01\x12&\n\x06stages\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.StageCosts\x12\x18\n\x10prefill_instance\x18\x07 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x08 \x01(\t\"\xad\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\tserver_ms\x18\x04 \x01(\x01\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x0f\n\rStatusRequest\"\xce\x01\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1e\n\x04role\x18\x03 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05state\x18\x04 \x01(\t\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x17\n\x0fheartbeat_age_s\x18\x06 \x01(\x01\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\"\xa1\x03\n\x0eStatusResponse\x12-\n\tinstances\x18\x01 \x03(\x0b\x32\x1a.pdserve.v1.InstanceStatus\x12\x16\n\x0erequests_total\x18\x02 \x01(\x04\x12\x18\n\x10requests_running\x18\x03 \x01(\x04\x12\x1b\n\x13prompt_tokens_total\x18\x04 \x01(\x04\x12\x1b\n\x13\x63\x61\x63hed_tokens_total\x18\x05 \x01(\x04\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\x0fkvstore_address\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\t \x01(\r\x12\x12\n\nblock_size\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x11\n\tpredictor\x18\x0c \x01(\t\x12\x1d\n\x15predictor_kendall_tau\x18\r \x01(\x01\x12\x1a\n\x12predictor_observed\x18\x0e \x01(\x04\x12\x15\n\rqueue_waiting\x18\x0f \x01(\r\x12\x18\n\x10\x63heckpoint_dtype\x18\x10 \x01(\t\"\xbb\x01\n\x0fRegisterRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1e\n\x04role\x18\x03 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12$\n\x04load\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\r\n\x05\x64type\x18\x07 \x01(\t\"I\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x17\n\x0fkvstore_address\x18\x02 \x01(\t\"|\n\x10HeartbeatRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05state\x18\x03 \x01(\t\x12$\n\x04load\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"(\n\x11\x44\x65registerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse2\x92\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12?\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x1a.pdserve.v1.StatusResponse2\xe8\x01\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x06 \x01(\tB\x08\n\x06prompt\"\xcc\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x05 \x01(\x01\x12&\n\x06stages\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.StageCosts\x12\x18\n\x10prefill_instance\x18\x07 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x08 \x01(\t\"\xc3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\tserver_ms\x18\x04 \x01(\x01\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x14\n\x0cresume_token\x18\x07 \x01(\t\"\x86\x01\n\rResumeRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\x12\x1a\n\x12received_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0cresume_token\x18\x03 \x01(\t\x12\x15\n\rreceived_text\x18\x04 \x01(\t\"\x0f\n\rStatusRequest\"\xce\x01\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1e\n\x04role\x18\x03 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05state\x18\x04 \x01(\t\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x17\n\x0fheartbeat_age_s\x18\x06 \x01(\x01\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\"\xf5\x03\n\x0eStatusResponse\x12-\n\tinstances\x18\x01 \x03(\x0b\x32\x1a.pdserve.v1.InstanceStatus\x12\x16\n\x0erequests_total\x18\x02 \x01(\x04\x12\x18\n\x10requests_running\x18\x03 \x01(\x04\x12\x1b\n\x13prompt_tokens_total\x18\x04 \x01(\x04\x12\x1b\n\x13\x63\x61\x63hed_tokens_total\x18\x05 \x01(\x04\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\x0fkvstore_address\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\t \x01(\r\x12\x12\n\nblock_size\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x11\n\tpredictor\x18\x0c \x01(\t\x12\x1d\n\x15predictor_kendall_tau\x18\r \x01(\x01\x12\x1a\n\x12predictor_observed\x18\x0e \x01(\x04\x12\x15\n\rqueue_waiting\x18\x0f \x01(\r\x12\x18\n\x10\x63heckpoint_dtype\x18\x10 \x01(\t\x12)\n\x07routers\x18\x11 \x03(\x0b\x32\x18.pdserve.v1.RouterStatus\x12\x11\n\trouter_id\x18\x12 \x01(\t\x12\x14\n\x0cshared_store\x18\x13 \x01(\t\"j\n\x0cRouterStatus\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0chttp_address\x18\x03 \x01(\t\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x0f\n\x07is_self\x18\x05 \x01(\x08\"\xbb\x01\n\x0fRegisterRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1e\n\x04role\x18\x03 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12$\n\x04load\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\r\n\x05\x64type\x18\x07 \x01(\t\"q\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x17\n\x0fkvstore_address\x18\x02 \x01(\t\x12&\n\x06router\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.PeerRouter\"F\n\nPeerRouter\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0chttp_address\x18\x03 \x01(\t\"\xa5\x01\n\x10HeartbeatRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05state\x18\x03 \x01(\t\x12$\n\x04load\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\'\n\x07routers\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.PeerRouter\"J\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12&\n\x06router\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.PeerRouter\"(\n\x11\x44\x65registerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse2\xd7\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12?\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x1a.pdserve.v1.StatusResponse\x12\x43\n\x06Resume\x12\x19.pdserve.v1.ResumeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32\xe8\x01\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,27 +43,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=412
   _globals['_USAGE']._serialized_end=616
   _globals['_GENERATERESPONSE']._serialized_start=619
-  _globals['_GENERATERESPONSE']._serialized_end=792
-  _globals['_STATUSREQUEST']._serialized_start=794
-  _globals['_STATUSREQUEST']._serialized_end=809
-  _globals['_INSTANCESTATUS']._serialized_start=812
-  _globals['_INSTANCESTATUS']._serialized_end=1018
-  _globals['_STATUSRESPONSE']._serialized_start=1021
-  _globals['_STATUSRESPONSE']._serialized_end=1438
-  _globals['_REGISTERREQUEST']._serialized_start=1441
-  _globals['_REGISTERREQUEST']._serialized_end=1628
-  _globals['_REGISTERRESPONSE']._serialized_start=1630
-  _globals['_REGISTERRESPONSE']._serialized_end=1703
-  _globals['_HEARTBEATREQUEST']._serialized_start=1705
-  _globals['_HEARTBEATREQUEST']._serialized_end=1829
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1831
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1865
-  _globals['_DEREGISTERREQUEST']._serialized_start=1867
-  _globals['_DEREGISTERREQUEST']._serialized_end=1907
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1909
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1929
-  _globals['_ROUTER']._serialized_start=1932
-  _globals['_ROUTER']._serialized_end=2078
-  _globals['_REGISTRY']._serialized_start=2081
-  _globals['_REGISTRY']._serialized_end=2313
+  _globals['_GENERATERESPONSE']._serialized_end=814
+  _globals['_RESUMEREQUEST']._serialized_start=817
+  _globals['_RESUMEREQUEST']._serialized_end=951
+  _globals['_STATUSREQUEST']._serialized_start=953
+  _globals['_STATUSREQUEST']._serialized_end=968
+  _globals['_INSTANCESTATUS']._serialized_start=971
+  _globals['_INSTANCESTATUS']._serialized_end=1177
+  _globals['_STATUSRESPONSE']._serialized_start=1180
+  _globals['_STATUSRESPONSE']._serialized_end=1681
+  _globals['_ROUTERSTATUS']._serialized_start=1683
+  _globals['_ROUTERSTATUS']._serialized_end=1789
+  _globals['_REGISTERREQUEST']._serialized_start=1792
+  _globals['_REGISTERREQUEST']._serialized_end=1979
+  _globals['_REGISTERRESPONSE']._serialized_start=1981
+  _globals['_REGISTERRESPONSE']._serialized_end=2094
+  _globals['_PEERROUTER']._serialized_start=2096
+  _globals['_PEERROUTER']._serialized_end=2166
+  _globals['_HEARTBEATREQUEST']._serialized_start=2169
+  _globals['_HEARTBEATREQUEST']._serialized_end=2334
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2336
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2410
+  _globals['_DEREGISTERREQUEST']._serialized_start=2412
+  _globals['_DEREGISTERREQUEST']._serialized_end=2452
+  _globals['_DEREGISTERRESPONSE']._serialized_start=2454
+  _globals['_DEREGISTERRESPONSE']._serialized_end=2474
+  _globals['_ROUTER']._serialized_start=2477
+  _globals['_ROUTER']._serialized_end=2692
+  _globals['_REGISTRY']._serialized_start=2695
+  _globals['_REGISTRY']._serialized_end=2927
 # @@protoc_insertion_point(module_scope)

@@ -64,20 +64,34 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., stages: _Optional[_Union[_common_pb2.StageCosts, _Mapping]] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "server_ms", "finish_reason", "usage")
+    __slots__ = ("request_id", "token_ids", "text", "server_ms", "finish_reason", "usage", "resume_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     SERVER_MS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     server_ms: float
     finish_reason: _common_pb2.FinishReason
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., server_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    resume_token: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., server_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., resume_token: _Optional[str] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("request", "received_token_ids", "resume_token", "received_text")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_TEXT_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    received_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    resume_token: str
+    received_text: str
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., received_token_ids: _Optional[_Iterable[int]] = ..., resume_token: _Optional[str] = ..., received_text: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -104,7 +118,7 @@ class InstanceStatus(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("instances", "requests_total", "requests_running", "prompt_tokens_total", "cached_tokens_total", "model", "kvstore_address", "vocab_size", "context_length", "block_size", "dtype", "predictor", "predictor_kendall_tau", "predictor_observed", "queue_waiting", "checkpoint_dtype")
+    __slots__ = ("instances", "requests_total", "requests_running", "prompt_tokens_total", "cached_tokens_total", "model", "kvstore_address", "vocab_size", "context_length", "block_size", "dtype", "predictor", "predictor_kendall_tau", "predictor_observed", "queue_waiting", "checkpoint_dtype", "routers", "router_id", "shared_store")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +135,9 @@ class StatusResponse(_message.Message):
     PREDICTOR_OBSERVED_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAITING_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_STORE_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     requests_total: int
     requests_running: int
@@ -137,7 +154,24 @@ class StatusResponse(_message.Message):
     predictor_observed: int
     queue_waiting: int
     checkpoint_dtype: str
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_running: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., model: _Optional[str] = ..., kvstore_address: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., predictor: _Optional[str] = ..., predictor_kendall_tau: _Optional[float] = ..., predictor_observed: _Optional[int] = ..., queue_waiting: _Optional[int] = ..., checkpoint_dtype: _Optional[str] = ...) -> None: ...
+    routers: _containers.RepeatedCompositeFieldContainer[RouterStatus]
+    router_id: str
+    shared_store: str
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_running: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., model: _Optional[str] = ..., kvstore_address: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., predictor: _Optional[str] = ..., predictor_kendall_tau: _Optional[float] = ..., predictor_observed: _Optional[int] = ..., queue_waiting: _Optional[int] = ..., checkpoint_dtype: _Optional[str] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., router_id: _Optional[str] = ..., shared_store: _Optional[str] = ...) -> None: ...
+
+class RouterStatus(_message.Message):
+    __slots__ = ("router_id", "address", "http_address", "workers", "is_self")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    IS_SELF_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    address: str
+    http_address: str
+    workers: int
+    is_self: bool
+    def __init__(self, router_id: _Optional[str] = ..., address: _Optional[str] = ..., http_address: _Optional[str] = ..., workers: _Optional[int] = ..., is_self: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("instance_id", "address", "role", "model_fingerprint", "block_size", "load", "dtype")
@@ -158,30 +192,46 @@ class RegisterRequest(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_s", "kvstore_address")
+    __slots__ = ("heartbeat_interval_s", "kvstore_address", "router")
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     KVSTORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_s: float
     kvstore_address: str
-    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., kvstore_address: _Optional[str] = ...) -> None: ...
+    router: PeerRouter
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., kvstore_address: _Optional[str] = ..., router: _Optional[_Union[PeerRouter, _Mapping]] = ...) -> None: ...
+
+class PeerRouter(_message.Message):
+    __slots__ = ("router_id", "address", "http_address")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    address: str
+    http_address: str
+    def __init__(self, router_id: _Optional[str] = ..., address: _Optional[str] = ..., http_address: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("instance_id", "role", "state", "load")
+    __slots__ = ("instance_id", "role", "state", "load", "routers")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: _common_pb2.Role
     state: str
     load: _common_pb2.WorkerLoad
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+    routers: _containers.RepeatedCompositeFieldContainer[PeerRouter]
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., routers: _Optional[_Iterable[_Union[PeerRouter, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "router")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    router: PeerRouter
+    def __init__(self, known: _Optional[bool] = ..., router: _Optional[_Union[PeerRouter, _Mapping]] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("instance_id",)

@@ -57,6 +57,11 @@ class RouterStub:
                 request_serializer=pdserve_dot_v1_dot_router__pb2.StatusRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_router__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/pdserve.v1.Router/Resume',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -95,7 +100,24 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """Cluster view: instances, counters, model facts. UNAUTHENTICATED as for Generate.
+        """Cluster view: instances, routers, counters, model facts. UNAUTHENTICATED as for Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Continues a stream whose router died, on any replica (docs/FAULTS.md, "Router
+        replicas"): the original request, every token the client received and the stream's
+        resume_token. The stream goes on from there as a migration; its messages are
+        Generate's (the first one carries a fresh resume_token; usage counts every token).
+        Status codes, besides Generate's:
+        NOT_FOUND            unknown stream: the token was not issued for this request (or
+        by this cluster), or it expired
+        PERMISSION_DENIED    the stream was started with another API key
+        FAILED_PRECONDITION  the stream already finished (max_tokens, EOS, a stop token or
+        string, or the context length was reached)
+        INVALID_ARGUMENT     no tokens received (send Generate again), a malformed token
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,6 +135,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=pdserve_dot_v1_dot_router__pb2.StatusRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_router__pb2.StatusResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.ResumeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +209,33 @@ class Router:
             '/pdserve.v1.Router/Status',
             pdserve_dot_v1_dot_router__pb2.StatusRequest.SerializeToString,
             pdserve_dot_v1_dot_router__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Router/Resume',
+            pdserve_dot_v1_dot_router__pb2.ResumeRequest.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

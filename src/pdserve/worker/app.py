@@ -1,5 +1,5 @@
 """The worker process: a ServiceApp that loads the engine, serves the Worker API and keeps
-itself registered with the router."""
+itself registered with every router replica."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import prometheus_client
 from grpc import aio
 
 from pdserve.logging import get_logger
+from pdserve.rpc.advertise import advertised_address
 from pdserve.rpc.server import ServiceApp
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.worker.core import WorkerCore
 from pdserve.worker.metrics import WorkerCollector
-from pdserve.worker.registration import Registration, advertised_address
+from pdserve.worker.registration import Registration
 from pdserve.worker.servicer import WorkerServicer
 from pdserve.worker.settings import WorkerSettings
 
@@ -46,6 +47,8 @@ class WorkerApp(ServiceApp):
             self.settings.router_addr,
             advertised_address(self.settings.host, port, self.settings.advertise_host),
             on_kvstore=None if self.settings.kvstore_addr else self.core.attach_kvstore,
+            discovery=self.settings.router_discovery,
+            resolve_s=self.settings.router_resolve_s,
         )
         self.registration.start()
 

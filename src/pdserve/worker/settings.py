@@ -57,6 +57,15 @@ class WorkerSettings(ServiceSettings):
         None, description="host the router should dial (default: host, or this host's IP)"
     )
     heartbeat_interval_s: float = Field(1.0, gt=0, description="load report period")
+    router_discovery: Literal["static", "dns"] = Field(
+        "static",
+        description="static: register with each --router-addr entry; dns: resolve each "
+        "entry's host every --router-resolve-s and register with every address it "
+        "resolves to (router replicas behind a headless Service)",
+    )
+    router_resolve_s: float = Field(
+        5.0, gt=0, description="with --router-discovery dns: resolve the routers this often, s"
+    )
     lease_s: float = Field(
         120.0,
         gt=0,
@@ -88,7 +97,9 @@ class WorkerSettings(ServiceSettings):
     time_scale: float = Field(
         1.0, gt=0, description="emulation: wall seconds per modelled second (>1: slower)"
     )
-    emulate_network: str = Field("nvlink", description="emulation: KV link (costmodel.hardware.NETWORKS)")
+    emulate_network: str = Field(
+        "nvlink", description="emulation: KV link (costmodel.hardware.NETWORKS)"
+    )
     emulate_dtype: str = Field("bfloat16", description="emulation: modelled serving dtype")
     emulate_kv_layers: int = Field(
         1, ge=1, le=64, description="emulation: KV messages per push (wire layers)"

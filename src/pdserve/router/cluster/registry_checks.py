@@ -22,6 +22,7 @@ from .registry import State
 MAX_ADDRESS_CHARS = 255
 MAX_FINGERPRINT_CHARS = 256
 MAX_BLOCK_SIZE = 1024
+MAX_REPORTED_ROUTERS = 64  # router replicas one heartbeat may report
 STATES = ("", *State)  # "" = unchanged
 ROLES = (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_COLOCATED)
 
@@ -73,6 +74,19 @@ def check_heartbeat(req: router_pb2.HeartbeatRequest) -> None:
     if req.state not in STATES:
         raise InvalidRequestError("state", f"must be one of {', '.join(s for s in STATES if s)}")
     check_load(req.load)
+    if len(req.routers) > MAX_REPORTED_ROUTERS:
+        raise InvalidRequestError("routers", f"at most {MAX_REPORTED_ROUTERS} routers")
+    for i, r in enumerate(req.routers):
+        check_id(f"routers[{i}].router_id", r.router_id)
+        for name in ("address", "http_address"):
+            value = getattr(r, name)
+            if value:
+                try:
+                    check_address(value)
+                except InvalidRequestError:
+                    raise InvalidRequestError(
+                        f"routers[{i}].{name}", "must be HOST:PORT (printable ASCII)"
+                    ) from None
 
 
 class Owners:

@@ -8,6 +8,7 @@ from pdserve.logging import get_logger
 from pdserve.rpc.ids import check_id
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
+from .peers import PeerRouters, RouterIdentity
 from .registry import LoadReport, Registry
 from .registry_checks import Owners, check_heartbeat, check_register
 
@@ -21,11 +22,19 @@ class RegistryServicer(router_pb2_grpc.RegistryServicer):
         heartbeat_interval_s: float,
         kvstore_addr: str = "",
         max_instances_per_identity: int = 0,
+        peers: PeerRouters | None = None,
     ) -> None:
         self.registry = registry
         self.heartbeat_interval_s = heartbeat_interval_s
         self.kvstore_addr = kvstore_addr
         self.owners = Owners(max_instances_per_identity)
+        self.peers = peers if peers is not None else PeerRouters(RouterIdentity(""))
+
+    def _me(self) -> router_pb2.PeerRouter:
+        me = self.peers.me  # read per call: the address is known once the router serves
+        return router_pb2.PeerRouter(
+            router_id=me.router_id, address=me.address, http_address=me.http_address
+        )
 
     def _check_owner(self, instance_id: str) -> None:
         self.owners.check(instance_id, self.registry.get(instance_id) is not None)
@@ -55,7 +64,9 @@ class RegistryServicer(router_pb2_grpc.RegistryServicer):
             role=inst.role_name,
         )
         return router_pb2.RegisterResponse(
-            heartbeat_interval_s=self.heartbeat_interval_s, kvstore_address=self.kvstore_addr
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            kvstore_address=self.kvstore_addr,
+            router=self._me(),
         )
 
     async def Heartbeat(
@@ -66,7 +77,12 @@ class RegistryServicer(router_pb2_grpc.RegistryServicer):
         known = self.registry.heartbeat(
             request.instance_id, request.role, request.state, LoadReport.from_proto(request.load)
         )
-        return router_pb2.HeartbeatResponse(known=known)
+        if known:
+            self.peers.report(
+                request.instance_id,
+                (RouterIdentity(r.router_id, r.address, r.http_address) for r in request.routers),
+            )
+        return router_pb2.HeartbeatResponse(known=known, router=self._me())
 
     async def Deregister(
         self, request: router_pb2.DeregisterRequest, context

@@ -32,7 +32,8 @@ def snapshot(registry: Registry, demand: DecodeDemand | None = None) -> list[Ins
             instance_id=i.instance_id,
             role=i.role,
             state="suspect" if i.suspect_since is not None else i.state,
-            inflight_tokens=i.inflight_tokens,
+            # this router's own count, or the worker's (every replica's requests) when larger
+            inflight_tokens=max(i.inflight_tokens, i.load.tokens_in_flight),
             inflight_requests=i.inflight_requests,
             num_running=i.load.num_running,
             num_reserved=i.load.num_reserved,
@@ -71,6 +72,7 @@ class FlipController:
         on_role_changed: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         demand: DecodeDemand | None = None,
+        may_flip: Callable[[], bool] = lambda: True,
     ) -> None:
         self.registry, self.workers, self.policy = registry, workers, policy
         self.demand = demand
@@ -81,6 +83,10 @@ class FlipController:
         self._clock = clock
         self.flipping: str | None = None  # instance id while a flip runs
         self.last_decision: FlipDecision | None = None
+        # Router replicas: only the flip leader decides (replicas/leader.py). A replica that
+        # takes over starts with a cooldown: the previous leader may have just flipped.
+        self._may_flip = may_flip
+        self._leading: bool | None = None  # None before the first tick
 
     async def run(self) -> None:
         while True:
@@ -92,7 +98,15 @@ class FlipController:
             except Exception:  # a bug here must not stop the controller for good
                 log.exception("flip controller tick failed")
 
-    async def tick(self) -> FlipDecision:
+    async def tick(self) -> FlipDecision | None:
+        """One decision (None: another replica leads the flips now)."""
+        leading = self._may_flip()
+        if leading and self._leading is False:
+            log.info("flip leader now; cooldown first")
+            self.policy.flip_ended(self._clock())
+        self._leading = leading
+        if not leading:
+            return None
         decision = self.policy.decide(snapshot(self.registry, self.demand), self._clock())
         self.last_decision = decision
         p = decision.pressure
@@ -100,7 +114,7 @@ class FlipController:
         self.metrics.pressure.labels("decode").set(p.decode)
         quiet = decision.action == "hold" and not decision.streak
         (log.debug if quiet else log.info)("flip decision", **decision.log_fields())
-        if decision.action == "flip":
+        if decision.action == "flip" and self._may_flip():  # (still leading: checked again)
             await self.flip(decision.instance_id, decision.to_role)
         return decision
 

@@ -54,6 +54,10 @@ class ApiKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def names(self) -> list[str]:
+        """Every configured key's name (never a secret)."""
+        return [k.name for k in self._keys.values()]
+
     @classmethod
     def load(
         cls,

@@ -19,12 +19,19 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
-from pdserve.errors import AlreadyExistsError, InvalidRequestError, UnavailableError
+from pdserve.errors import (
+    AlreadyExistsError,
+    InvalidRequestError,
+    PdserveError,
+    UnavailableError,
+)
 from pdserve.logging import bind_request_id, get_logger
 from pdserve.rpc.ids import MAX_ID_CHARS, check_id
 from pdserve.v1 import common_pb2, router_pb2
 
+from ..cluster.peers import PeerRouters
 from ..cluster.registry import Registry
 from ..cluster.workers import cancelled_under_us
 from ..job import Job
@@ -34,6 +41,7 @@ from ..scheduling.admission import Admission
 from .auth import ApiKey, ApiKeys
 from .input_limits import FALLBACK_MAX_PROMPT_CHARS, InputLimits, check_raw_request
 from .model_info import ModelInfo
+from .resume import ResumeTokens, accept_resume
 from .text import TextStream
 from .validation import check_messages, check_request, to_params
 
@@ -60,6 +68,9 @@ class FrontDoor:
         admission: Admission,
         kvstore_addr: str = "",
         limits: InputLimits | None = None,
+        resume_tokens: ResumeTokens | None = None,
+        peers: PeerRouters | None = None,
+        shared_store: Any = None,  # replicas/store.SharedStore: its state in Status
     ) -> None:
         self.orch, self.registry, self.model = orchestrator, registry, model
         self.metrics, self.totals, self.kvstore_addr = metrics, totals, kvstore_addr
@@ -67,6 +78,8 @@ class FrontDoor:
         self.limits = limits or InputLimits(
             FALLBACK_MAX_PROMPT_CHARS, 256, model.max_model_len, model.max_model_len
         )
+        self.resume_tokens = resume_tokens  # None: streams get no resume token
+        self.peers, self.shared_store = peers, shared_store
         self.inflight: set[str] = set()  # request ids being served (a duplicate is refused)
         self.draining = False
         self.idle = asyncio.Event()
@@ -82,7 +95,11 @@ class FrontDoor:
         return self.keys.authenticate(authorization)
 
     async def generate(
-        self, request: router_pb2.GenerateRequest, key: ApiKey, oracle_tokens: int = 0
+        self,
+        request: router_pb2.GenerateRequest,
+        key: ApiKey,
+        oracle_tokens: int = 0,
+        resume: router_pb2.ResumeRequest | None = None,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """The response stream of one request; raises domain errors (before the first
         message or mid-stream). `oracle_tokens`: the true output length a benchmark request
@@ -96,10 +113,25 @@ class FrontDoor:
             raise AlreadyExistsError(f"request_id {rid!r} is already in flight")
         self.inflight.add(rid)
         try:
-            async for resp in self._generate(request, key, rid, t0, oracle_tokens):
+            async for resp in self._generate(request, key, rid, t0, oracle_tokens, resume):
                 yield resp
         finally:
             self.inflight.discard(rid)
+
+    async def resume(
+        self, resume: router_pb2.ResumeRequest, key: ApiKey
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Continue a stream another router started (its router died): checked by
+        `resume.py` (token, key, finished), then run as a migration from the received
+        tokens. Its messages are Generate's."""
+        if not resume.request.request_id:
+            raise InvalidRequestError("request.request_id", "a resumed stream needs its request id")
+        if not resume.received_token_ids:
+            raise InvalidRequestError(
+                "received_token_ids", "empty: nothing to resume (send the request with Generate)"
+            )
+        async for resp in self.generate(resume.request, key, 0, resume):
+            yield resp
 
     async def _generate(
         self,
@@ -108,6 +140,7 @@ class FrontDoor:
         rid: str,
         t0: float,
         oracle_tokens: int,
+        resume: router_pb2.ResumeRequest | None = None,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         check_raw_request(request, self.limits)  # before any expensive work
         progress = {"prompt_tokens": 0, "completion_tokens": 0}
@@ -116,15 +149,17 @@ class FrontDoor:
                 job, stops = await self._prepare(request, rid)
                 job.oracle_tokens = oracle_tokens
                 progress["prompt_tokens"] = len(job.token_ids)
+                text = TextStream(self.model.detokenizer(), stops)
+                received, held = self._resumed(resume, key, rid, job, text)
                 admission.charge(len(job.token_ids))
                 pred = await self.orch.predict(job)
                 await admission.turn(pred.predicted_tokens)  # once: migrations keep it
-                text = TextStream(self.model.detokenizer(), stops)
                 self.totals.requests += 1
                 self.totals.running += 1
                 self.idle.clear()
-                n_out, t_first, finish = 0, 0.0, 0
-                gen = self.orch.run(job, pred)
+                n_out, t_first, finish = len(received), 0.0, 0
+                token = ""  # the resume token, sent with the first tokens
+                gen = self.orch.run(job, pred, received)
                 try:
                     async for chunk in gen:
                         step = text.push(chunk.token_ids)
@@ -133,7 +168,10 @@ class FrontDoor:
                         admission.charge(len(step.token_ids))
                         if not t_first:
                             t_first = time.perf_counter()
-                        finish, delta = chunk.finish_reason, step.text
+                            if self.resume_tokens is not None:
+                                token = self.resume_tokens.issue(rid, key.name, job)
+                        finish, delta = chunk.finish_reason, held + step.text
+                        held = ""
                         if step.stopped:
                             finish = common_pb2.FINISH_REASON_STOP
                         elif finish:
@@ -146,7 +184,9 @@ class FrontDoor:
                             text=delta,
                             server_ms=(time.perf_counter() - t0) * 1000.0,
                             finish_reason=finish,
+                            resume_token=token,
                         )
+                        token = ""
                         if finish:
                             resp.usage.CopyFrom(self._usage(job, n_out, t0, t_first))
                             yield resp
@@ -205,6 +245,20 @@ class FrontDoor:
         resp.predictor_kendall_tau = length.running_tau()
         resp.predictor_observed = length.learned
         resp.queue_waiting = self.admission.waiting
+        if self.peers is not None:
+            resp.router_id = self.peers.me.router_id
+            for r in self.peers.known(i.instance_id for i in instances):
+                resp.routers.append(
+                    router_pb2.RouterStatus(
+                        router_id=r.identity.router_id,
+                        address=r.identity.address,
+                        http_address=r.identity.http_address,
+                        workers=r.workers,
+                        is_self=r.is_self,
+                    )
+                )
+        if self.shared_store is not None:
+            resp.shared_store = self.shared_store.describe()
         for inst in instances:
             state = "suspect" if inst.suspect_since is not None else inst.state
             resp.instances.append(
@@ -222,6 +276,33 @@ class FrontDoor:
         return resp
 
     # -------------------------------------------------------------- helpers
+    def _resumed(
+        self,
+        resume: router_pb2.ResumeRequest | None,
+        key: ApiKey,
+        rid: str,
+        job: Job,
+        text: TextStream,
+    ) -> tuple[list[int], str]:
+        """For a resumed stream: (the tokens the client received, text it is still owed),
+        after checking its token and that it has not finished; `text` replays the received
+        tokens (a stop string may span the seam). A new stream: ([], "")."""
+        if resume is None:
+            return [], ""
+        try:
+            if self.resume_tokens is None:
+                raise UnavailableError("this router does not resume streams (no resume secret)")
+            out = accept_resume(
+                resume, self.resume_tokens, key.name, self.keys.names(), rid, job, text, self.model
+            )
+        except PdserveError as exc:
+            self.metrics.resumes.labels(exc.code.name.lower()).inc()
+            log.info("resume refused", key=key.name, code=exc.code.name, error=str(exc))
+            raise
+        self.metrics.resumes.labels("resumed").inc()
+        log.info("stream resumed", key=key.name, received_tokens=len(out[0]))
+        return out
+
     async def _prepare(
         self, request: router_pb2.GenerateRequest, rid: str
     ) -> tuple[Job, list[str]]:

@@ -48,6 +48,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async for resp in stream:
                 yield resp
 
+    async def Resume(
+        self, request: router_pb2.ResumeRequest, context
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        key = self.front.authenticate(metadata_value(context.invocation_metadata()))
+        async with contextlib.aclosing(self.front.resume(request, key)) as stream:
+            async for resp in stream:
+                yield resp
+
     async def Status(self, request: router_pb2.StatusRequest, context) -> router_pb2.StatusResponse:
         self.front.authenticate(metadata_value(context.invocation_metadata()))
         return self.front.status()

@@ -55,7 +55,7 @@ def migratable(exc: BaseException) -> bool:
     return isinstance(exc, PdserveError) and exc.code in MIGRATABLE
 
 
-def continuation(job: Job, emitted: Sequence[int], migration: int) -> Job:
+def continuation(job: Job, emitted: Sequence[int], migration: int, kind: str = "m") -> Job:
     """The job that continues `job` on another worker after the client received `emitted`.
 
     Invariants (unit-tested): prompt + emitted is the new prompt; max_tokens counts only the
@@ -69,7 +69,7 @@ def continuation(job: Job, emitted: Sequence[int], migration: int) -> Job:
     offset = job.params.output_offset + k
     return dataclasses.replace(
         job,
-        request_id=f"{job.request_id}.m{migration}",  # never confused with the old attempt
+        request_id=f"{job.request_id}.{kind}{migration}",  # never confused with the old attempt
         token_ids=[*job.token_ids, *emitted],
         params=dataclasses.replace(job.params, max_tokens=left, output_offset=offset),
         stages=Stages(),
@@ -110,12 +110,19 @@ class Migrator:
         self._on_migration = on_migration or (lambda _reason: None)
 
     async def run(
-        self, job: Job, attempt: Callable[[Job], AsyncIterator[Chunk]] | None = None
+        self,
+        job: Job,
+        attempt: Callable[[Job], AsyncIterator[Chunk]] | None = None,
+        received: Sequence[int] = (),
     ) -> AsyncIterator[Chunk]:
-        """`job`'s chunks through `attempt` (default: the one given at construction)."""
+        """`job`'s chunks through `attempt` (default: the one given at construction).
+        `received`: tokens the client already has (a stream resumed after its router died):
+        the first attempt is the continuation after them (request id `r.r1`)."""
         attempt = attempt or self._attempt
-        emitted: list[int] = []
+        emitted: list[int] = list(received)
         current, migrations = job, 0
+        if emitted:
+            current = continuation(job, emitted, 1, kind="r")
         wait_deadline: float | None = None  # set at the first migration
         while True:
             gen = attempt(current)

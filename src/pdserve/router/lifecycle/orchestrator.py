@@ -123,13 +123,16 @@ class Orchestrator:
         route = self._route(job)
         return await self.length.predict(job, route, self._predictor_block_size())
 
-    async def run(self, job: Job, pred: Prediction | None = None) -> AsyncIterator[Chunk]:
+    async def run(
+        self, job: Job, pred: Prediction | None = None, received: Sequence[int] = ()
+    ) -> AsyncIterator[Chunk]:
         """The request's chunks. When its stream breaks after the client has seen tokens,
         `Migrator` continues it on other instances (migration.py): one `_attempt` each,
-        all under the request's one prediction `pred` (made here when not given)."""
+        all under the request's one prediction `pred` (made here when not given).
+        `received`: a resumed stream's tokens (its router died); it continues after them."""
         if pred is None:
             pred = await self.predict(job)
-        gen = self.migrator.run(job, lambda part: self._attempt(part, pred))
+        gen = self.migrator.run(job, lambda part: self._attempt(part, pred), received)
         finished = False
         try:
             async for chunk in gen:

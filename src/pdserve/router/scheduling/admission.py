@@ -42,6 +42,24 @@ QUEUE_RETRY_S = 1.0
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+class SharedLimits(Protocol):
+    """The per-key limits' shared half when several router replicas run (implemented over
+    the shared store by router/replicas/key_limits.py)."""
+
+    async def acquire(self, key: str, limit: int, running_here: int) -> str | None:
+        """A lease for one more stream of `key` ("" when decided locally), or None when
+        the key runs `limit` streams across the replicas."""
+        ...
+
+    def release(self, key: str, lease: str | None) -> None: ...
+
+    def track_usage(self, key: str, used: Callable[[], int]) -> None: ...
+
+    def others_used(self, key: str) -> int:
+        """Tokens the other replicas booked for `key` in the last minute."""
+        ...
+
+
 class KeyLimits(Protocol):
     """What admission reads of an API key (frontdoor.auth.ApiKey)."""
 
@@ -176,8 +194,10 @@ class Admission:
         config: AdmissionConfig | None = None,
         serving: Callable[[], int] = lambda: 1,
         clock: Callable[[], float] = time.monotonic,  # the queue's (a simulator's virtual one)
+        shared: SharedLimits | None = None,  # router replicas: limits across all of them
     ) -> None:
         self.config = c = config or AdmissionConfig()
+        self.shared = shared
         self.metrics = AdmissionMetrics(metrics)
         self._serving = serving  # decode (or colocated) instances serving now
         self.queue = OverloadQueue(
@@ -233,7 +253,11 @@ class Admission:
             )
         if key.tokens_per_minute:
             now = time.monotonic()
-            if st.used(now) >= key.tokens_per_minute:
+            others = 0
+            if self.shared is not None:
+                self.shared.track_usage(key.name, lambda: st.used(time.monotonic()))
+                others = self.shared.others_used(key.name)
+            if st.used(now) + others >= key.tokens_per_minute:
                 raise self._reject(
                     key,
                     "tokens_per_minute",
@@ -246,6 +270,7 @@ class Admission:
     async def admit(self, key: KeyLimits) -> AsyncIterator[Pass]:
         st = self.check_key(key)
         st.running += 1  # counted while it waits too: a key cannot flood the queue
+        lease = await self._shared_lease(key, st)
         p = Pass(self, key, st)
         self.metrics.admitted.labels(key.name).inc()
         self.metrics.streams.labels(key.name).inc()
@@ -254,9 +279,32 @@ class Admission:
         finally:
             self.metrics.streams.labels(key.name).dec()
             st.running -= 1
+            if self.shared is not None:
+                self.shared.release(key.name, lease)
             if p.turned:
                 self.queue.release()
                 self._gauge()
+
+    async def _shared_lease(self, key: KeyLimits, st: _KeyState) -> str | None:
+        """With router replicas: one of the key's `max_concurrent` slots across all of
+        them (`st.running` already counts this request here)."""
+        if self.shared is None or not key.max_concurrent:
+            return None
+        try:
+            lease = await self.shared.acquire(key.name, key.max_concurrent, st.running - 1)
+        except BaseException:
+            st.running -= 1
+            raise
+        if lease is None:
+            st.running -= 1
+            raise self._reject(
+                key,
+                "concurrency",
+                f"API key {key.name!r} already runs {key.max_concurrent} streams across the "
+                f"router replicas, its limit (max_concurrent); retry when one finishes",
+                QUEUE_RETRY_S,
+            )
+        return lease
 
     async def _turn(self, key: KeyLimits, predicted_tokens: float) -> float:
         c = self.config

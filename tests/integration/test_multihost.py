@@ -1,0 +1,300 @@
+"""The cluster across hosts: one network namespace per host (scripts/netns-cluster.sh), joined
+by veth pairs and a bridge in a namespace of its own, each host with its own address:
+
+    router0 10.77.0.1 | kvstore .10 | prefill0 .20 | decode0 .40 | decode1 .41 | client .100
+
+Every service listens on its host's address only (in its host's own network, IPC and PID
+namespaces, as in a container), certificates name those addresses, and KV crosses hosts
+over UCX TCP. The test itself stays in the machine's namespace (no route to the
+hosts) and drives a client agent on the `client` host (netns_agent.py, netns_layout.py). Under
+load it checks:
+
+1. tokens equal the in-process engine's; the KV bytes the prefill sent over UCX left its host
+   through its interface (not shared memory), and the decodes' and the kvstore's came in
+   through theirs; each service's certificate names its host's address;
+2. a decode host cut off from the network mid-stream: its streams move on, the registry drops
+   it within its lease, and once reconnected it rejoins once (same instance, one
+   registration), with nothing held;
+3. a decode host going down (every process on it killed) mid-stream: its streams move to the
+   host that rejoined (whose tokens must be exact: no stale KV), and the registry drops it
+   within its lease.
+
+Runs as root where `ip netns` works (CI); elsewhere it skips with the reason. Every wait is
+bounded (hang guards); the lease bound is the registry's contract, with slack for a busy host.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.router.settings import LifecycleSettings
+
+from .conftest import VOCAB
+from .netns_layout import Agent, Layout, script, unavailable
+
+pytestmark = pytest.mark.integration
+
+CONTEXT = 512
+N_STREAMS = 16
+LONG_TOKENS = 400  # streams last long enough for a fault to land mid-stream
+HEARTBEAT_S = 0.5
+LEASE_S = 2.5  # the router's heartbeat timeout: a silent instance is dropped after it
+LEASE_SLACK_S = 2.5  # the registry's sweep period, the status poll and a busy machine
+ROUTER_ARGS = (
+    f"--heartbeat-interval-s {HEARTBEAT_S} --heartbeat-timeout-s {LEASE_S} "
+    "--max-instances-per-identity 1"  # every worker has its own certificate
+)
+WORKER_ARGS = "--num-blocks 1024 --max-num-batched-tokens 512"
+# the router's documented longest gap between two messages of a stream (its default)
+DECODE_IDLE_DEADLINE_S = LifecycleSettings.model_fields["decode_idle_deadline_s"].default
+MIN_RUNNING_AT_FAULT = 2  # hit a decode host once it runs at least this many streams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from pdserve.model.tiny import TinySpec, make_tiny
+
+    root = tmp_path_factory.mktemp("multihost-tiny")
+    return Path(make_tiny(root / "llama", TinySpec(vocab=VOCAB, max_pos=CONTEXT)))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="float32", num_blocks=2048))
+
+
+@pytest.fixture(scope="module")
+def layout(request, tmp_path_factory):
+    why = unavailable()
+    if why is not None:
+        pytest.skip(why)
+    model_dir = request.getfixturevalue("model_dir")  # (after the check: a skip costs nothing)
+    name = "pdt" + secrets.token_hex(4)  # unique per run: two runs never share a namespace
+    state = tmp_path_factory.mktemp("netns") / name
+    agent = None
+    try:
+        r = script(
+            "up", "--name", name, "--dir", str(state), "--model", str(model_dir),
+            "--python", sys.executable, "--prefill", "1", "--decode", "2",
+            "--router-args", ROUTER_ARGS, "--worker-args", WORKER_ARGS,
+            "--kvstore-bytes", str(64 << 20), "--timeout", "150",
+            timeout=200,
+        )  # fmt: skip
+        assert r.returncode == 0, f"netns-cluster.sh up failed:\n{r.stdout}\n{r.stderr}"
+        agent = Agent(f"{name}-client", state / "certs", state / "logs" / "agent.log")
+        layout = Layout(name, state, agent)
+        yield layout
+        print(layout.logs())  # shown when a test of the module failed
+    finally:
+        if agent is not None:
+            agent.close()
+        script("--name", name, "--dir", str(state), "down", timeout=60)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _requests(seed: int, max_tokens: int) -> list[dict]:
+    """Distinct prompts; even streams greedy, odd ones seeded top-p sampling."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(N_STREAMS):
+        req = {
+            "token_ids": [rng.randint(2, VOCAB - 1) for _ in range(rng.randint(8, 48))],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
+        if i % 2:
+            req.update(temperature=0.9, top_p=0.95, seed=1000 * seed + i)
+        out.append(req)
+    return out
+
+
+def _expected(engine, requests: list[dict]) -> list[list[int]]:
+    from pdserve.engine.params import SamplingParams
+
+    out: dict[str, list[int]] = {}
+    for i, r in enumerate(requests):
+        params = SamplingParams(
+            max_tokens=r["max_tokens"],
+            temperature=r["temperature"],
+            top_p=r.get("top_p", 1.0),
+            seed=r.get("seed"),
+            ignore_eos=True,
+        )
+        engine.add_request(f"mh-{i}", r["token_ids"], params)
+        out[f"mh-{i}"] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[f"mh-{i}"] for i in range(len(requests))]
+
+
+def _kv_bytes_in(layout: Layout) -> int:
+    """Bytes the kvstore took in over UCX (puts)."""
+    stats = layout.agent.call("kvstats", addr=f"{layout.addr('kvstore')}:50060")
+    return int(stats.get("bytes_in", 0))  # (proto3 JSON: absent when 0, a string)
+
+
+def _wait(pred, timeout: float, what: str, interval: float = 0.1) -> float:
+    """Poll until `pred()`; return the seconds it took. Fails after `timeout` (hang guard)."""
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        time.sleep(interval)
+    return time.monotonic() - start
+
+
+def _check_results(results: list[dict], expected: list[list[int]], label: str) -> float:
+    """Every stream complete, exact and never silent past the router's documented deadline
+    between two messages; returns the longest silence."""
+    errors = [(i, r["error"]) for i, r in enumerate(results) if r["error"]]
+    assert not errors, f"{label}: client-visible failures {errors[:3]}"
+    gap = max(r["max_gap_s"] for r in results)
+    assert gap < DECODE_IDLE_DEADLINE_S, f"{label}: a stream was silent for {gap:.1f} s"
+    wrong = [
+        i for i, (r, e) in enumerate(zip(results, expected, strict=True)) if r["token_ids"] != e
+    ]
+    assert not wrong, f"{label}: tokens differ from the in-process engine's in streams {wrong}"
+    assert all(r["finish_reason"] == "length" for r in results)
+    return gap
+
+
+def _start_and_hit(layout: Layout, batch: str, requests: list[dict], decodes: list[str]) -> str:
+    """Start the streams; once every one has a token and one of `decodes` runs several of
+    them, return that host (the caller hits it at once)."""
+    layout.agent.call("start", batch=batch, router=layout.router, requests=requests, stream_s=120)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, f"{batch}: the streams never ran on {decodes}"
+        p = layout.agent.call("progress", batch=batch)
+        assert p["done"] < len(requests), f"{batch}: every stream ended before the fault"
+        if min(p["tokens"]) >= 1:
+            running = {h: layout.info(h)["load"].get("num_running", 0) for h in decodes}
+            busiest = max(running, key=running.get)
+            if running[busiest] >= MIN_RUNNING_AT_FAULT:
+                return busiest
+        time.sleep(0.02)
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+def test_tokens_and_kv_cross_hosts(layout: Layout, reference):
+    hosts = ("prefill0", "decode0", "decode1", "kvstore")
+    assert {i["address"] for i in layout.instances()} == {
+        layout.worker(h) for h in ("prefill0", "decode0", "decode1")
+    }
+    sent0 = layout.info("prefill0")["counters"]["ucx_bytes_sent"]
+    recv0 = {h: layout.info(h)["counters"]["ucx_bytes_received"] for h in ("decode0", "decode1")}
+    kv_in0 = _kv_bytes_in(layout)
+    link0 = {h: layout.link_bytes(h) for h in hosts}
+
+    requests = _requests(seed=1, max_tokens=24)
+    layout.agent.call("start", batch="plain", router=layout.router, requests=requests, stream_s=120)
+    results = layout.agent.call("wait", batch="plain", wait_s=120, timeout=130)
+    _check_results(results, _expected(reference, requests), "plain")
+
+    # KV left the prefill's host through its interface and reached each decode through
+    # theirs: over TCP between hosts, not shared memory (UCX counts every message).
+    sent = layout.info("prefill0")["counters"]["ucx_bytes_sent"] - sent0
+    assert sent > 0
+    link = {h: layout.link_bytes(h) for h in hosts}
+    assert link["prefill0"][1] - link0["prefill0"][1] >= sent
+    for h in ("decode0", "decode1"):
+        got = layout.info(h)["counters"]["ucx_bytes_received"] - recv0[h]
+        assert got > 0, f"{h} received no KV (placement used one decode only?)"
+        assert link[h][0] - link0[h][0] >= got
+    kv_in = _kv_bytes_in(layout) - kv_in0
+    assert kv_in > 0, "nothing was published to the kvstore"
+    assert link["kvstore"][0] - link0["kvstore"][0] >= kv_in
+
+    # Each certificate names its host's address: a client verifying the server against the
+    # address it dials (not the cluster name) gets through, and one expecting another
+    # host's address is refused.
+    for addr in (
+        f"{layout.addr('router0')}:50061",
+        f"{layout.addr('kvstore')}:50060",
+        *(layout.worker(h) for h in ("prefill0", "decode0", "decode1")),
+    ):
+        check = layout.agent.call("tls_check", addr=addr)
+        assert check["ok"], f"{addr}: {check['error']}"
+    wrong = layout.agent.call(
+        "tls_check", addr=layout.worker("decode0"), server_name=layout.addr("prefill0")
+    )
+    assert not wrong["ok"], "decode0's certificate passed for prefill0's address"
+
+
+def test_a_host_cut_off_and_reconnected(layout: Layout, reference):
+    """A decode host's link goes down mid-stream (its processes live on, silent): its streams
+    move to the other decode, the registry drops it within its lease; reconnected, it rejoins
+    once (the same instance, one registration) and holds nothing of the streams it lost."""
+    requests = _requests(seed=2, max_tokens=LONG_TOKENS)
+    expected = _expected(reference, requests)
+    lost0 = layout.migrations("lost")
+    victim = _start_and_hit(layout, "cut", requests, ["decode0", "decode1"])
+    (victim_id,) = (i["id"] for i in layout.instance_at(victim))
+    registered0 = layout.registrations(victim_id)
+    layout.script("cut", victim)
+    try:
+        dropped_s = _wait(lambda: not layout.instance_at(victim), LEASE_S + 10, "drop")
+        assert dropped_s <= LEASE_S + LEASE_SLACK_S, (
+            f"{victim} cut off: dropped from the registry after {dropped_s:.1f} s, "
+            f"lease {LEASE_S} s"
+        )
+        _wait(lambda: layout.migrations("lost") > lost0, 30, "streams moved off the cut host")
+    finally:
+        layout.script("heal", victim)
+    # Rejoins once: the same instance (the worker re-registers its own id), one registration.
+    rejoin_s = _wait(lambda: len(layout.instance_at(victim)) == 1, 30, f"{victim} rejoined")
+    print(
+        f"cut: {victim} dropped after {dropped_s:.2f} s (lease {LEASE_S} s), "
+        f"rejoined {rejoin_s:.2f} s after the link came back"
+    )
+    results = layout.agent.call("wait", batch="cut", wait_s=120, timeout=130)
+    gap = _check_results(results, expected, "cut")
+    print(f"cut: the longest silence of a stream {gap:.2f} s")
+    assert layout.info(victim)["instance_id"] == victim_id
+    _wait(lambda: layout.idle(victim), 30, f"{victim} released the streams it lost")
+    assert layout.registrations(victim_id) == registered0 + 1
+    ids = [i["id"] for i in layout.instances()]
+    assert len(ids) == len(set(ids)) == 3, ids
+    for host in ("prefill0", "decode0", "decode1"):
+        _wait(lambda host=host: layout.idle(host), 30, f"{host} idle")
+
+
+def test_a_host_goes_down(layout: Layout, reference):
+    """Every process on a decode host killed mid-stream: its streams move to the other
+    decode (the one that rejoined above: its tokens must be exact, no stale KV), and the
+    registry drops the dead host within its lease."""
+    assert len(layout.instances()) == 3, "the previous test left the cluster short"
+    requests = _requests(seed=3, max_tokens=LONG_TOKENS)
+    expected = _expected(reference, requests)
+    moved0 = layout.migrations("unavailable") + layout.migrations("lost")
+    victim = _start_and_hit(layout, "down", requests, ["decode0", "decode1"])
+    (survivor,) = {"decode0", "decode1"} - {victim}
+    layout.script("kill", victim)
+    dropped_s = _wait(lambda: not layout.instance_at(victim), LEASE_S + 10, "drop")
+    assert dropped_s <= LEASE_S + LEASE_SLACK_S, (
+        f"{victim} down: dropped from the registry after {dropped_s:.1f} s, lease {LEASE_S} s"
+    )
+    results = layout.agent.call("wait", batch="down", wait_s=120, timeout=130)
+    gap = _check_results(results, expected, "down")
+    assert layout.migrations("unavailable") + layout.migrations("lost") > moved0
+    print(
+        f"host down: {victim} dropped after {dropped_s:.2f} s (lease {LEASE_S} s); "
+        f"the longest silence of a stream {gap:.2f} s"
+    )
+    for host in ("prefill0", survivor):
+        _wait(lambda host=host: layout.idle(host), 30, f"{host} idle")
