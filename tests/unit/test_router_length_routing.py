@@ -9,7 +9,8 @@ import random
 from pdserve.router.app import mixed_memory, predictions_needed
 from pdserve.router.cluster.registry import ROLE_DECODE, Instance, LoadReport
 from pdserve.router.scheduling.decode_placement import LengthRouted
-from pdserve.router.scheduling.policies import RouteRequest, SessionAffinity, make_policy
+from pdserve.router.scheduling.factory import make_policy
+from pdserve.router.scheduling.policies import RouteRequest, SessionAffinity
 from pdserve.sim.router_side import router_settings
 
 

@@ -39,8 +39,8 @@ from .replicas.leader import Leadership
 from .replicas.store import SharedStore
 from .scheduling.admission import Admission, AdmissionConfig
 from .scheduling.demand import DecodeDemand
+from .scheduling.factory import make_policy
 from .scheduling.length import LengthMetrics, LengthScheduling
-from .scheduling.policies import make_policy
 from .scheduling.predictor import EwmaPredictor, OraclePredictor, OutputLengthPredictor
 from .settings import RouterSettings
 

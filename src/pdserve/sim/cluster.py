@@ -49,8 +49,9 @@ from pdserve.router.frontdoor.input_limits import InputLimits
 from pdserve.router.job import Job
 from pdserve.router.scheduling.admission import Admission
 from pdserve.router.scheduling.demand import DecodeDemand
+from pdserve.router.scheduling.factory import make_policy
 from pdserve.router.scheduling.length import LengthScheduling, Prediction
-from pdserve.router.scheduling.policies import PlacementPolicy, RouteRequest, make_policy
+from pdserve.router.scheduling.policies import PlacementPolicy, RouteRequest
 from pdserve.router.scheduling.predictor import EwmaPredictor, OutputLengthPredictor
 from pdserve.router.settings import RouterSettings
 from pdserve.sim import router_side

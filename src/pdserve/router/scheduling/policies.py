@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..cluster.registry import Instance
-from .demand import DecodeDemand
 
 
 @dataclass
@@ -218,23 +217,3 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "least_loaded": LeastLoaded,
     "prefix_aware": PrefixAware,
 }
-
-
-def make_policy(
-    name: str,
-    session_affinity: bool = False,
-    decode_placement: str = "count",
-    demand: DecodeDemand | None = None,
-    length_routing_tokens: int = 0,
-) -> PlacementPolicy:
-    """`decode_placement`: "count" = the policy's own choice (request counts), or a decode
-    placement wrapped around it (`decode_placement.py`: "predicted" = PredictedFootprint over
-    `demand`, "length" = LengthRouted at `length_routing_tokens`)."""
-    from .decode_placement import with_decode_placement
-
-    try:
-        policy = POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    policy = with_decode_placement(policy, decode_placement, demand, length_routing_tokens)
-    return SessionAffinity(policy) if session_affinity else policy
