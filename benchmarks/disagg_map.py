@@ -64,7 +64,7 @@ def plan_argv(model: str, shape: str, a: argparse.Namespace, out: Path) -> list[
     return [
         "plan", "--map", *flags, *SHAPES[shape], "--map-ttft", TTFT[(model, shape)],
         "--map-tpot", tpot, "--nochunk-budget", "2048", "--disagg-chunks", "2048",
-        "--decode-seqs", "256", "--seed", "1", "--jobs", str(a.jobs), "--out", str(out),
+        "--decode-seqs", "256", "--seed", str(a.seed), "--jobs", str(a.jobs), "--out", str(out),
     ]  # fmt: skip
 
 
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--out-dir", default="bench-results/disagg_map")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1, help="arrivals and lengths")
     p.add_argument("--report", action="store_true", help="only read the saved panels")
     p.add_argument("--png", help="the heatmap (default: OUT_DIR/disagg_map.png)")
     a = p.parse_args(argv)
