@@ -58,7 +58,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     own.add_argument("--min-spread", type=float, default=1.5)
     own.add_argument("--configs", help="comma-separated configuration names to check "
                      "(default: all; plan's pick is always checked)")  # fmt: skip
-    own.add_argument("--max-runs", type=int, default=8, help="most emulated runs per search")
+    own.add_argument("--configs-only", action="store_true",
+                     help="check only --configs, not plan's pick as well")  # fmt: skip
+    own.add_argument("--max-runs", type=int, default=8,
+                     help="most emulated runs per search (1: one run at the simulated goodput, "
+                     "a check of the simulator's metrics there)")  # fmt: skip
     own.add_argument("--max-lag", type=float, default=0.02,
                      help="an emulated run whose step lag or gap exceeds this is repeated")  # fmt: skip
     own.add_argument("--repeats", type=int, default=3, help="most tries of one emulated rate")
@@ -105,7 +109,8 @@ def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any,
     configs = configurations(cands, res["units"], budget, args.max_model_len, args.block_size)
     pick = pick_of(res, configs)
     if mine.configs:
-        keep = {c.strip() for c in mine.configs.split(",")} | {pick.name}
+        keep = {c.strip() for c in mine.configs.split(",")}
+        keep |= set() if mine.configs_only else {pick.name}
         configs = [c for c in configs if c.name in keep]
     log(f"plan's pick: {pick.name} ({pick.unit} x{pick.replicas}); checking "
         f"{len(configs)} configurations: {', '.join(c.name for c in configs)}")  # fmt: skip
@@ -117,10 +122,19 @@ def run_check(args: argparse.Namespace, mine: argparse.Namespace, log: Any,
             f"{row['emu_goodput'] or 0:.2f} req/s ({row['devices']} devices)")  # fmt: skip
     result = check.result
     on = "simulated" if mine.no_emulate else "emulated"  # --no-emulate: a dry run
-    v = verdict({r["config"]: r[f"{on[:3]}_per_device"] for r in result["configs"]}, pick.name,
-                mine.tolerance, mine.min_spread)  # fmt: skip
-    result.update(verdict_on=on, verdict=v.to_json(), table=format_table(result["configs"], v, on),
-                  load_avg_end=os.getloadavg(), wall_s=time.perf_counter() - t0)  # fmt: skip
+    result.update(load_avg_end=os.getloadavg(), wall_s=time.perf_counter() - t0)
+    if any(r["config"] == pick.name for r in result["configs"]):
+        v = verdict({r["config"]: r[f"{on[:3]}_per_device"] for r in result["configs"]},
+                    pick.name, mine.tolerance, mine.min_spread)  # fmt: skip
+        result.update(verdict_on=on, verdict=v.to_json(),
+                      table=format_table(result["configs"], v, on))  # fmt: skip
+    else:  # --configs-only without the pick: the simulator's metrics against emulation
+        result["table"] = "\n".join(
+            f"{r['config']}: simulated goodput {r['sim_goodput']:.2f} req/s; emulated at "
+            f"{e['rate']:.2f} req/s: attainment {e['attainment']:.3f} (simulated "
+            f"{e['vs_sim']['sim']['attainment']:.3f}), largest metric error "
+            f"{e['vs_sim']['max_rel_error'] or 0:.1%}"
+            for r in result["configs"] for e in r["emu_runs"])  # fmt: skip
     check.save()
     return result
 
