@@ -178,6 +178,7 @@ PLACE = {"count": [LEN], "predicted": [LEN, "--decode-placement=predicted"]}
 # (predicted >= 256 tokens) to the H100s
 MIXED = ["--emulate", "prefill=h100,decode=h100+l40s"]
 D4M = ["--mode", "disagg", "--prefill", "4", "--decode", "4", *MIXED]
+D2M = ["--mode", "disagg", "--prefill", "2", "--decode", "2", *MIXED]  # sized to emulate
 LENGTH_ARMS = {
     "count": [LEN, "--decode-placement=count"],
     "length": [LEN, "--decode-placement=length"],
@@ -221,6 +222,11 @@ SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str
     ("length", "azure", "4P 2+2D mixed", D4M, 60.0, 600, "ttft:1000 tpot:60", LENGTH_ARMS,
      "count"),
     ("length", "mooncake", "4P 2+2D mixed", D4M, 24.0, 300, "ttft:3000 tpot:60", LENGTH_ARMS,
+     "count"),
+    # half the cluster at half the rate: small enough for an emulated run of every seed
+    ("length", "azure", "2P 1+1D mixed", D2M, 30.0, 150, "ttft:1000 tpot:60", LENGTH_ARMS,
+     "count"),
+    ("length", "mooncake", "2P 1+1D mixed", D2M, 12.0, 100, "ttft:3000 tpot:60", LENGTH_ARMS,
      "count"),
     ("flip", "shift", "4P4D", D44, 36.0, 1200, "ttft:3000 tpot:60", {
         "static": [LEN], "flip": [LEN, "--flip-enabled", "--flip-cooldown-s=5",
