@@ -42,7 +42,7 @@ from benchmarks.evidence.emulated import (
     tokenizer_dir,
 )
 from benchmarks.evidence.metrics import arm_metrics
-from benchmarks.evidence.stats import ci, setup_rows, table
+from benchmarks.evidence.stats import ci, merge, setup_rows, table
 from pdserve.costmodel.roofline import pool_costs
 from pdserve.router.scheduling.predictor import LengthEstimate, OutputLengthPredictor
 from pdserve.router.scheduling.predictor.stats import kendall_tau
@@ -326,6 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", default="sjf,placement,headroom,prefix,flip,length")
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--seed-list", help="comma-separated seeds instead of 1..--seeds (one "
+                   "emulated run split in parts; --merge joins them)")  # fmt: skip
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="join saved runs of different seeds into --out, then print the table",
+    )
     p.add_argument("--only", help="comma-separated 'group/workload/cluster' names to run")
     p.add_argument("--arms", help="comma-separated arms to run (the baseline is always run)")
     p.add_argument("--n", type=int, help="requests per run (default: each setup's)")
@@ -344,7 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.table:
         print(table(a.table))
         return 0
-    seeds = list(range(1, a.seeds + 1))
+    if a.merge:
+        Path(a.out).write_text(json.dumps(merge(a.merge), indent=1, default=str))
+        print(table([a.out]))
+        return 0
+    seeds = ([int(x) for x in a.seed_list.split(",")] if a.seed_list
+             else list(range(1, a.seeds + 1)))  # fmt: skip
     LENGTH_SCALE[0] = a.length_scale
     groups = a.groups.split(",")
 
