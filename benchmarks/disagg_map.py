@@ -17,7 +17,7 @@ Workload shapes (lengths in tokens; `lognormal:MEAN,SIGMA` = mean, sigma of the 
   (prompt median 1,020, output median 129) and arrival pattern, rescaled to each rate;
 - code: the same paper's code trace statistics (prompt median 1,500, output median 13), as
   prompt lognormal:1800,0.6 (median 1,500) and output lognormal:21,1.0 (median 13), Poisson;
-- summarization: long documents, an assumption (no public trace on this machine): prompt
+- summarization: long documents, an assumption (no public trace used): prompt
   uniform 4,096-7,680, output lognormal:256,0.5 (median 226), Poisson.
 SLO grids are per model and shape, tight / medium / relaxed: TTFT about 3x / 10x / 30x a lone
 median prompt's prefill, TPOT about 2x / 4x / 8x a batch-1 decode step (GRIDS).
