@@ -62,7 +62,10 @@ def test_setting_turns_it_on_keeps_prefill_and_session_and_needs_predictions():
     assert s.placement.decode_placement == "length" and s.placement.length_routing_tokens == 512
     assert predictions_needed(s, mixed_decodes=True)
     assert not predictions_needed(s)  # a uniform decode pool: nothing reads them
-    assert not predictions_needed(router_settings([]), mixed_decodes=True)
+    assert predictions_needed(router_settings([]), mixed_decodes=True)  # length: the default
+    assert not predictions_needed(router_settings([]))
+    count = router_settings(["--decode-placement", "count"])
+    assert not predictions_needed(count, mixed_decodes=True)
     assert mixed_memory([decode("a", 100), decode("b", 200)])
     assert not mixed_memory([decode("a", 100), decode("b", 100)])
     p = make_policy("prefix_aware", session_affinity=True, decode_placement="length")

@@ -1,4 +1,4 @@
-"""Decode placements wrapped around a placement policy (`policies.make_policy`): the inner
+"""Decode placements wrapped around a placement policy (`factory.make_policy`): the inner
 policy places prefills (and colocated requests); these choose the decode instance from the
 request's predicted length.
 
