@@ -3,21 +3,27 @@
 # its own interface and address, all joined by a bridge that lives in a namespace of its own,
 # so the machine's own interfaces are never touched and traffic flows only between these hosts.
 #
-#   sudo scripts/netns-cluster.sh up [--name NAME] [--model DIR] [--prefill M] [--decode N]
+#   sudo scripts/netns-cluster.sh up [--name NAME] [--model DIR] [--routers R] [--prefill M]
+#        [--decode N] [--redis]
 #   sudo scripts/netns-cluster.sh exec client python -m pdserve.cli.main generate \
-#        --addr 10.77.0.1:50051 --prompt "Hello"
+#        --addr 10.77.0.1:50051,10.77.0.2:50051 --prompt "Hello"
 #   sudo scripts/netns-cluster.sh status | kill HOST | cut HOST | heal HOST | start HOST
 #   sudo scripts/netns-cluster.sh down
 #
 # Layout (SUBNET = 10.77.0 by default; every host listens on its own address, so ports repeat):
 #   router<i>  SUBNET.<1+i>   router: public gRPC :50051, HTTP :8000, internal :50061
 #   kvstore    SUBNET.10      kvstore :50060
+#   redis      SUBNET.11      redis-server :6379 (only with --redis)
 #   prefill<i> SUBNET.<20+i>  worker --role prefill :50070
 #   decode<i>  SUBNET.<40+i>  worker --role decode  :50070
 #   client     SUBNET.100     nothing: run clients here (`exec client ...`)
 # Every service has /metrics on :9090 of its host. Certificates (mutual TLS on the internal
-# plane) name each host's address. Workers advertise their host's address to the router; the
-# router hands out the kvstore's.
+# plane) name each host's address. Workers register with every router (each one's internal
+# address) and advertise their host's address; the routers hand out the kvstore's. The routers
+# sign resume tokens with one secret (DIR/resume.secret), so an SDK stream whose router host
+# dies resumes on another. Router replicas need no shared store unless API keys carry limits
+# or the flip controller is on (docs/ARCHITECTURE.md, "Router replicas"): --redis runs one on
+# a host of its own and gives every router --redis-url.
 #
 # A host's services also get IPC and PID namespaces of their own (as in a container): UCX
 # then sees separate nodes and moves KV over TCP between hosts, as it would between machines.
@@ -38,8 +44,9 @@
 # Options (any command): --name NAME (default pdserve; [a-z0-9], at most 12 characters: the
 # namespaces are NAME-<host>, NAME-net), --dir DIR (state: certificates, logs, pids; default
 # ${TMPDIR:-/tmp}/pdserve-netns-NAME). `up` also takes: --subnet A.B.C, --model DIR (default:
-# the built-in tiny model), --routers R (1), --prefill M (1), --decode N (2), --python PY
-# (default: python3), --router-args/--worker-args/--kvstore-args "FLAGS" (extra flags),
+# the built-in tiny model), --routers R (1), --prefill M (1), --decode N (2), --redis,
+# --redis-server PATH (default: the one beside PY, else on PATH), --python PY (default:
+# python3), --router-args/--worker-args/--kvstore-args "FLAGS" (extra flags),
 # --kvstore-bytes N (64 MiB), --timeout S (180), --foreground (stay, and remove the layout
 # on Ctrl-C, like `pdserve up`; without it `up` returns and `down` removes it).
 set -euo pipefail
@@ -49,6 +56,8 @@ DIR=""
 SUBNET=10.77.0
 MODEL=""
 ROUTERS=1
+REDIS=0
+REDIS_SERVER=""
 PREFILL=1
 DECODE=2
 PY=${PDSERVE_PYTHON:-python3}
@@ -64,6 +73,7 @@ HTTP_PORT=8000
 KVSTORE_PORT=50060
 WORKER_PORT=50070
 METRICS_PORT=9090
+REDIS_PORT=6379
 
 die() { echo "netns-cluster: $*" >&2; exit 1; }
 
@@ -75,6 +85,8 @@ while [[ $# -gt 0 ]]; do
         --subnet) SUBNET=$2; shift 2 ;;
         --model) MODEL=$2; shift 2 ;;
         --routers) ROUTERS=$2; shift 2 ;;
+        --redis) REDIS=1; shift ;;
+        --redis-server) REDIS_SERVER=$2; shift 2 ;;
         --prefill) PREFILL=$2; shift 2 ;;
         --decode) DECODE=$2; shift 2 ;;
         --python) PY=$2; shift 2 ;;
@@ -104,6 +116,7 @@ addr_of() {
     case "$h" in
         router[0-9]*) echo "$SUBNET.$((1 + ${h#router}))" ;;
         kvstore) echo "$SUBNET.10" ;;
+        redis) echo "$SUBNET.11" ;;
         prefill[0-9]*) echo "$SUBNET.$((20 + ${h#prefill}))" ;;
         decode[0-9]*) echo "$SUBNET.$((40 + ${h#decode}))" ;;
         client) echo "$SUBNET.100" ;;
@@ -115,6 +128,7 @@ hosts_of_layout() {
     local i
     for ((i = 0; i < ROUTERS; i++)); do echo "router$i"; done
     echo kvstore
+    ((REDIS == 0)) || echo redis
     for ((i = 0; i < PREFILL; i++)); do echo "prefill$i"; done
     for ((i = 0; i < DECODE; i++)); do echo "decode$i"; done
     echo client
@@ -185,6 +199,12 @@ net_down() {
 
 # ------------------------------------------------------------------------------- services
 
+router_internal_addrs() {  # every router's registry address, comma-separated
+    local i out=()
+    for ((i = 0; i < ROUTERS; i++)); do out+=("$(addr_of "router$i"):$ROUTER_INTERNAL_PORT"); done
+    (IFS=,; echo "${out[*]}")
+}
+
 # ARGV := the command line of HOST's service (empty for the client).
 service_argv() {
     local h=$1 a extra
@@ -194,10 +214,17 @@ service_argv() {
     case "$h" in
         router[0-9]*)
             read -r -a extra <<<"$ROUTER_ARGS"
+            local shared=()
+            ((REDIS == 0)) || shared=(--redis-url "redis://$(addr_of redis):$REDIS_PORT/0")
             ARGV=("$PY" -m pdserve.router --host "$a" --port $ROUTER_PORT
                 --internal-port $ROUTER_INTERNAL_PORT --http-port $HTTP_PORT
                 --metrics-port $METRICS_PORT --model "$MODEL"
-                --kvstore-addr "$(addr_of kvstore):$KVSTORE_PORT" "${tls[@]}" "${extra[@]}") ;;
+                --kvstore-addr "$(addr_of kvstore):$KVSTORE_PORT"
+                --resume-secret-file "$DIR/resume.secret" "${shared[@]}" "${tls[@]}"
+                "${extra[@]}") ;;
+        redis)
+            ARGV=("$REDIS_SERVER" --bind "$a" --port $REDIS_PORT --save "" --appendonly no
+                --protected-mode no --dir "$DIR/logs") ;;
         kvstore)
             read -r -a extra <<<"$KVSTORE_ARGS"
             ARGV=("$PY" -m pdserve.kvstore --host "$a" --port $KVSTORE_PORT
@@ -207,7 +234,7 @@ service_argv() {
             read -r -a extra <<<"$WORKER_ARGS"
             ARGV=("$PY" -m pdserve.worker --host "$a" --port $WORKER_PORT
                 --metrics-port $METRICS_PORT --role "${h%%[0-9]*}" --model "$MODEL"
-                --router-addr "$(addr_of router0):$ROUTER_INTERNAL_PORT" "${tls[@]}"
+                --router-addr "$(router_internal_addrs)" "${tls[@]}"
                 "${extra[@]}") ;;
     esac
 }
@@ -227,11 +254,13 @@ start_host() {
 }
 
 wait_ready() {  # every service printed its ready line
-    local deadline=$((SECONDS + TIMEOUT)) h
+    local deadline=$((SECONDS + TIMEOUT)) h ready
     for h in "$@"; do
         service_argv "$h"
         [[ ${#ARGV[@]} -gt 0 ]] || continue
-        until grep -q '^PDSERVE_READY ' "$DIR/logs/$h.log" 2>/dev/null; do
+        ready='^PDSERVE_READY '
+        [[ $h != redis ]] || ready='Ready to accept connections'
+        until grep -q "$ready" "$DIR/logs/$h.log" 2>/dev/null; do
             if ! kill -0 "$(cat "$DIR/pids/$h")" 2>/dev/null; then
                 tail -n 30 "$DIR/logs/$h.log" >&2 || true
                 die "$h exited before it was ready (log: $DIR/logs/$h.log)"
@@ -242,16 +271,19 @@ wait_ready() {  # every service printed its ready line
     done
 }
 
-registered() {  # distinct instances router0 logged as registered
-    grep '"instance registered"' "$DIR/logs/router0.log" 2>/dev/null |
+registered() {  # distinct instances router $1 logged as registered
+    grep '"instance registered"' "$DIR/logs/$1.log" 2>/dev/null |
         grep -o '"instance": *"[^"]*"' | sort -u | wc -l
 }
 
-wait_registered() {
-    local want=$1 deadline=$((SECONDS + TIMEOUT))
-    until (($(registered) >= want)); do
-        ((SECONDS < deadline)) || die "only $(registered) of $want workers registered in ${TIMEOUT}s"
-        sleep 0.2
+wait_registered() {  # every router knows `want` workers
+    local want=$1 deadline=$((SECONDS + TIMEOUT)) i
+    for ((i = 0; i < ROUTERS; i++)); do
+        until (($(registered "router$i") >= want)); do
+            ((SECONDS < deadline)) ||
+                die "router$i: only $(registered "router$i") of $want workers registered in ${TIMEOUT}s"
+            sleep 0.2
+        done
     done
 }
 
@@ -260,12 +292,16 @@ cmd_up() {
     ((ROUTERS >= 1 && ROUTERS <= 9)) || die "--routers must be 1..9"
     ((PREFILL >= 1 && PREFILL <= 20 && DECODE >= 1 && DECODE <= 20)) ||
         die "--prefill and --decode must be 1..20"
-    ((ROUTERS == 1)) || die "--routers > 1 needs router replicas (workers register with one router here)"
     local why
     why=$(net_check) || die "cannot make namespaces here: $why"
     [[ -z $(ip netns list | awk '{print $1}' | grep "^$NAME-" || true) ]] ||
         die "layout '$NAME' exists (down it first, or pick another --name)"
     "$PY" -c "import pdserve" 2>/dev/null || die "$PY cannot import pdserve (--python PY)"
+    if ((REDIS)); then
+        REDIS_SERVER=${REDIS_SERVER:-$(dirname "$PY")/redis-server}
+        [[ -x $REDIS_SERVER ]] || REDIS_SERVER=$(command -v redis-server) ||
+            die "--redis: no redis-server beside $PY nor on PATH (--redis-server PATH)"
+    fi
     if [[ -z $MODEL ]]; then
         MODEL=$("$PY" -c "from pdserve.model.tiny import ensure_builtin_tiny as t; print(t())")
     fi
@@ -273,7 +309,9 @@ cmd_up() {
     rm -rf "$DIR"
     mkdir -p -m 700 "$DIR" "$DIR/logs" "$DIR/pids"
     declare -p MODEL PY ROUTER_ARGS WORKER_ARGS KVSTORE_ARGS KVSTORE_BYTES SUBNET \
-        ROUTERS PREFILL DECODE >"$DIR/config"
+        ROUTERS REDIS REDIS_SERVER PREFILL DECODE >"$DIR/config"
+    # one resume secret for every router (a stream resumes on any of them)
+    (umask 077; "$PY" -c "import secrets; print(secrets.token_hex(32))" >"$DIR/resume.secret")
     mapfile -t hosts < <(hosts_of_layout)
     trap 'echo "netns-cluster: up failed; removing layout $NAME" >&2; net_down' ERR EXIT
     net_up "${hosts[@]}"
@@ -281,6 +319,7 @@ cmd_up() {
         case "$h" in
             router*) certs+=(--service "router:$h@$(addr_of "$h")") ;;
             kvstore) certs+=(--service "kvstore:kvstore@$(addr_of "$h")") ;;
+            redis) ;;  # plaintext (a shared store on the internal network)
             prefill* | decode*) certs+=(--service "worker:$h@$(addr_of "$h")") ;;
         esac
     done
@@ -297,10 +336,10 @@ cmd_up() {
     for ((i = 0; i < ROUTERS; i++)); do routers+=("$(addr_of "router$i"):$ROUTER_PORT"); done
     echo "PDSERVE_ROUTERS=$(IFS=,; echo "${routers[*]}")"
     echo "PDSERVE_NETNS_DIR=$DIR"
-    echo "try: $0 --name $NAME exec client $PY -m pdserve.cli.main generate --addr ${routers[0]} --prompt Hello"
+    echo "try: $0 --name $NAME exec client $PY -m pdserve.cli.main generate --addr $(IFS=,; echo "${routers[*]}") --prompt Hello"
     if ((FOREGROUND)); then
         echo "running; Ctrl-C stops every host and removes the layout"
-        trap 'net_down; rm -rf "$DIR/certs" "$DIR/pids" "$DIR/hosts" "$DIR/config"' EXIT
+        trap 'net_down; rm -rf "$DIR/certs" "$DIR/pids" "$DIR/hosts" "$DIR/config" "$DIR/resume.secret"' EXIT
         trap 'exit 0' INT TERM
         wait || true
     fi
@@ -320,7 +359,7 @@ cmd_status() {
 case "$CMD" in
     check) net_check ;;
     up) cmd_up ;;
-    down) net_down; rm -rf "$DIR/certs" "$DIR/pids" "$DIR/hosts" "$DIR/config" ;;  # logs stay
+    down) net_down; rm -rf "$DIR/certs" "$DIR/pids" "$DIR/hosts" "$DIR/config" "$DIR/resume.secret" ;;  # logs stay
     status) [[ -f $DIR/hosts ]] || die "no layout '$NAME' ($DIR/hosts missing)"; cmd_status ;;
     exec)
         [[ ${#args[@]} -ge 3 ]] || die "exec HOST CMD..."

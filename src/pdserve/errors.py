@@ -45,6 +45,12 @@ class UnavailableError(PdserveError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class NoInstanceHereError(UnavailableError):
+    """This router has no instance to continue a stream on (its workers died or it is cut off
+    from them). Another replica may still reach some, so the error is not marked as the
+    router's verdict: the SDK resumes the stream on another router."""
+
+
 class DeadlineError(PdserveError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

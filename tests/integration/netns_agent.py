@@ -4,11 +4,14 @@ JSON object per line: `{"op": ..., ...}` in, `{"ok": true, "result": ...}` or
 `{"ok": false, "error": ...}` out, in order. The test itself stays in the machine's own
 namespace, which has no route to the cluster's hosts.
 
-Operations: `status` (the router's instances), `metrics` (a /metrics page), `info` (a
+Operations: `status` (one router's instances, request counts and the routers it knows of;
+`router` is one address), `metrics` (a /metrics page), `info` (a
 worker's Info, as the admin certificate), `kvstats` (the kvstore's Stats), `tls_check` (a
 health call verifying the server's certificate against the address dialled, or against
-`server_name`), `start` (a batch of streams, in the background), `progress` and `wait` (that
-batch's tokens so far / when done).
+`server_name`), `start` (a batch of streams through one new SDK client, in the background;
+`router` lists every router, "a:1,b:2", a stream whose router dies resumes on another, and
+`retries` is the client's `max_retries`), `progress` and `wait` (that batch's tokens so far /
+when done), `http_completion` (one OpenAI completion on a router's HTTP port).
 
 Run: python netns_agent.py CERT_DIR
 """
@@ -19,6 +22,7 @@ import asyncio
 import json
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -52,7 +56,10 @@ class Agent:
             "instances": [
                 {"id": i.instance_id, "address": i.address, "role": i.role, "state": i.state}
                 for i in st.instances
-            ]
+            ],
+            "requests_total": st.requests_total,
+            "requests_running": st.requests_running,
+            "routers": [{"address": r.address, "workers": r.workers} for r in st.routers],
         }
 
     async def metrics(self, url: str) -> str:
@@ -92,14 +99,16 @@ class Agent:
             return {"ok": False, "error": f"{exc.code().name}: {exc.details()}"}
         return {"ok": True, "error": ""}
 
-    async def start(self, batch: str, router: str, requests: list[dict], stream_s: float) -> int:
+    async def start(
+        self, batch: str, router: str, requests: list[dict], stream_s: float, retries: int = 0
+    ) -> int:
         streams: list[dict[str, Any]] = [
             {"token_ids": [], "error": None, "finish_reason": None, "decode_instance": None,
-             "max_gap_s": 0.0}
+             "max_gap_s": 0.0, "first_s": None}
             for _ in requests
         ]  # fmt: skip
         self.batches[batch] = streams
-        client = AsyncClient(router, timeout=stream_s, max_retries=0)
+        client = AsyncClient(router, timeout=stream_s, max_retries=retries)
 
         async def run(i: int, req: dict) -> None:
             out = streams[i]
@@ -108,6 +117,8 @@ class Agent:
                 async for ev in client.generate_stream(**req):
                     now = time.monotonic()  # the longest wait between two messages
                     out["max_gap_s"], last = max(out["max_gap_s"], now - last), now
+                    if out["first_s"] is None:  # the wait for the first message
+                        out["first_s"] = now - started
                     out["token_ids"].extend(ev.token_ids)
                     if ev.finish_reason:
                         out["finish_reason"] = ev.finish_reason
@@ -126,6 +137,27 @@ class Agent:
 
         self.closers.add(asyncio.ensure_future(close_when_done()))
         return len(tasks)
+
+    async def http_completion(self, url: str, prompt: list[int], max_tokens: int) -> dict:
+        """POST {url}/v1/completions, greedy, the model as /v1/models names it, the token ids
+        returned: the status and the body."""
+
+        def post() -> dict:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
+                model = json.loads(resp.read())["data"][0]["id"]
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                    "ignore_eos": True, "temperature": 0.0, "return_token_ids": True}  # fmt: skip
+            req = urllib.request.Request(
+                f"{url}/v1/completions", json.dumps(body).encode(),
+                {"content-type": "application/json"},
+            )  # fmt: skip
+            try:
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    return {"status": resp.status, "body": json.loads(resp.read())}
+            except urllib.error.HTTPError as exc:
+                return {"status": exc.code, "body": exc.read().decode(errors="replace")}
+
+        return await asyncio.to_thread(post)
 
     async def progress(self, batch: str) -> dict:
         return {

@@ -87,11 +87,15 @@ class Layout:
         for line in (state / "hosts").read_text().splitlines():
             host, ns, addr = line.split()
             self.hosts[host] = (ns, addr)
-        self.router = f"{self.addr('router0')}:50051"
-        self.metrics_url = f"http://{self.addr('router0')}:9090/metrics"
+        self.routers = sorted(h for h in self.hosts if h.startswith("router"))
+        self.router = ",".join(self.public(h) for h in self.routers)  # the SDK's list
 
     def addr(self, host: str) -> str:
         return self.hosts[host][1]
+
+    def public(self, router: str) -> str:
+        """A router host's public gRPC address."""
+        return f"{self.addr(router)}:50051"
 
     def worker(self, host: str) -> str:
         return f"{self.addr(host)}:50070"
@@ -109,23 +113,34 @@ class Layout:
         stats = json.loads(out)[0]["stats64"]
         return stats["rx"]["bytes"], stats["tx"]["bytes"]
 
-    def instances(self) -> list[dict]:
-        return self.agent.call("status", router=self.router)["instances"]
+    def status(self, router: str = "router0") -> dict:
+        """One router's Status: instances, request counts, the routers it knows of."""
+        return self.agent.call("status", router=self.public(router))
 
-    def instance_at(self, host: str) -> list[dict]:
-        return [i for i in self.instances() if i["address"] == self.worker(host)]
+    def instances(self, router: str = "router0") -> list[dict]:
+        return self.status(router)["instances"]
+
+    def instance_at(self, host: str, router: str = "router0") -> list[dict]:
+        return [i for i in self.instances(router) if i["address"] == self.worker(host)]
 
     def info(self, host: str) -> dict:
         return self.agent.call("info", addr=self.worker(host))
 
-    def migrations(self, reason: str) -> float:
-        text = self.agent.call("metrics", url=self.metrics_url)
-        line = f'pdserve_router_migrations_total{{reason="{reason}"}} '
+    def counter(self, router: str, metric: str, label: str) -> float:
+        """A labelled counter of one router's /metrics page (0 when absent)."""
+        text = self.agent.call("metrics", url=f"http://{self.addr(router)}:9090/metrics")
+        line = f"pdserve_router_{metric}_total{{{label}}} "
         return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line))
 
-    def registrations(self, instance_id: str) -> int:
-        """How many times router0 logged the instance as registered."""
-        log = (self.state / "logs" / "router0.log").read_text(errors="replace")
+    def migrations(self, reason: str, routers: list[str] | None = None) -> float:
+        """Streams moved to another worker, summed over the routers (default: all)."""
+        return sum(
+            self.counter(r, "migrations", f'reason="{reason}"') for r in routers or self.routers
+        )
+
+    def registrations(self, instance_id: str, router: str = "router0") -> int:
+        """How many times the router logged the instance as registered."""
+        log = (self.state / "logs" / f"{router}.log").read_text(errors="replace")
         pattern = re.compile(r'"event": "instance registered"')
         return sum(
             1

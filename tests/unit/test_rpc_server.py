@@ -21,7 +21,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from pdserve.config import ServiceSettings
-from pdserve.errors import InvalidRequestError, ModelLoadError, OverloadedError, UnavailableError
+from pdserve.errors import (
+    InvalidRequestError,
+    ModelLoadError,
+    NoInstanceHereError,
+    OverloadedError,
+    UnavailableError,
+)
 from pdserve.logging import configure_logging, current_request_id, get_logger
 from pdserve.rpc import Metrics, ServiceApp, ServiceRunner, metadata_with_request_id
 from pdserve.rpc.interceptor import status_for
@@ -78,6 +84,10 @@ class Toy(ServiceApp):
             raise KeyError("secret")
         if req == b"abort":
             await context.abort(grpc.StatusCode.NOT_FOUND, "aborted by servicer")
+        if req == b"no-instance":
+            raise NoInstanceHereError("no instance took the stream over")
+        if req == b"gone":
+            raise UnavailableError("peer gone")
         if req == b"rid":
             return (current_request_id() or "none").encode()
         if req == b"upstream":  # a downstream call to a dead peer
@@ -224,6 +234,22 @@ async def test_unary_errors_map_to_status(
         await _call(runner.address, "Echo", req)
     assert info.value.code() == code
     assert details in (info.value.details() or "")
+
+
+async def test_answered_mark_only_where_another_replica_cannot_do_better(
+    toy: tuple[Toy, ServiceRunner],
+) -> None:
+    """An UNAVAILABLE the service decided carries the answered mark (the SDK gives up); one
+    that says only that this router has no instance left leaves it off (the SDK resumes the
+    stream on another replica, which may still reach workers)."""
+    _, runner = toy
+    marks = {}
+    for req in (b"gone", b"no-instance"):
+        with pytest.raises(aio.AioRpcError) as info:
+            await _call(runner.address, "Echo", req)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        marks[req] = dict(info.value.trailing_metadata() or ()).get("pdserve-answered")
+    assert marks == {b"gone": "1", b"no-instance": None}
 
 
 async def test_streaming_errors_mid_stream(toy: tuple[Toy, ServiceRunner]) -> None:

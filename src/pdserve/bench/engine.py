@@ -37,6 +37,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="best of N timed runs")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="torch device of both engines (cpu, cuda)")
     p.add_argument(
         "--dtype",
         default="auto",
@@ -100,12 +101,27 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[lis
     return torch.randint(3, vocab, (batch, prompt_len), generator=g).tolist()
 
 
+def _synced(clock: Any, device: str) -> Any:
+    """`clock` that first waits for the device's queued work (a cuda step returns before its
+    kernels end unless something reads their result)."""
+    if not str(device).startswith("cuda"):
+        return clock
+    import torch
+
+    def tick() -> float:
+        torch.cuda.synchronize()
+        return clock()
+
+    return tick
+
+
 def bench_ours(
     engine: Any, prompts: list[list[int]], gen_len: int, clock: Any = time.perf_counter
 ) -> tuple[float, float]:
     """(prefill seconds, decode seconds) for one batch, measured with `clock`."""
     from pdserve.engine.params import SamplingParams
 
+    clock = _synced(clock, engine.config.device)
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     t0 = clock()
     for i, p in enumerate(prompts):
@@ -136,7 +152,8 @@ def bench_hf(
     # transformers 5 calls the KV cache argument `cache`; older releases `past_key_values`
     forward_args = inspect.signature(model.forward).parameters
     cache_arg = "cache" if "cache" in forward_args else "past_key_values"
-    ids = torch.tensor(prompts)
+    clock = _synced(clock, model.device)
+    ids = torch.tensor(prompts, device=model.device)
     mask = torch.ones_like(ids)
     with torch.inference_mode():
         t0 = clock()
@@ -153,15 +170,15 @@ def bench_hf(
     return t1 - t0, decode if gen_len > 1 and decode > 0 else float("nan")
 
 
-def parse_dtypes(text: str) -> list[str]:
-    """ "auto,float32" -> resolved names, in order, without repeats."""
+def parse_dtypes(text: str, device: str = "cpu") -> list[str]:
+    """ "auto,float32" -> resolved names, in order, without repeats (auto: the device's)."""
     from pdserve.dtypes import DTYPE_NAMES
     from pdserve.model.loader import auto_dtype
 
     out: list[str] = []
     for name in (t.strip() for t in text.split(",") if t.strip()):
         if name == "auto":
-            name = str(auto_dtype("cpu")).removeprefix("torch.")
+            name = str(auto_dtype(device)).removeprefix("torch.")
         if name not in DTYPE_NAMES:
             raise SystemExit(f"--dtype: unknown dtype {name!r} (auto | {' | '.join(DTYPE_NAMES)})")
         if name not in out:
@@ -179,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     model_dir = Path(args.model) if args.model else preset_model(args.cache_dir)
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
-    dtypes = parse_dtypes(args.dtype)
+    device = getattr(args, "device", "cpu")
+    dtypes = parse_dtypes(args.dtype, device)
     rows: list[dict[str, Any]] = []
     limits: dict[str, dict[str, Any]] = {}
     for dtype in dtypes:
@@ -204,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
                     "prompt_len": args.prompt_len,
                     "gen_len": args.gen_len,
                     "clock": args.clock,
+                    "device": device,
                     "threads": torch.get_num_threads(),
                     "dtypes": dtypes,
                     "limits": limits,
@@ -232,12 +251,15 @@ def bench_dtype(
     import torch
 
     max_b, plen, glen = max(batches), args.prompt_len, args.gen_len
+    device = getattr(args, "device", "cpu")
     old = os.environ.get("PDSERVE_PACK_WEIGHTS")
     os.environ["PDSERVE_PACK_WEIGHTS"] = "1" if packed else "0"
     try:
-        engines = {True: _engine(model_dir, dtype, max_b, plen, glen)}
+        engines = {True: _engine(model_dir, dtype, max_b, plen, glen, device=device)}
         if getattr(args, "compare_variant", False):
-            engines[False] = _engine(model_dir, dtype, max_b, plen, glen, invariant=False)
+            engines[False] = _engine(
+                model_dir, dtype, max_b, plen, glen, invariant=False, device=device
+            )
     finally:
         if old is None:
             del os.environ["PDSERVE_PACK_WEIGHTS"]
@@ -248,9 +270,13 @@ def bench_dtype(
     if not args.no_hf:
         import transformers
 
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, dtype)
-        ).eval()
+        hf = (
+            transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=getattr(torch, dtype)
+            )
+            .to(device)
+            .eval()
+        )
     warm = _prompts(2, 16, vocab, seed=99)
     for engine in engines.values():
         bench_ours(engine, warm, 4)
@@ -295,7 +321,13 @@ def _label(row: dict[str, Any]) -> str:
 
 
 def _engine(
-    model_dir: Path, dtype: str, max_b: int, plen: int, glen: int, invariant: bool = True
+    model_dir: Path,
+    dtype: str,
+    max_b: int,
+    plen: int,
+    glen: int,
+    invariant: bool = True,
+    device: str = "cpu",
 ) -> Any:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
@@ -304,6 +336,7 @@ def _engine(
         EngineConfig(
             model_dir,
             dtype=dtype,
+            device=device,
             num_blocks=max_b * (-(-(plen + glen) // 16)) + 8,
             max_num_batched_tokens=max(2048, max_b * plen),
             max_num_seqs=max_b,

@@ -15,6 +15,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads (a pinned worker: 1)")
+    p.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda)")
     p.add_argument("--out", default="results/profile.json")
     p.add_argument("--full", action="store_true", help="more shapes and repeats (slower)")
     p.add_argument(
@@ -31,7 +32,7 @@ def main(args: argparse.Namespace) -> int:
 
     data = run_profile(
         args.model, args.dtype, args.threads, quick=not args.full,
-        skip_transport=args.no_transport, log=log,
+        skip_transport=args.no_transport, log=log, device=args.device,
     )  # fmt: skip
     path = write_profile(data, args.out)
     c = data["costs"]

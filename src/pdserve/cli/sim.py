@@ -101,16 +101,18 @@ def max_model_len(args: argparse.Namespace, default: int = 4096) -> int:
 
 def costs_from_args(args: argparse.Namespace) -> Any:
     """A CostModel (or one per role) from --profile, or from --model-config + --hardware."""
-    from pdserve.costmodel.costs import CostModel, StepCost
+    from pdserve.costmodel.costs import StepCost
 
     if args.profile:
-        from pdserve.sim.run import load_profile
+        from pdserve.sim.run import costs_of_profile, load_profile
 
         prof = load_profile(args.profile)
-        costs = CostModel.from_json(prof["costs"])
+        costs = costs_of_profile(prof)
         if args.step_fit == "floor" and prof.get("step_floor"):
             fields = StepCost.__dataclass_fields__
-            costs.step = StepCost(**{k: v for k, v in prof["step_floor"].items() if k in fields})
+            floor = StepCost(**{k: v for k, v in prof["step_floor"].items() if k in fields})
+            for c in costs.values() if isinstance(costs, dict) else [costs]:
+                c.step = floor
         return costs
     if args.cost_model != "roofline":
         return distserve_pool_costs(args)
@@ -142,16 +144,30 @@ def distserve_pool_costs(args: argparse.Namespace) -> Any:
     return {"prefill": pre, "decode": dec, "colocated": pre}
 
 
-def calibrated_costs(profile: str, factor: float) -> Any:
-    """The profile's costs with its floor (uncontended) step model x `factor`."""
-    from pdserve.costmodel.costs import CostModel, StepCost
-    from pdserve.sim.run import load_profile
+def calibrated_costs(profile: str, contention: dict[str, float]) -> Any:
+    """The profile's costs (per role when it measured roles) with its floor (uncontended)
+    step model x the contention factor of each step kind (`validate.contention`)."""
+    import copy
+
+    from pdserve.costmodel.costs import KindScaledStep, StepCost
+    from pdserve.sim.run import costs_of_profile, load_profile
 
     prof = load_profile(profile)
-    costs = CostModel.from_json(prof["costs"])
     fields = StepCost.__dataclass_fields__
     floor = prof.get("step_floor") or prof["costs"]["step"]
-    costs.step = StepCost(**{k: v for k, v in floor.items() if k in fields}).scaled(factor)
+    one = contention["factor"]
+    step = KindScaledStep(
+        StepCost(**{k: v for k, v in floor.items() if k in fields}),
+        contention.get("prefill_factor", one),
+        contention.get("decode_factor", one),
+    )
+    costs = costs_of_profile(prof)
+    if isinstance(costs, dict):
+        costs = {role: copy.copy(c) for role, c in costs.items()}
+        for c in costs.values():
+            c.step = step
+        return costs
+    costs.step = step
     return costs
 
 
@@ -263,13 +279,16 @@ def validate_main(args: argparse.Namespace) -> int:
             arm_costs = with_router_overhead(arm_costs, real[name]["path_overhead_s"])
         spec = spec_from_up_flags(flags + extra, arm_costs, max_model_len(args), args.block_size)
         sim[name], table[name] = _simulate_arm(spec, args, real[name])
-        factor = (real[name].get("contention") or {}).get("factor")
-        if factor and args.profile:
+        cont = real[name].get("contention")
+        if cont and args.profile:
             raw_table[name] = table[name]  # the uncalibrated profile, kept for the record
-            cal = calibrated_costs(args.profile, factor)
+            cal = calibrated_costs(args.profile, cont)
             spec = spec_from_up_flags(flags + extra, cal, max_model_len(args), args.block_size)
             sim[name], table[name] = _simulate_arm(spec, args, real[name])
-            sim[name]["contention_factor"] = factor
+            sim[name]["contention_factor"] = cont["factor"]
+            sim[name]["contention_factors"] = {
+                k: cont.get(k, cont["factor"]) for k in ("prefill_factor", "decode_factor")
+            }
     out = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "arms": real,

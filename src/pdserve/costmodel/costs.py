@@ -114,6 +114,28 @@ class StepCost:
 
 
 @dataclass
+class KindScaledStep:
+    """A step model x a factor that depends on what the step computes: `prefill` for a step
+    with a prompt chunk (new tokens > sequences: compute-bound on a CPU), `decode` for a
+    step of decodes only (memory-bound). Another process on the machine slows the two
+    differently (`pdserve.sim.probe` measures both); one factor for both over- or
+    under-charges the kind the probe did not see."""
+
+    inner: Any  # StepCost (or any object with features_s)
+    prefill: float = 1.0
+    decode: float = 1.0
+
+    def step_s(self, batch: Sequence[tuple[int, int]]) -> float:
+        if not batch:
+            return 0.0
+        return self.features_s(plan_features(batch))
+
+    def features_s(self, features: tuple[float, float, float, float, float]) -> float:
+        factor = self.prefill if features[1] > features[2] else self.decode
+        return float(self.inner.features_s(features)) * factor
+
+
+@dataclass
 class LinkCost:
     """Time to move n bytes: latency_s + n / bandwidth_Bps (0 bytes: free)."""
 
@@ -165,6 +187,11 @@ class CostModel:
     name: str = ""
     kv_capacity_bytes: int | None = None  # KV cache per instance (None: the worker default)
     devices: int = 1  # accelerators one instance occupies (tensor parallel degree)
+    # A step's cost x this while another instance of the cluster is stepping: instances
+    # that share one host's cores and memory (a CPU engine: the prefill and the decode of a
+    # 1P1D on one machine slow each other, and their serving work has no spare core).
+    # `pdserve profile` measures it per role on a served 1P1D; 1.0 for accelerators.
+    neighbour_busy_factor: float = 1.0
 
     def step_time_s(self, batch: Sequence[tuple[int, int]], num_streamed: int) -> float:
         """One engine step of `batch` that samples `num_streamed` sequences."""
@@ -237,4 +264,5 @@ class CostModel:
             name=str(d.get("name", "")),
             kv_capacity_bytes=d.get("kv_capacity_bytes"),
             devices=int(d.get("devices", 1)),
+            neighbour_busy_factor=float(d.get("neighbour_busy_factor", 1.0)),
         )

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import grpc
 from grpc import aio
 
-from pdserve.errors import PdserveError
+from pdserve.errors import NoInstanceHereError, PdserveError
 from pdserve.logging import get_logger, request_id_var
 from pdserve.rpc._wrap import (
     StreamBehavior,
@@ -84,7 +84,9 @@ async def _abort(context: aio.ServicerContext, exc: Exception, method: str) -> N
         _log.error("rpc crashed", method=method, code=code.name, exc_info=exc)
     else:
         _log.warning("rpc failed upstream", method=method, code=code.name, details=details)
-    trailing = (*retry_metadata(exc), (ANSWERED_KEY, "1"))
+    trailing = retry_metadata(exc)
+    if not isinstance(exc, NoInstanceHereError):  # another replica may answer otherwise
+        trailing += ((ANSWERED_KEY, "1"),)
     await context.abort(code, details, trailing_metadata=trailing)  # raises
     raise AssertionError("context.abort returned")  # pragma: no cover
 

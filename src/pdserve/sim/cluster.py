@@ -167,6 +167,7 @@ class SimCluster:
         self.admitted: list[str] = []  # request ids in the order admission gave them turns
         self.flips: list[dict[str, Any]] = []
         self.instances: dict[str, SimInstance] = {}
+        self._stepping = 0  # instances with a step in flight
         per_role: dict[str, int] = {}
         for pool in spec.pools:
             for _ in range(pool.count):
@@ -525,12 +526,16 @@ class SimCluster:
         if planned is None:
             return
         plan, dur = planned
+        if self._stepping and inst.costs.neighbour_busy_factor != 1.0:
+            dur *= inst.costs.neighbour_busy_factor  # another instance on the host is stepping
         inst.busy = True
+        self._stepping += 1
         inst.step_end = self.loop.now + dur
         self.loop.after(dur, lambda: self._step_done(inst, plan, dur))
 
     def _step_done(self, inst: SimInstance, plan, dur: float) -> None:
         inst.busy = False
+        self._stepping -= 1
         length = self.length
         if length is not None:  # progress() and done() share the length state: in order
             for seq, reason in inst.finish_step(plan, dur).produced:

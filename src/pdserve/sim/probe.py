@@ -4,9 +4,12 @@ This machine's cores are shared with other work whose load changes minute to min
 profile taken earlier does not describe the steps of a benchmark run taken now. `pdserve sim
 validate --probe` runs this probe (a subprocess pinned to one core, one torch thread, the
 same checkpoint) just before and just after each real arm: a fixed set of prefill and decode
-steps, each compared with the profile's *floor* (uncontended) step model. The median ratio is
-the arm's contention factor; the simulator then scales step costs by it. It calibrates the
-machine's state, never the benchmark's outcome: the probe sees no request of the run.
+steps, each compared with the profile's *floor* (uncontended) step model. The median ratio of
+each kind is the arm's contention factor for that kind (prompt steps are compute-bound, decode
+steps memory-bound: a neighbour slows them differently); the simulator scales a step with a
+prompt chunk by the prefill factor and a decode-only step by the decode factor
+(`costmodel.costs.KindScaledStep`). It calibrates the machine's state, never the benchmark's
+outcome: the probe sees no request of the run.
 
     python -m pdserve.sim.probe --model DIR --profile P.json [--cpu 0]  -> one JSON line
 """
@@ -43,8 +46,9 @@ def run_probe(
                         if k in fields})  # fmt: skip
     engine = LLMEngine(EngineConfig(model_dir=model, dtype=dtype, enable_prefix_caching=False))
     rng = np.random.default_rng(0)
-    ratios: list[float] = []
+    ratios: dict[str, list[float]] = {"prefill": [], "decode": []}
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for rep in range(3):
         for k in range(4):
             engine.add_request(
@@ -52,11 +56,22 @@ def run_probe(
             )
         samples: list[dict[str, Any]] = []
         timed_steps(engine, samples, "probe")
+        engine.add_request(f"p{rep}", rng.integers(10, engine.vocab_size, 256).tolist(), one)
+        timed_steps(engine, samples, "probe")
         if rep == 0:
             samples = samples[1:]  # warm-up step
-        ratios += [x["s"] / max(floor.step_s(x["batch"]), 1e-6) for x in samples]
-    return {"factor": statistics.median(ratios), "steps": len(ratios),
-            "p10": float(np.percentile(ratios, 10)), "p90": float(np.percentile(ratios, 90))}  # fmt: skip
+        for x in samples:
+            kind = "prefill" if any(n > 1 for _, n in x["batch"]) else "decode"
+            ratios[kind].append(x["s"] / max(floor.step_s(x["batch"]), 1e-6))
+    every = ratios["prefill"] + ratios["decode"]
+    return {
+        "factor": statistics.median(every),  # one factor for every step (the older probe)
+        "prefill_factor": statistics.median(ratios["prefill"]),
+        "decode_factor": statistics.median(ratios["decode"]),
+        "steps": len(every),
+        "p10": float(np.percentile(every, 10)),
+        "p90": float(np.percentile(every, 90)),
+    }
 
 
 def probe_subprocess(

@@ -27,13 +27,21 @@ from typing import Any
 import numpy as np
 
 from pdserve.costmodel.costs import CostModel, LinkCost, StepCost
+from pdserve.sim.profile_pd import roles_of
 
 MIB = 1 << 20
 
 
 # ---------------------------------------------------------------------------- engine steps
-def timed_steps(engine: Any, samples: list[dict[str, Any]], label: str, max_steps: int = 10_000):
-    """Step `engine` until idle, recording (batch, seconds) of every step."""
+def timed_steps(
+    engine: Any,
+    samples: list[dict[str, Any]],
+    label: str,
+    max_steps: int = 10_000,
+    tick: Callable[[], float] = time.perf_counter,
+):
+    """Step `engine` until idle, recording (batch, seconds) of every step (`tick`: the
+    clock; `time.thread_time` measures the engine thread's CPU time instead of wall time)."""
     sched = engine.scheduler
     orig = sched.schedule
     last: list[list[tuple[int, int]]] = []
@@ -48,14 +56,57 @@ def timed_steps(engine: Any, samples: list[dict[str, Any]], label: str, max_step
         for _ in range(max_steps):
             if not engine.has_unfinished_requests():
                 break
-            t0 = time.perf_counter()
+            t0 = tick()
             engine.step()
-            dt = time.perf_counter() - t0
+            dt = tick() - t0
             batch = last[-1] if last else []
             if batch:
                 samples.append({"kind": label, "batch": batch, "s": dt})
     finally:
         sched.schedule = orig
+
+
+def device_tick(tick: Callable[[], float], device: str) -> Callable[[], float]:
+    """`tick` that first waits for `device`'s queued work: a cuda step returns before its
+    kernels end unless something reads their result (a chunk that samples nothing)."""
+    if not device.startswith("cuda"):
+        return tick
+    import torch
+
+    def synced() -> float:
+        torch.cuda.synchronize()
+        return tick()
+
+    return synced
+
+
+def sample_long_contexts(
+    engine: Any,
+    add: Callable[[int, int], None],
+    samples: list[dict[str, Any]],
+    tick: Callable[[], float],
+    quick: bool,
+    budget: int,
+) -> None:
+    """The steps long prompts make (code completion, long documents), which the short shapes
+    only reach by extrapolation: decodes at 2,048 tokens of context (1 and 4 sequences; and
+    3,072 unless quick), and a 2,048-token prompt whose chunks start at 0 .. 1,536 beside
+    decodes of ~1,024 tokens of context (2 and 6 of them). Skipped past the model's context."""
+    ctxs = (2048,) if quick else (2048, 3072)
+    for ctx in (c for c in ctxs if c + 10 <= engine.max_model_len):
+        for b in (1, 4):
+            for _ in range(b):
+                add(ctx, 9)
+            timed_steps(engine, samples, "decode", tick=tick)
+    if 2048 + 2 > engine.max_model_len:
+        return
+    for b in (2, 6):
+        for _ in range(b):
+            add(1024, 48)  # long enough to decode through every chunk of the prompt below
+        for _ in range(-(-b * 1024 // budget) + 1):  # their prompts (not recorded), a decode
+            engine.step()
+        add(2048, 1)
+        timed_steps(engine, samples, "mixed", tick=tick)
 
 
 def profile_engine(
@@ -65,6 +116,8 @@ def profile_engine(
     quick: bool = True,
     max_num_batched_tokens: int = 512,
     seed: int = 0,
+    tick: Callable[[], float] = time.perf_counter,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     import torch
 
@@ -74,10 +127,12 @@ def profile_engine(
 
     if threads > 0:
         torch.set_num_threads(threads)
+    tick = device_tick(tick, device)
     engine = LLMEngine(
         EngineConfig(
             model_dir=model_dir,
             dtype=dtype,
+            device=device,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=64,
             enable_prefix_caching=False,  # every prompt computes: steps show their full cost
@@ -109,26 +164,27 @@ def profile_engine(
                     continue
                 for _ in range(b):
                     add(n, 1)
-                timed_steps(engine, samples, "prefill")
+                timed_steps(engine, samples, "prefill", tick=tick)
         for n in (1024, 2048) if quick else (1024, 1536, 2048):  # chunked: context grows
             if n > engine.max_model_len - 2:
                 continue
             add(n, 1)
-            timed_steps(engine, samples, "chunked_prefill")
+            timed_steps(engine, samples, "chunked_prefill", tick=tick)
     ctxs = (64, 512) if quick else (64, 256, 512, 1024)
     decode_bs = (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32)
     for ctx in ctxs:  # decode: b sequences of context ~ctx, 8 decode steps each
         for b in decode_bs:
             for _ in range(b):
                 add(ctx, 9)
-            timed_steps(engine, samples, "decode")
+            timed_steps(engine, samples, "decode", tick=tick)
     for b in (4, 16):  # mixed: b decodes, then a prompt joins their steps as a chunk
         for _ in range(b):
             add(128, 24)
         for _ in range(2):
             engine.step()
         add(384, 1)
-        timed_steps(engine, samples, "mixed")
+        timed_steps(engine, samples, "mixed", tick=tick)
+    sample_long_contexts(engine, add, samples, tick, quick, max_num_batched_tokens)
     # label each sample by what the step held (the same request list mixes kinds)
     for s in samples:
         kinds = {"decode" if n == 1 else "prefill" for _, n in s["batch"]}
@@ -303,6 +359,7 @@ def profile_serving(
     prompt_lens: tuple[int, ...] = (8, 32, 128, 256),
     prompt_repeats: int = 4,
     max_model_len: int | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """The serving stack's costs on top of the engine, on a real colocated worker behind a
     real router (`Cluster`, mutual TLS):
@@ -319,7 +376,7 @@ def profile_serving(
 
     cluster = Cluster(ClusterConfig(
         model=model_dir, mode="colocated", colocated=1, port=0,
-        worker_args=["--threads", str(threads), "--dtype", dtype],
+        worker_args=["--threads", str(threads), "--dtype", dtype, "--device", device],
     ))  # fmt: skip
     if max_model_len:  # a prompt and its 2 tokens must fit the context
         prompt_lens = tuple(min(n, max_model_len - 2) for n in prompt_lens)
@@ -438,10 +495,11 @@ def run_profile(
     quick: bool = True,
     skip_transport: bool = False,
     log: Callable[[str], None] = print,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     started = time.perf_counter()
     log("profiling engine steps ...")
-    eng = profile_engine(model_dir, dtype, threads, quick)
+    eng = profile_engine(model_dir, dtype, threads, quick, device=device)
     log(
         f"  {len(eng['samples'])} steps; fit rel. RMS error {eng['step'].fit_rel_rmse:.1%} "
         f"(floor fit {eng['step_floor'].fit_rel_rmse:.1%} on its samples)"
@@ -461,14 +519,25 @@ def run_profile(
     if not skip_transport:
         log("profiling the serving stack (router + worker, streamed tokens) ...")
         serving = profile_serving(
-            model_dir, dtype, threads, eng["step"], max_model_len=eng["max_model_len"]
-        )
+            model_dir, dtype, threads, eng["step"], max_model_len=eng["max_model_len"],
+            device=device,
+        )  # fmt: skip
         costs.stream_token_s = serving["stream_token_s"]
         costs.prefill_chunk_s = serving["prefill_chunk_s"]
         costs.prefill_token_s = serving["prefill_token_s"]
         log(f"  {costs.stream_token_s * 1e3:.3f} ms per streamed sequence per step; a prompt "
             f"{costs.prefill_chunk_s * 1e3:.2f} ms + {costs.prefill_token_s * 1e6:.1f} us per "
             f"token over the engine; request path {serving['path_overhead_s'] * 1e3:.2f} ms")  # fmt: skip
+    pd = None
+    if not skip_transport:
+        from pdserve.sim.profile_pd import profile_pd
+
+        log("profiling a served 1P1D (each role with its neighbour idle and busy) ...")
+        pd = profile_pd(model_dir, dtype, threads, eng["step"], device,
+                        max_model_len=eng["max_model_len"])  # fmt: skip
+        log(f"  a busy neighbour slows the prefill x{pd['prefill_factor']:.3f}, the decode "
+            f"x{pd['decode_factor']:.3f} (raw {pd['raw_factors']['prefill']:.3f}, "
+            f"{pd['raw_factors']['decode']:.3f})")  # fmt: skip
     decision_s = profile_router_decision()
     rtt = kvstore["rpc_rtt_s"] if kvstore else 0.0
     # the measured request path of a served prompt when there is one, else its estimate
@@ -480,10 +549,12 @@ def run_profile(
         "model": str(model_dir),
         "dtype": dtype,
         "threads": threads,
+        "device": device,
         "machine": {
             "node": platform.node(),
             "processor": platform.processor(),
             "python": platform.python_version(),
+            "device_name": device_name(device),
         },
         "costs": costs.to_json(),
         "engine": {k: v for k, v in eng.items() if k not in ("step", "step_floor")},
@@ -494,10 +565,21 @@ def run_profile(
         else {"samples": kvstore["samples"], "rpc_rtt_s": kvstore["rpc_rtt_s"]},
         "router": {"decision_s": decision_s, "rpc_rtt_s": rtt},
         "serving": serving,
+        "served_1p1d": pd,
+        "roles": roles_of(pd) if pd else None,
         "limits": limits,
         "achieved": achieved_fractions(eng, limits),
         "profile_s": time.perf_counter() - started,
     }
+
+
+def device_name(device: str) -> str:
+    """The accelerator's name ('NVIDIA H100 80GB HBM3'), or 'cpu'."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    return str(torch.cuda.get_device_name(torch.device(device)))
 
 
 def write_profile(data: dict[str, Any], out: str | Path) -> Path:

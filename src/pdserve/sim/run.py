@@ -137,6 +137,20 @@ def load_profile(path: str | Path) -> dict[str, Any]:
     return data
 
 
+ROLES = ("prefill", "decode", "colocated")
+
+
+def costs_of_profile(prof: dict[str, Any]) -> CostModel | dict[str, CostModel]:
+    """A profile's costs: one CostModel, or one per role when the profile measured a role's
+    own terms (`roles`: role -> CostModel fields that differ, e.g. the prefill and decode
+    of a served 1P1D slowing each other: `neighbour_busy_factor`)."""
+    base = CostModel.from_json(prof["costs"])
+    roles = prof.get("roles") or {}
+    if not roles:
+        return base
+    return {r: CostModel.from_json(prof["costs"] | (roles.get(r) or {})) for r in ROLES}
+
+
 def spec_from_up_flags(
     flags: list[str],
     costs: CostModel | Mapping[str, CostModel | list[CostModel]],

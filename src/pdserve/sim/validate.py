@@ -24,6 +24,8 @@ METRICS: tuple[tuple[str, tuple[str, ...], float], ...] = (
     ("TTFT p90 (ms)", ("summary", "ttft_ms", "p90"), 1.0),
     ("TPOT p50 (ms)", ("summary", "tpot_ms", "p50"), 1.0),
     ("TPOT p90 (ms)", ("summary", "tpot_ms", "p90"), 1.0),
+    ("E2E p50 (ms)", ("summary", "e2e_ms", "p50"), 1.0),
+    ("E2E p90 (ms)", ("summary", "e2e_ms", "p90"), 1.0),
     ("goodput vLLM (req/s)", ("goodput", "vllm_req_s"), 1.0),
     ("goodput DistServe (req/s)", ("goodput", "distserve", "interpolated"), 1.0),
     ("prefill s/req", ("summary", "stages", "per_request", "prefill_ms"), 1e-3),
@@ -122,11 +124,22 @@ def real_results(
                   flush=True)  # fmt: skip
         after = _probe(args)
         if before and after:
-            factor = (before["factor"] + after["factor"]) / 2
-            results[name]["contention"] = {"before": before, "after": after, "factor": factor}
+            results[name]["contention"] = contention(before, after)
+            c = results[name]["contention"]
             print(f"   contention factor {before['factor']:.2f} before, {after['factor']:.2f} "
-                  f"after: {factor:.2f}", file=sys.stderr, flush=True)  # fmt: skip
+                  f"after: {c['factor']:.2f} (prompt steps {c['prefill_factor']:.2f}, decode "
+                  f"steps {c['decode_factor']:.2f})", file=sys.stderr, flush=True)  # fmt: skip
     return results
+
+
+def contention(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The arm's contention factors: the mean of the probes before and after it, overall and
+    per step kind (a probe without kinds gives its one factor to both)."""
+    out: dict[str, Any] = {"before": before, "after": after}
+    for key in ("factor", "prefill_factor", "decode_factor"):
+        b, a = before.get(key, before["factor"]), after.get(key, after["factor"])
+        out[key] = (b + a) / 2
+    return out
 
 
 def _probe(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pdserve.errors import PdserveError, UnavailableError
+from pdserve.errors import NoInstanceHereError, PdserveError, UnavailableError
 from pdserve.logging import get_logger
 
 from ..cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, Registry
@@ -181,7 +181,7 @@ class Migrator:
         instance, or a colocated one. The launcher may be restarting the only one."""
         if not await self.capacity.wait(deadline, ready=self._placeable):
             log.warning("stream lost: no instance to continue it on", request_id=request_id)
-            raise UnavailableError(
+            raise NoInstanceHereError(
                 f"the stream's worker died and no instance took it over within {self.wait_s:g} s"
             )
 

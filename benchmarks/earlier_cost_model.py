@@ -1,0 +1,75 @@
+"""The cost model before the CPU-host terms, from a profile and a `sim validate` run taken
+with them, so that the same real run can be rescored with both (`sim validate --real`).
+
+The earlier model: the profile's step fits refitted without the long-context samples
+(`pdserve.sim.profile.sample_long_contexts`: decodes at >= 1,024 tokens of context, and mixed
+steps whose decodes are that long), no per-role `neighbour_busy_factor`, and the probe's one
+factor for both step kinds.
+
+    python -m benchmarks.earlier_cost_model PROFILE VALIDATE_JSON OUT_PROFILE OUT_VALIDATE_JSON
+    pdserve sim validate --real OUT_VALIDATE_JSON --profile OUT_PROFILE ...the run's flags...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from pdserve.costmodel.costs import StepCost
+
+# the earlier profile's decodes stayed under 512 + 9 tokens of context; the long ones start
+# at ~1,024
+LONG_CONTEXT = 900
+
+
+def is_long_context(sample: dict[str, Any]) -> bool:
+    """A step that only `sample_long_contexts` records (batch: (start, new) per sequence)."""
+    decodes = [start for start, new in sample["batch"] if new == 1]
+    return sample["kind"] in ("decode", "mixed") and bool(decodes) and max(decodes) >= LONG_CONTEXT
+
+
+def earlier_profile(prof: dict[str, Any]) -> dict[str, Any]:
+    keep = [s for s in prof["engine"]["samples"] if not is_long_context(s)]
+    batches, times = [s["batch"] for s in keep], [s["s"] for s in keep]
+    out = dict(prof)
+    out["costs"] = dict(prof["costs"]) | {"step": asdict(StepCost.fit(batches, times))}
+    out["step_floor"] = asdict(StepCost.fit_floor(batches, times))
+    out["roles"] = None
+    return out
+
+
+def one_probe_factor(run: dict[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(run))
+    for arm in out["arms"].values():
+        c = arm.get("contention")
+        if c:
+            c["prefill_factor"] = c["decode_factor"] = c["factor"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.earlier_cost_model")
+    p.add_argument("profile")
+    p.add_argument("validate_json")
+    p.add_argument("out_profile")
+    p.add_argument("out_validate_json")
+    a = p.parse_args(argv)
+    with open(a.profile) as f:
+        prof = json.load(f)
+    with open(a.validate_json) as f:
+        run = json.load(f)
+    old = earlier_profile(prof)
+    kept = sum(not is_long_context(s) for s in prof["engine"]["samples"])
+    print(f"{kept} of {len(prof['engine']['samples'])} step samples kept", file=sys.stderr)
+    with open(a.out_profile, "w") as f:
+        json.dump(old, f)
+    with open(a.out_validate_json, "w") as f:
+        json.dump(one_probe_factor(run), f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

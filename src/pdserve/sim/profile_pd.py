@@ -1,0 +1,151 @@
+"""`pdserve profile`, the served 1P1D part: how much a busy neighbour slows each role.
+
+On a CPU host the prefill and the decode of a disaggregated cluster share the machine: two
+engine threads on its cores, their memory bandwidth, and the serving work (the router's
+relays, each worker's gRPC and UCX sends and receives) that no longer has a spare core when
+both engines step. The engine-only profile and a contention probe taken between runs see
+none of it. This part measures it on a real 1P1D cluster (router + prefill + decode, mutual
+TLS), in alternating phases so that a change of the machine's load hits both sides:
+
+- prefill: prompts sent one at a time (nothing queues), the worker's prefill stage over the
+  engine-only time of the same chunks (the fitted step model), with the decode idle and
+  with the decode busy (long greedy streams running): factor = busy / idle;
+- decode: B concurrent streams' TPOT with the prefill idle and with the prefill busy
+  (prompts sent back to back): factor = busy / idle.
+Each round runs both sides of both roles (idle first in even rounds, busy first in odd ones);
+a role's factor is the median over rounds of that round's busy / idle medians.
+
+The simulator multiplies a role's step by its factor while another instance is stepping
+(`CostModel.neighbour_busy_factor`); factors below 1 (noise) are kept at 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from typing import Any
+
+import numpy as np
+
+from pdserve.costmodel.costs import StepCost
+
+
+def engine_prefill_s(step: StepCost, n: int, budget: int) -> float:
+    """Engine-only seconds of an n-token prompt run alone: its chunks of `budget` tokens."""
+    return sum(step.step_s([(s, min(budget, n - s))]) for s in range(0, n, budget))
+
+
+def profile_pd(
+    model_dir: str,
+    dtype: str,
+    threads: int,
+    step: StepCost,
+    device: str = "cpu",
+    prompt_lens: tuple[int, ...] = (256, 512, 1024),
+    streams: int = 4,
+    stream_tokens: int = 48,
+    rounds: int = 3,
+    budget: int = 512,
+    max_model_len: int | None = None,
+) -> dict[str, Any]:
+    from pdserve.client import AsyncClient
+    from pdserve.launcher import Cluster, ClusterConfig
+
+    if max_model_len:
+        prompt_lens = tuple(min(n, max_model_len - 2) for n in prompt_lens)
+    cluster = Cluster(ClusterConfig(
+        model=model_dir, mode="disagg", prefill=1, decode=1, port=0,
+        worker_args=["--threads", str(threads), "--dtype", dtype, "--device", device],
+    ))  # fmt: skip
+    rng = np.random.default_rng(2)
+    cluster.start(timeout=300.0)
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(10, 200, n).tolist()
+
+    async def prompts(client: Any) -> list[float]:
+        """Each prompt's prefill stage / its engine-only time, one at a time."""
+        out = []
+        for n in prompt_lens:
+            r = await client.generate(token_ids=ids(n), max_tokens=2, ignore_eos=True)
+            served = (r.usage.stages if r.usage else {}).get("prefill_ms", 0.0) / 1e3
+            out.append(served / engine_prefill_s(step, n, budget))
+        return out
+
+    async def tpots(client: Any) -> list[float]:
+        rs = await asyncio.gather(*(
+            client.generate(token_ids=ids(64), max_tokens=stream_tokens, ignore_eos=True)
+            for _ in range(streams)
+        ))  # fmt: skip
+        return [r.tpot_ms / 1e3 for r in rs]
+
+    async def prefill_phase(client: Any, busy: bool) -> list[float]:
+        if not busy:
+            return await prompts(client)
+        long = 8 * stream_tokens  # outlasts the prompts; cancelled when they are done
+        bg = [asyncio.ensure_future(client.generate(token_ids=ids(64), max_tokens=long,
+                                                    ignore_eos=True)) for _ in range(streams)]  # fmt: skip
+        await asyncio.sleep(0.5)  # the streams are decoding
+        try:
+            return await prompts(client)
+        finally:
+            for t in bg:
+                t.cancel()
+            await asyncio.gather(*bg, return_exceptions=True)
+
+    async def decode_phase(client: Any, busy: bool) -> list[float]:
+        if not busy:
+            return await tpots(client)
+        stop = asyncio.Event()
+
+        async def flood() -> None:
+            while not stop.is_set():
+                await client.generate(token_ids=ids(max(prompt_lens)), max_tokens=2,
+                                      ignore_eos=True)  # fmt: skip
+
+        bg = asyncio.ensure_future(flood())
+        await asyncio.sleep(0.2)  # the first prompt is computing
+        try:
+            return await tpots(client)
+        finally:
+            stop.set()
+            await asyncio.gather(bg, return_exceptions=True)
+
+    async def run() -> list[dict[str, list[float]]]:
+        rounds_out = []
+        async with AsyncClient(cluster.addr, timeout=300.0) as client:
+            await client.generate(token_ids=ids(32), max_tokens=4, ignore_eos=True)  # warm-up
+            for k in range(rounds):  # idle, busy / busy, idle: a drift hits both sides
+                got: dict[str, list[float]] = {}
+                order = (False, True) if k % 2 == 0 else (True, False)
+                for busy in order:
+                    got["p_busy" if busy else "p_idle"] = await prefill_phase(client, busy)
+                for busy in order:
+                    got["d_busy" if busy else "d_idle"] = await decode_phase(client, busy)
+                rounds_out.append(got)
+        return rounds_out
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        cluster.stop()
+    # per round, busy over idle (medians of that round); the factor: the median over rounds
+    med = statistics.median
+    per_round = [{"prefill": med(g["p_busy"]) / med(g["p_idle"]),
+                  "decode": med(g["d_busy"]) / med(g["d_idle"])} for g in got]  # fmt: skip
+    raw = {k: med(r[k] for r in per_round) for k in ("prefill", "decode")}
+    return {
+        "prefill_factor": max(1.0, raw["prefill"]),
+        "decode_factor": max(1.0, raw["decode"]),
+        "raw_factors": raw,
+        "per_round": per_round,
+        "samples": got,  # per round: prefill served / engine-only, decode TPOT seconds
+    }
+
+
+def roles_of(pd: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The profile's per-role overrides (`sim.run.costs_of_profile`) from `profile_pd`."""
+    return {
+        "prefill": {"neighbour_busy_factor": float(pd["prefill_factor"])},
+        "decode": {"neighbour_busy_factor": float(pd["decode_factor"])},
+    }

@@ -1,0 +1,41 @@
+"""benchmarks.earlier_cost_model: the cost model before the CPU-host terms, for rescoring."""
+
+from __future__ import annotations
+
+from benchmarks.earlier_cost_model import earlier_profile, is_long_context, one_probe_factor
+from pdserve.costmodel.costs import StepCost
+
+
+def _sample(kind: str, batch: list[tuple[int, int]]) -> dict:
+    step = StepCost(base_s=0.02, per_token_s=5e-4, per_ctx_token_s=1e-6, per_attn_s=2e-7)
+    return {"kind": kind, "batch": batch, "s": step.step_s(batch)}
+
+
+def test_long_context_samples_are_the_ones_dropped() -> None:
+    short = [_sample("prefill", [(0, n)]) for n in (16, 64, 256, 512)] + [
+        _sample("decode", [(c + k, 1)] * b) for c in (64, 512) for b in (1, 4) for k in (0, 8)
+    ]
+    short += [_sample("mixed", [(128, 1), (128, 1), (0, 384)])]
+    long = [_sample("decode", [(2048, 1)] * 4), _sample("mixed", [(1030, 1), (512, 488)])]
+    assert not any(map(is_long_context, short))
+    assert all(map(is_long_context, long))
+    prof = {
+        "engine": {"samples": short + long},
+        "costs": {"step": {}, "stream_token_s": 1e-3},
+        "step_floor": {},
+        "roles": {"prefill": {"neighbour_busy_factor": 1.2}},
+    }
+    old = earlier_profile(prof)
+    assert old["roles"] is None
+    assert old["costs"]["stream_token_s"] == 1e-3  # the other terms are kept
+    assert old["costs"]["step"]["per_token_s"] > 0
+    assert prof["roles"] is not None  # the input is not changed
+
+
+def test_one_probe_factor_for_both_kinds() -> None:
+    run = {"arms": {"c1": {"contention": {"factor": 1.1, "prefill_factor": 0.9,
+                                          "decode_factor": 1.3}}, "d11": {}}}  # fmt: skip
+    out = one_probe_factor(run)
+    c = out["arms"]["c1"]["contention"]
+    assert c["prefill_factor"] == c["decode_factor"] == 1.1
+    assert run["arms"]["c1"]["contention"]["prefill_factor"] == 0.9

@@ -1,0 +1,156 @@
+"""What a CPU host adds to a step, in the cost model and the simulator: a busy neighbour's
+slowdown (`CostModel.neighbour_busy_factor`, per role from a profile's `roles`), the
+contention probe's factor per step kind (`KindScaledStep`), and the profile parts that
+measure them (their arithmetic; the measurements themselves need a served cluster)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pdserve.costmodel.costs import CostModel, KindScaledStep, StepCost, plan_features
+from pdserve.sim.cluster import ClusterSpec, PoolSpec, SimCluster
+from pdserve.sim.instance import InstanceConfig, SimInstance
+from pdserve.workload.requests import BenchRequest
+
+STEP = StepCost(base_s=0.010, per_token_s=0.001)
+
+
+def _req(i: int, n_in: int, n_out: int, at: float = 0.0) -> BenchRequest:
+    return BenchRequest(i, [100 + i * 1000 + k for k in range(n_in)], n_out, arrival_s=at)
+
+
+def _two_colocated(factor: float) -> ClusterSpec:
+    costs = CostModel(step=STEP, kv_bytes_per_token=100, neighbour_busy_factor=factor)
+    cfg = InstanceConfig(num_blocks=256, block_size=16)
+    return ClusterSpec([PoolSpec("colocated", 2, costs, cfg)], policy="least_loaded")
+
+
+def test_a_step_pays_the_neighbour_factor_only_while_another_instance_steps():
+    # two 32-token prompts at t = 0 on two instances: the first starts alone (10 + 32 ms),
+    # the second starts while the first steps (42 ms x 1.5)
+    a, b = SimCluster(_two_colocated(1.5)).run([_req(0, 32, 1), _req(1, 32, 1)])
+    assert sorted([a.finish_s, b.finish_s]) == pytest.approx([0.042, 0.063])
+    a, b = SimCluster(_two_colocated(1.0)).run([_req(0, 32, 1), _req(1, 32, 1)])
+    assert a.finish_s == b.finish_s == pytest.approx(0.042)
+    # one after the other: nobody else is stepping, nobody pays
+    a, b = SimCluster(_two_colocated(1.5)).run([_req(0, 32, 1), _req(1, 32, 1, at=0.1)])
+    assert (a.finish_s, b.finish_s) == pytest.approx((0.042, 0.142))
+
+
+def test_kind_scaled_step_scales_prompt_steps_and_decode_steps_apart():
+    step = KindScaledStep(STEP, prefill=2.0, decode=3.0)
+    assert step.step_s([(0, 10)]) == pytest.approx(0.020 * 2)
+    assert step.step_s([(5, 1), (9, 1)]) == pytest.approx(0.012 * 3)
+    assert step.step_s([(0, 10), (5, 1)]) == pytest.approx(0.021 * 2)  # a chunk: prefill
+    assert step.step_s([]) == 0.0
+    for batch in ([(0, 10)], [(5, 1), (9, 1)], [(3, 7), (5, 1)]):
+        assert step.features_s(plan_features(batch)) == step.step_s(batch)
+    # the simulated engine charges it through the features of its plans
+    inst = SimInstance("i", 0, CostModel(step=step), InstanceConfig(num_blocks=64))
+    inst.add("a", [5] * 10, max_tokens=3, prefill_only=False)
+    plan, dur = inst.plan()
+    assert dur == pytest.approx(0.020 * 2)
+    inst.finish_step(plan, dur)
+    _, dur = inst.plan()
+    assert dur == pytest.approx(0.011 * 3)
+
+
+def _profile(roles: dict | None) -> dict:
+    costs = CostModel(step=STEP, stream_token_s=0.001, kv_bytes_per_token=64).to_json()
+    floor = {"base_s": 0.008, "per_token_s": 0.0008}
+    return {"costs": costs, "step_floor": floor, "roles": roles}
+
+
+def test_a_profile_with_roles_gives_each_role_its_own_costs():
+    from pdserve.sim.run import costs_of_profile
+
+    assert isinstance(costs_of_profile(_profile(None)), CostModel)
+    costs = costs_of_profile(_profile({"prefill": {"neighbour_busy_factor": 1.2},
+                                       "decode": {"neighbour_busy_factor": 1.3}}))  # fmt: skip
+    assert {r: c.neighbour_busy_factor for r, c in costs.items()} == {
+        "prefill": 1.2,
+        "decode": 1.3,
+        "colocated": 1.0,
+    }
+    assert all(c.stream_token_s == 0.001 and c.step == STEP for c in costs.values())
+    back = CostModel.from_json(CostModel(neighbour_busy_factor=1.7).to_json())
+    assert back.neighbour_busy_factor == 1.7
+
+
+def test_calibrated_costs_scale_the_floor_per_step_kind_and_keep_the_roles(tmp_path):
+    from pdserve.cli.sim import calibrated_costs
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile({"decode": {"neighbour_busy_factor": 1.3}})))
+    cont = {"factor": 1.5, "prefill_factor": 1.1, "decode_factor": 1.9}
+    costs = calibrated_costs(str(path), cont)
+    assert costs["decode"].neighbour_busy_factor == 1.3
+    assert costs["prefill"].neighbour_busy_factor == 1.0
+    for c in costs.values():
+        assert c.step.step_s([(0, 100)]) == pytest.approx((0.008 + 0.08) * 1.1)
+        assert c.step.step_s([(100, 1)]) == pytest.approx((0.008 + 0.0008) * 1.9)
+    path.write_text(json.dumps(_profile(None)))
+    one = calibrated_costs(str(path), {"factor": 1.5})  # an older probe: one factor
+    assert one.step.step_s([(0, 100)]) == pytest.approx(0.088 * 1.5)
+    assert one.step.step_s([(100, 1)]) == pytest.approx(0.0088 * 1.5)
+
+
+def test_contention_is_the_mean_of_the_probes_around_the_arm_per_kind():
+    from pdserve.sim.validate import contention
+
+    c = contention({"factor": 1.2, "prefill_factor": 1.0, "decode_factor": 1.4},
+                   {"factor": 1.4, "prefill_factor": 1.2, "decode_factor": 1.6})  # fmt: skip
+    assert (c["factor"], c["prefill_factor"], c["decode_factor"]) == pytest.approx((1.3, 1.1, 1.5))
+    old = contention({"factor": 1.2}, {"factor": 1.4})
+    assert old["prefill_factor"] == old["decode_factor"] == pytest.approx(1.3)
+
+
+def test_served_1p1d_arithmetic():
+    from pdserve.sim.profile_pd import engine_prefill_s, roles_of
+
+    # a 1,200-token prompt alone runs as chunks of 512, 512 and 176 tokens
+    assert engine_prefill_s(STEP, 1200, 512) == pytest.approx(3 * 0.010 + 1.200)
+    assert engine_prefill_s(STEP, 100, 512) == pytest.approx(0.110)
+    roles = roles_of({"prefill_factor": 1.25, "decode_factor": 1.0})
+    assert roles == {"prefill": {"neighbour_busy_factor": 1.25},
+                     "decode": {"neighbour_busy_factor": 1.0}}  # fmt: skip
+
+
+class _Engine:
+    """Just enough of LLMEngine for the profile's sampling plan: records what it is given."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self.scheduler = argparse.Namespace(schedule=lambda: None)
+        self.added: list[tuple[int, int]] = []
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+
+def test_the_profile_samples_long_contexts_where_the_model_reaches_them():
+    from pdserve.sim.profile import sample_long_contexts
+
+    eng = _Engine(4096)
+    sample_long_contexts(eng, lambda n, out: eng.added.append((n, out)), [], lambda: 0.0,
+                         True, 512)  # fmt: skip
+    # decodes at 2,048 tokens of context (1 + 4), then 2 and 6 long decodes + a 2,048 prompt
+    assert eng.added == [(2048, 9)] * 5 + [(1024, 48)] * 2 + [(2048, 1)] + [(1024, 48)] * 6 + [
+        (2048, 1)
+    ]
+    assert eng.steps == (4 + 1) + (12 + 1)  # the long decodes' prompts, unrecorded
+    full = _Engine(4096)
+    sample_long_contexts(full, lambda n, o: full.added.append((n, o)), [], lambda: 0.0,
+                         False, 512)  # fmt: skip
+    assert full.added.count((3072, 9)) == 5
+    short = _Engine(1024)  # a short-context model: nothing to add
+    sample_long_contexts(short, lambda n, o: short.added.append((n, o)), [], lambda: 0.0,
+                         True, 512)  # fmt: skip
+    assert short.added == []
