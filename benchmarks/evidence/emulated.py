@@ -85,7 +85,11 @@ def up_flags(up: list[str], opt: EmuOptions, log_dir: Path) -> list[str]:
     """The arm's `pdserve up` flags as an emulated cluster."""
     # the launcher converts the router's and workers' timers (heartbeats, queue timeouts and
     # aging, deadlines, flip periods) from modelled to wall seconds (pdserve.emulate.timers)
-    flags = [*up, *opt.emulate, "--time-scale", f"{opt.time_scale:g}"]
+    emulate = list(opt.emulate)
+    if "--emulate" in up and "--emulate" in emulate:  # the arm names its pools' hardware
+        k = emulate.index("--emulate")
+        del emulate[k : k + 2]
+    flags = [*up, *emulate, "--time-scale", f"{opt.time_scale:g}"]
     if opt.tokenizer:
         flags += ["--tokenizer", opt.tokenizer]
     return [*flags, "--log-dir", str(log_dir)]
@@ -155,6 +159,8 @@ def emulated_arm(
         send_lag_ms_max=max((r.send_s - r.arrival_s) * 1e3 for r in records),
         prompt_tokens_differ=sum(1 for r in records if r.ok and r.n_in != n_in[r.index]),
         workers_read=len(after),
+        # each worker's KV blocks: the hardware its pool emulates (`--emulate ROLE=HW`)
+        kv_blocks={i.instance_id: i.load["total_blocks"] for i in status.instances},
         wall_s=time.perf_counter() - t0,
         start_s=started,
     )

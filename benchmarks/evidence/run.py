@@ -4,7 +4,8 @@ baseline on real prompts and lengths, several seeds, paired differences with 95 
     python -m benchmarks.evidence --groups sjf,placement,headroom,prefix,flip,tau \
         --seeds 5 --out bench-results/evidence.json
 
-Clusters: Llama-3-8B shapes on H100 (roofline costs), 4P4D over NVLink and 8 colocated.
+Clusters: Llama-3-8B shapes on H100 (roofline costs), 4P4D over NVLink and 8 colocated; the
+length-routing group's decodes are H100s and L40Ss (`--emulate prefill=h100,decode=h100+l40s`).
 Workloads (by path, never copied): the length data (real Arena prompts as text, the answer
 lengths of every model), the Azure conversation trace, the Mooncake conversation trace (with
 the kvstore), and a shift from Mooncake's long prompts and short answers to long answers.
@@ -41,12 +42,13 @@ from benchmarks.evidence.emulated import (
     tokenizer_dir,
 )
 from benchmarks.evidence.metrics import arm_metrics
-from benchmarks.evidence.stats import ci, setup_rows, table
+from benchmarks.evidence.stats import ci, merge, setup_rows, table
 from pdserve.costmodel.roofline import pool_costs
 from pdserve.router.scheduling.predictor import LengthEstimate, OutputLengthPredictor
 from pdserve.router.scheduling.predictor.stats import kendall_tau
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.run import spec_from_up_flags, text_prompt_ids
+from pdserve.sim.validate import flag_value
 from pdserve.workload.goodput import SLO
 from pdserve.workload.spec import add_workload_args, workload_at
 
@@ -124,6 +126,21 @@ class NoisyOracle(OutputLengthPredictor):
         return LengthEstimate(p, p * 2.0, "noisy")
 
 
+class RandomRank(OutputLengthPredictor):
+    """A prediction that says nothing of the length: uniform on 1..1e6, seeded."""
+
+    name = "random-rank"
+
+    def __init__(self, seed: int) -> None:
+        import random
+
+        self.rng = random.Random(seed)
+
+    def estimate(self, query):  # type: ignore[no-untyped-def]
+        p = float(self.rng.randint(1, 10**6))
+        return LengthEstimate(p, p, "random")
+
+
 def _brief(run: dict[str, Any]) -> dict[str, Any]:
     """A run without its per-request timeline (for the log)."""
     return {k: v for k, v in run.items() if k != "timeline"}
@@ -132,7 +149,8 @@ def _brief(run: dict[str, Any]) -> dict[str, Any]:
 def run_arm(
     up: list[str], reqs: list[Any], slo: SLO, predictor: OutputLengthPredictor | None = None
 ) -> dict[str, Any]:
-    costs = pool_costs("llama3-8b", "h100", "nvlink", "bfloat16")
+    # the hardware the arm's pools emulate (`--emulate prefill=h100,decode=h100+l40s`), else H100
+    costs = pool_costs("llama3-8b", flag_value(up, "--emulate") or "h100", "nvlink", "bfloat16")
     spec = spec_from_up_flags(up, costs, MAX_LEN)
     cluster = SimCluster(spec, predictor=predictor)
     records = cluster.run([replace(r) for r in reqs])
@@ -156,6 +174,23 @@ SJF_ARMS = {
     "sjf oracle": [LEN, Q, "--queue-order=sjf", "--predictor-oracle"],
 }
 PLACE = {"count": [LEN], "predicted": [LEN, "--decode-placement=predicted"]}
+# 4 H100 prefills, decodes alternately H100 (26,674 KV blocks) and L40S (13,125): long answers
+# (predicted >= 256 tokens) to the H100s
+MIXED = ["--emulate", "prefill=h100,decode=h100+l40s"]
+D4M = ["--mode", "disagg", "--prefill", "4", "--decode", "4", *MIXED]
+D2M = ["--mode", "disagg", "--prefill", "2", "--decode", "2", *MIXED]  # sized to emulate
+LENGTH_ARMS = {
+    "count": [LEN, "--decode-placement=count"],
+    "length": [LEN, "--decode-placement=length"],
+    "length oracle": [LEN, "--decode-placement=length", "--predictor-oracle"],
+    # the same split by the KV share, the lengths ranked at random: what the
+    # split alone buys (a predictor the router does not have: simulated only)
+    "length random rank": [LEN, "--decode-placement=length", "--predictor-oracle"],
+}
+# arm -> the predictor it simulates with, per seed (such arms are not emulated)
+SIM_PREDICTORS: dict[str, Callable[[int], OutputLengthPredictor]] = {
+    "length random rank": lambda seed: RandomRank(seed)
+}
 SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str]], str]] = [
     ("sjf", "lengths", "4P4D", D44, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
     ("sjf", "lengths", "8 colocated", C8, 40.0, 300, "ttft:2000 tpot:60", SJF_ARMS, "fcfs"),
@@ -181,6 +216,18 @@ SETUPS: list[tuple[str, str, str, list[str], float, int, str, dict[str, list[str
         "least_loaded"),
     # 600 Mooncake requests then 600 `lengths` ones (~17 s each at 36/s): long enough for a
     # flip to pay back, at a rate where static 4P4D misses the TTFT SLO in the first phase
+    # decode placement by predicted length on a decode pool of mixed memory (H100 + L40S)
+    ("length", "lengths", "4P 2+2D mixed", D4M, 40.0, 300, "ttft:2000 tpot:60", LENGTH_ARMS,
+     "count"),
+    ("length", "azure", "4P 2+2D mixed", D4M, 60.0, 600, "ttft:1000 tpot:60", LENGTH_ARMS,
+     "count"),
+    ("length", "mooncake", "4P 2+2D mixed", D4M, 24.0, 300, "ttft:3000 tpot:60", LENGTH_ARMS,
+     "count"),
+    # half the cluster at half the rate: small enough for an emulated run of every seed
+    ("length", "azure", "2P 1+1D mixed", D2M, 30.0, 150, "ttft:1000 tpot:60", LENGTH_ARMS,
+     "count"),
+    ("length", "mooncake", "2P 1+1D mixed", D2M, 12.0, 100, "ttft:3000 tpot:60", LENGTH_ARMS,
+     "count"),
     ("flip", "shift", "4P4D", D44, 36.0, 1200, "ttft:3000 tpot:60", {
         "static": [LEN], "flip": [LEN, "--flip-enabled", "--flip-cooldown-s=5",
                                   "--flip-interval-s=1"]}, "static"),
@@ -218,18 +265,24 @@ def run_setup(  # type: ignore[no-untyped-def]
     meta = {"group": group, "workload": kind, "cluster": cname, "rate": rate, "n": n,
             "slo": slo_s}  # fmt: skip
     per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
-    emu_arm: dict[str, list[dict[str, Any]]] | None = {a: [] for a in arms} if emulate else None
+    emu_arm: dict[str, list[dict[str, Any]]] | None = (
+        {a: [] for a in arms if a not in SIM_PREDICTORS} if emulate else None
+    )
     result: dict[str, Any] = {}
     for seed in seeds:
         reqs = requests_for(kind, seed, n, rate, tokenizer)
         for arm, flags in arms.items():
             up = arm_up(cluster, flags)
             t = time.perf_counter()
-            run = sim(up, reqs, slo) | {"seed": seed, "requests": requests_digest(reqs)}
+            if arm in SIM_PREDICTORS:
+                run = run_arm(up, reqs, slo, predictor=SIM_PREDICTORS[arm](seed))
+            else:
+                run = sim(up, reqs, slo)
+            run |= {"seed": seed, "requests": requests_digest(reqs)}
             per_arm[arm].append(run)
             log(f"{group}/{kind}/{cname} seed {seed} {arm}: {_brief(run)} "
                 f"({time.perf_counter() - t:.0f} s)")  # fmt: skip
-            if emulate is not None and emu_arm is not None:
+            if emulate is not None and emu_arm is not None and arm in emu_arm:
                 name = f"{group}_{kind}_{cname}_s{seed}_{arm}".replace(" ", "-").replace("/", "-")
                 erun = emulate(up, reqs, slo, name)
                 erun |= {"seed": seed, "requests": requests_digest(reqs)}
@@ -271,8 +324,16 @@ def tau_sweep(seeds: list[int], log, sigmas: list[float], n_override: int | None
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--groups", default="sjf,placement,headroom,prefix,flip")
+    p.add_argument("--groups", default="sjf,placement,headroom,prefix,flip,length")
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--seed-list", help="comma-separated seeds instead of 1..--seeds (one "
+                   "emulated run split in parts; --merge joins them)")  # fmt: skip
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="join saved runs of different seeds into --out, then print the table",
+    )
     p.add_argument("--only", help="comma-separated 'group/workload/cluster' names to run")
     p.add_argument("--arms", help="comma-separated arms to run (the baseline is always run)")
     p.add_argument("--n", type=int, help="requests per run (default: each setup's)")
@@ -291,7 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.table:
         print(table(a.table))
         return 0
-    seeds = list(range(1, a.seeds + 1))
+    if a.merge:
+        Path(a.out).write_text(json.dumps(merge(a.merge), indent=1, default=str))
+        print(table([a.out]))
+        return 0
+    seeds = ([int(x) for x in a.seed_list.split(",")] if a.seed_list
+             else list(range(1, a.seeds + 1)))  # fmt: skip
     LENGTH_SCALE[0] = a.length_scale
     groups = a.groups.split(",")
 

@@ -165,3 +165,27 @@ def side_by_side(rows: list[dict[str, Any]]) -> str:
             f"| {r['preemptions'][0]:.0f} / {e['preemptions'][0]:.0f} | {lag_s} |"
         )
     return "\n".join(lines)
+
+
+def merge(paths: list[str]) -> dict[str, Any]:
+    """Saved results of the same setups run on different seeds (`--seed-list`), as one: each
+    setup's runs (simulated and emulated) concatenated, its rows recomputed over all seeds."""
+    setups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for p in paths:
+        for s in json.loads(Path(p).read_text())["setups"]:
+            r0 = s["rows"][0]
+            key = (r0["group"], r0["workload"], r0["cluster"])
+            m = setups.setdefault(key, {"meta": r0, "runs": {}, "emulated_runs": {}})
+            for k in ("runs", "emulated_runs"):
+                for arm, runs in (s.get(k) or {}).items():
+                    m[k].setdefault(arm, []).extend(runs)
+    out = []
+    for m in setups.values():
+        r0 = m["meta"]
+        meta = {k: r0[k] for k in ("group", "workload", "cluster", "rate", "n", "slo")}
+        for k in ("runs", "emulated_runs"):  # pair by seed
+            m[k] = {a: sorted(v, key=lambda r: r["seed"]) for a, v in m[k].items()}
+        emu = m["emulated_runs"] or None
+        out.append({"rows": setup_rows(meta, r0["baseline"], m["runs"], emu), "runs": m["runs"],
+                    **({"emulated_runs": emu} if emu else {})})  # fmt: skip
+    return {"setups": out, "merged": paths}

@@ -130,7 +130,8 @@ def ranks(values: Mapping[str, float]) -> dict[str, int]:
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], v: Verdict, on: str = "emulated") -> str:
-    """configuration | devices | simulated goodput | emulated goodput | ranks | step lag;
+    """configuration | devices | simulated goodput | emulated goodput | ranks | step lag |
+    the simulator's largest error against emulation on the same requests (`metrics.pair_errors`);
     `on`: the goodputs the verdict compares (emulated; simulated on a dry run)."""
 
     def f(v: float | None, spec: str) -> str:
@@ -140,7 +141,7 @@ def format_table(rows: Sequence[Mapping[str, Any]], v: Verdict, on: str = "emula
     emu = ranks({r["config"]: r["emu_per_device"] for r in rows
                  if r.get("emu_per_device") is not None})  # fmt: skip
     head = (f"{'configuration':<34}{'dev':>4}{'sim req/s':>11}{'/dev':>7}{'emu req/s':>11}"
-            f"{'/dev':>7}{'rank sim':>9}{'rank emu':>9}{'lag max':>9}")  # fmt: skip
+            f"{'/dev':>7}{'rank sim':>9}{'rank emu':>9}{'lag max':>9}{'sim err':>9}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         lag = r.get("step_lag_max")
@@ -150,7 +151,8 @@ def format_table(rows: Sequence[Mapping[str, Any]], v: Verdict, on: str = "emula
             f"{r['sim_per_device']:>7.2f}{f(r.get('emu_goodput'), '.2f'):>11}"
             f"{f(r.get('emu_per_device'), '.2f'):>7}{sim[r['config']]:>9}"
             f"{emu.get(r['config'], '-'):>9}"
-            f"{'-' if lag is None else f'{lag:.2%}':>9}{mark}"
+            f"{'-' if lag is None else f'{lag:.2%}':>9}"
+            f"{f(r.get('vs_sim_max_rel_error'), '.1%'):>9}{mark}"
         )
     spread = "unbounded (a configuration passed at no rate)" if v.spread is None else (
         f"{v.spread:.2f}x")  # fmt: skip

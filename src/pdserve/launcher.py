@@ -148,7 +148,8 @@ class ClusterConfig:
     # tls_dir (default: <log_dir>/certs). tls=False is `pdserve up --insecure`.
     tls: bool = True
     tls_dir: str | None = None
-    # The emulated engine (pdserve.emulate): workers model `emulate` hardware running
+    # The emulated engine (pdserve.emulate): workers model `emulate` hardware (one for all,
+    # or per pool: costmodel.pools, e.g. 'prefill=h100,decode=l40s') running
     # `model_config` (default: `model`'s config.json), with `tokenizer` (default: `model`'s,
     # else the built-in tiny one). kvstore_capacity_bytes is then in modelled bytes.
     emulate: str | None = None
@@ -415,11 +416,17 @@ class Cluster:
                                 model, {"hardware": c.emulate})  # fmt: skip
         return str(out.resolve())
 
-    def _emulate_argv(self) -> list[str]:
+    def _emulate_argv(self, role: str, name: str) -> list[str]:
+        """A worker's emulation flags: the hardware its pool deals it (`costmodel.pools`:
+        'h100', or per pool 'prefill=h100,decode=l40s', a '+' list dealt in order)."""
         c = self.config
         if not c.emulate:
             return []
-        argv = ["--emulate", c.emulate, "--time-scale", str(c.time_scale)]
+        from pdserve.costmodel.pools import PoolHardware
+
+        index = int(name[len(role) :]) if name[len(role) :].isdigit() else 0
+        hw = PoolHardware.parse(c.emulate).for_worker(role, index)
+        argv = ["--emulate", hw, "--time-scale", str(c.time_scale)]
         if c.emulate_profile:
             argv += ["--emulate-profile", c.emulate_profile]
         return argv
@@ -549,7 +556,7 @@ class Cluster:
         return [
             sys.executable, "-m", "pdserve.worker", "--port", "0", "--role", role,
             "--model", self.model_dir, "--router-addr", ",".join(self.internal_addrs),
-            *self._tls_argv(name), *self._emulate_argv(),
+            *self._tls_argv(name), *self._emulate_argv(role, name),
             *self._modelled(self.config.worker_args, "worker"),
         ]  # fmt: skip
 

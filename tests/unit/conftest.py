@@ -28,6 +28,7 @@ SLOW: dict[str, tuple[str, ...] | None] = {
     "test_plan_search.py": (  # two small plans and the sequential reference: 79 s at load 9
         "test_plan_is_the_same_with_more_processes_and_as_the_sequential_search",
     ),
+    "test_slo_map.py": ("test_map_of_real_runs_equals_plan_under_each_cells_slos",),  # 17 s
 }
 
 

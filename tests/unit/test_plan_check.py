@@ -150,3 +150,26 @@ def test_emulated_cluster_flags_name_the_planned_hardware_and_model(tmp_path):
     flags = emu_flags(up, opt, tmp_path)
     assert flags[:4] == up and flags[4:8] == ["--emulate", "a100", "--model-config", "opt-13b"]
     assert flags[-2:] == ["--log-dir", str(tmp_path)]
+
+
+def test_heterogeneous_configurations_emulate_each_pools_hardware():
+    from pdserve.costmodel.roofline import pool_costs
+    from pdserve.sim.validate import flag_value
+
+    budget = Budget.parse("h100:2,l40s:2")
+    cands = candidates(budget, "llama3-8b", "nvlink", "bfloat16", [2048], [256], max_unit=2)
+    units = [{"label": c.label, "goodput_req_s": 1.0} for c in cands]
+    configs = configurations(cands, units, budget, 8192)
+    names = [c.name for c in configs]
+    assert len(set(names)) == len(names)
+    assert {"2 colocated h100", "2 colocated l40s", "2P2D h100/l40s (2 x 1P1D)",
+            "2P2D l40s/h100 (2 x 1P1D)"} <= set(names)  # fmt: skip
+    het = next(c for c in configs if c.name == "2P2D h100/l40s (2 x 1P1D)")
+    assert flag_value(het.up, "--emulate") == "prefill=h100,decode=l40s"
+    assert not any("--num-blocks" in f for f in het.up)  # each worker's from its memory
+    for c in configs:
+        twin = spec_from_up_flags(c.up, pool_costs("llama3-8b", flag_value(c.up, "--emulate")),
+                                  8192)  # fmt: skip
+        for a, b in zip(c.spec.pools, twin.pools, strict=True):
+            assert (a.role, a.count, a.costs.name) == (b.role, b.count, b.costs.name)
+            assert a.config.num_blocks == b.config.num_blocks, c.name

@@ -8,9 +8,11 @@ import pytest
 
 from pdserve.router.cluster.registry import ROLE_DECODE, ROLE_PREFILL, Instance, LoadReport
 from pdserve.router.flip.policy import FlipPolicy, FlipThresholds, InstanceLoad
+from pdserve.router.scheduling.decode_placement import PredictedFootprint
 from pdserve.router.scheduling.demand import DecodeDemand
+from pdserve.router.scheduling.factory import make_policy
 from pdserve.router.scheduling.overload_queue import OverloadQueue
-from pdserve.router.scheduling.policies import PredictedFootprint, RouteRequest, make_policy
+from pdserve.router.scheduling.policies import RouteRequest
 
 
 def decode(iid, inflight_requests=0, total_blocks=1000, block_size=16):

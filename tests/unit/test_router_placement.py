@@ -17,7 +17,7 @@ from pdserve.router.cluster.streams import StreamChunk
 from pdserve.router.cluster.workers import Aborter, stages_from_proto, ticket_from_proto
 from pdserve.router.lifecycle.orchestrator import Deadlines, Job, Orchestrator
 from pdserve.router.lifecycle.placement import RequestPlacement
-from pdserve.router.scheduling.policies import make_policy
+from pdserve.router.scheduling.factory import make_policy
 from pdserve.v1 import common_pb2, worker_pb2
 
 FIRST, REST = 11, [12, 13, 14]

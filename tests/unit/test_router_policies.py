@@ -4,13 +4,13 @@ import pytest
 
 from pdserve.kv.hashing import block_hashes
 from pdserve.router.cluster.registry import Instance, LoadReport
+from pdserve.router.scheduling.factory import make_policy
 from pdserve.router.scheduling.policies import (
     LeastLoaded,
     PrefixAware,
     RoundRobin,
     RouteRequest,
     SessionAffinity,
-    make_policy,
 )
 from pdserve.router.scheduling.predictor import EwmaPredictor
 

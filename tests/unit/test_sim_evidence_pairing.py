@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.evidence import run as evidence
 from benchmarks.evidence.emulated import requests_digest
-from benchmarks.evidence.stats import PairingError, arm_stats, setup_rows, table
+from benchmarks.evidence.stats import PairingError, arm_stats, merge, setup_rows, table
 from pdserve.workload.requests import BenchRequest
 
 SETUP = ("sjf", "lengths", "1P1D", ["--mode", "disagg"], 10.0, 4, "ttft:2000 tpot:60",
@@ -124,3 +124,23 @@ def test_table_prints_simulation_and_emulation_side_by_side(tmp_path):
     cells = next(c for line in side if (c := [x.strip() for x in line.split("|")])[4] == "sjf")
     assert cells[5:9] == ["14.00 ± 2.48", "7.00 ± 1.24", "16.7 ± 0.0", "16.7 ± 0.0"]
     assert cells[-2] == "2.0%, 2.0%"
+
+
+def test_merge_joins_seeds_run_in_parts(tmp_path):
+    runs = {a: [dict(_metrics(g + s, 1000.0 * g), seed=s, requests=str(s)) for s in (1, 2, 3)]
+            for a, g in (("fcfs", 10.0), ("sjf", 12.0))}  # fmt: skip
+    emu = {a: [dict(r, goodput=r["goodput"] / 2) for r in rs] for a, rs in runs.items()}
+    meta = {"group": "sjf", "workload": "lengths", "cluster": "4P4D", "rate": 40.0, "n": 4,
+            "slo": "ttft:2000"}  # fmt: skip
+    whole = setup_rows(meta, "fcfs", runs, emu)
+    paths = []
+    for part, seeds in (("b", (3, 1)), ("a", (2,))):  # out of order: paired by seed
+        r = {a: [x for x in v if x["seed"] in seeds] for a, v in runs.items()}
+        e = {a: [x for x in v if x["seed"] in seeds] for a, v in emu.items()}
+        p = tmp_path / f"{part}.json"
+        p.write_text(json.dumps({"setups": [{"rows": setup_rows(meta, "fcfs", r, e),
+                                             "runs": r, "emulated_runs": e}]}))  # fmt: skip
+        paths.append(str(p))
+    merged = merge(paths)["setups"]
+    assert len(merged) == 1 and merged[0]["rows"] == whole
+    assert [x["seed"] for x in merged[0]["runs"]["sjf"]] == [1, 2, 3]

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pdserve.costmodel.costs import CostModel, StepCost
 from pdserve.router.app import RouterApp
 from pdserve.router.scheduling.admission import Admission
-from pdserve.router.scheduling.policies import PredictedFootprint, SessionAffinity
+from pdserve.router.scheduling.decode_placement import PredictedFootprint
+from pdserve.router.scheduling.policies import SessionAffinity
 from pdserve.router.scheduling.predictor import OraclePredictor
 from pdserve.router.scheduling.predictor.online import OnlineLengthPredictor
 from pdserve.sim.cluster import SimCluster
@@ -60,8 +61,9 @@ def test_the_same_objects_as_router_app():
     theirs = app._length_scheduling(app._predictor())
     ours = build_length(s, build_predictor(s), app.demand)
     assert type(app.policy) is SessionAffinity and type(app.policy.inner) is PredictedFootprint
-    for attr in ("reserve_max_tokens", "oracle", "use_max_tokens", "needed"):
+    for attr in ("reserve_max_tokens", "oracle", "use_max_tokens"):
         assert getattr(ours, attr) == getattr(theirs, attr)
+    assert ours.is_needed() == theirs.is_needed()  # the router asks per request
     assert type(ours.predictor) is type(theirs.predictor) is OnlineLengthPredictor
     assert (ours.predictor.text_model is None) == (theirs.predictor.text_model is None)
     adm = build_admission(s, lambda: 1, lambda: 0.0)

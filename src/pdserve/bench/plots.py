@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -99,5 +100,52 @@ def plot_capacity_curve(
     ax.legend()
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path
+
+
+def plot_ratio_maps(
+    panels: Mapping[str, Mapping[str, Any]],
+    out_path: str | Path,
+    title: str = "per-device goodput, best disaggregated / best colocated",
+) -> Path:
+    """One heatmap per panel (`panels[name]` = a `sim.slo_map` result: its grid and cells),
+    side by side: TTFT SLO rows x TPOT SLO columns, each cell's ratio written in it (a
+    diverging scale centred on 1: blue where colocation wins, red where disaggregation does;
+    '-' where neither meets the SLOs)."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    plt = _pyplot()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    n = len(panels)
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols + 1.0, 3.2 * rows + 0.6),
+                             squeeze=False, layout="constrained")  # fmt: skip
+    norm = TwoSlopeNorm(vmin=0.5, vcenter=1.0, vmax=1.5)
+    image = None
+    for ax, (name, res) in zip(axes.flat, panels.items(), strict=False):
+        ttft, tpot = res["grid"]["ttft_ms"], res["grid"]["tpot_ms"]
+        vals = np.full((len(ttft), len(tpot)), np.nan)
+        for c in res["cells"]:
+            if c["ratio"] is not None:
+                vals[ttft.index(c["ttft_ms"]), tpot.index(c["tpot_ms"])] = c["ratio"]
+        image = ax.imshow(np.clip(vals, 0.5, 1.5), cmap="RdBu_r", norm=norm, origin="lower",
+                          aspect="auto")  # fmt: skip
+        for (r, k), v in np.ndenumerate(vals):
+            ax.text(k, r, "-" if np.isnan(v) else f"{v:.2f}", ha="center", va="center",
+                    fontsize=9, color="black")  # fmt: skip
+        ax.set_xticks(range(len(tpot)), [f"{v:g}" for v in tpot])
+        ax.set_yticks(range(len(ttft)), [f"{v:g}" for v in ttft])
+        ax.set_xlabel("TPOT SLO (ms)")
+        ax.set_ylabel("TTFT SLO (ms)")
+        ax.set_title(name, fontsize=10)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    if image is not None:
+        fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="disagg / colocated")
+    fig.suptitle(title, fontsize=11)
+    fig.savefig(out_path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return out_path

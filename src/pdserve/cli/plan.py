@@ -12,6 +12,7 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> None:
+    from pdserve.cli.plan_map import add_map_args
     from pdserve.workload.spec import add_workload_args
 
     p = subparsers.add_parser("plan", help="how many prefill/decode instances, by simulation")
@@ -29,14 +30,16 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--decode-seqs", default="256", help="decode batch caps to try")
     p.add_argument("--max-unit", type=int, default=6, help="largest M + N of a disagg unit")
     p.add_argument("--start-rate", type=float, default=8.0, help="first rate per device (req/s)")
-    p.add_argument("--colocated-modes", default="chunked",
+    p.add_argument("--colocated-modes",
                    help="colocated schedulers to try: chunked (this engine), nochunk (vLLM <= 0.3: "
-                   "prefill priority, whole prompts), or chunked,nochunk")  # fmt: skip
+                   "prefill priority, whole prompts), or chunked,nochunk (default: chunked; "
+                   "--map: both)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=0,
                    help="processes for the simulations (0 = one per CPU); the answer is the same")  # fmt: skip
     p.add_argument("--out", default="results/plan.json")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_workload_args(p)
+    add_map_args(p)
     p.set_defaults(func=main)
 
 
@@ -70,6 +73,12 @@ def main(args: argparse.Namespace) -> int:
         args.vocab_size = shape.vocab_size
     if args.duration is None and args.num_requests is None:
         args.duration = 60.0
+    if args.map:
+        from pdserve.cli.plan_map import main_map
+
+        if args.out == "results/plan.json":
+            args.out = "results/plan_map.json"
+        return main_map(args, budget)
 
     def log(m):
         return print(m, file=sys.stderr, flush=True)
@@ -94,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
     path = write_json(out, res | {"config": {k: v for k, v in vars(args).items() if k != "func"}})
     if args.json:
         keys = ("best", "best_overall", "disagg_over_colocated_per_device",
-                "disagg_over_colocated_nochunk_per_device", "wall_s")  # fmt: skip
+                "disagg_over_colocated_nochunk_per_device", "cost_ranking", "wall_s")  # fmt: skip
         json.dump({k: res.get(k) for k in keys},
                   sys.stdout, indent=1, default=str)  # fmt: skip
         print()
@@ -107,6 +116,16 @@ def main(args: argparse.Namespace) -> int:
     for u in sorted(res["units"], key=lambda u: -u["per_device_goodput"]):
         print(f"{u['label']:<52}{u['goodput_req_s']:>9.2f}{u['per_device_goodput']:>9.2f}"
               f"{_fmt(u['cost_per_m_output_tokens']):>9}")  # fmt: skip
+    if res["prices"]:
+        print()
+        print("ranked by cost per goodput (units, and the best of each kind at full scale):")
+        head = f"{'configuration':<58}{'req/s':>9}{'$/h':>8}{'$/h per req/s':>15}{'$/M out':>9}"
+        print(head)
+        print("-" * len(head))
+        for r in res["cost_ranking"]:
+            print(f"{r['label']:<58}{r['goodput_req_s']:>9.2f}{_fmt(r['usd_per_hour']):>8}"
+                  f"{_fmt(r['usd_per_hour_per_req_s'], '.3f'):>15}"
+                  f"{_fmt(r['cost_per_m_output_tokens']):>9}")  # fmt: skip
     print()
     for kind, b in best.items():
         fs = b["full_scale"] or {}

@@ -26,7 +26,9 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
         "or floor (lower envelope: the uncontended engine)",
     )
     g.add_argument("--model-config", help="config.json path or built-in name (roofline costs)")
-    g.add_argument("--hardware", help="accelerator (roofline), e.g. h100; PREFILL_HW,DECODE_HW")
+    g.add_argument("--hardware", help="accelerator (roofline), e.g. h100; PREFILL_HW,DECODE_HW; "
+                   "prefill=h100,decode=h100+l40s (costmodel.pools); sim validate without it: "
+                   "each arm's --emulate")  # fmt: skip
     g.add_argument(
         "--network",
         default=None,
@@ -242,6 +244,7 @@ def validate_main(args: argparse.Namespace) -> int:
     from pdserve.bench.report import write_json
     from pdserve.sim.run import spec_from_up_flags
     from pdserve.sim.validate import (
+        flag_value,
         format_table,
         max_rel_error,
         real_results,
@@ -252,17 +255,28 @@ def validate_main(args: argparse.Namespace) -> int:
         arms = parse_arms(args.arms)
     except ValueError as exc:
         raise SystemExit(f"pdserve sim validate: {exc}") from None
-    costs = costs_from_args(args)
-    _defaults_from_costs(args, costs)
     extra = shlex.split(args.up_args) + (["--model", args.model] if args.model else [])
+    # without --hardware (or --profile), each arm is simulated on the hardware it emulates
+    per_arm = not (args.profile or args.hardware) and bool(args.model_config)
+    costs = None if per_arm else costs_from_args(args)
+    for name, flags in arms.items():
+        if per_arm and not flag_value(flags + extra, "--emulate"):
+            raise SystemExit(f"pdserve sim validate: arm {name} emulates no hardware; "
+                             "give --hardware")  # fmt: skip
+    _defaults_from_costs(args, costs)
     real = real_results(args, arms, extra)
     sim: dict[str, Any] = {}
     table: dict[str, list[dict[str, Any]]] = {}
     raw_table: dict[str, list[dict[str, Any]]] = {}
     for name, flags in arms.items():
         arm_costs = costs
+        if arm_costs is None:
+            from pdserve.costmodel.roofline import pool_costs
+
+            arm_costs = pool_costs(args.model_config, flag_value(flags + extra, "--emulate"),
+                                   args.network or "nvlink", args.dtype, None, args.kv_dtype)  # fmt: skip
         if real[name].get("path_overhead_s") is not None:  # measured on the emulated cluster
-            arm_costs = with_router_overhead(costs, real[name]["path_overhead_s"])
+            arm_costs = with_router_overhead(arm_costs, real[name]["path_overhead_s"])
         spec = spec_from_up_flags(flags + extra, arm_costs, max_model_len(args), args.block_size)
         sim[name], table[name] = _simulate_arm(spec, args, real[name])
         cont = real[name].get("contention")

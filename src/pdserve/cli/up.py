@@ -125,7 +125,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("emulated engine (pdserve.emulate): the serving stack is real, "
                              "only each step's forward pass is a modelled duration")  # fmt: skip
     g.add_argument("--emulate", metavar="HW", help="accelerator to emulate: h100, h200, a100, "
-                   "l40s, mi300x (NAMExTP: tensor parallel)")  # fmt: skip
+                   "l40s, mi300x (NAMExTP: tensor parallel); per pool: prefill=h100,decode=l40s "
+                   "(a pool's HW+HW list is dealt to its workers in order)")  # fmt: skip
     g.add_argument("--model-config", help="emulated model: llama3-8b, llama3-70b, qwen2.5-32b, "
                    "a config.json or a directory (default: --model's)")  # fmt: skip
     g.add_argument("--profile", help="`pdserve profile` JSON: its measured costs, not a roofline")
@@ -138,6 +139,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--tokenizer", help="tokenizer directory of the emulated model (default: "
                    "--model's, else the built-in tiny model's)")  # fmt: skip
     p.set_defaults(func=run)
+
+
+def _emulate_error(spec: str, mode: str) -> str:
+    """Why `--emulate spec` cannot serve a cluster of `mode` ('' when it can)."""
+    from pdserve.costmodel.pools import PoolHardware
+
+    try:
+        hw = PoolHardware.parse(spec)
+    except ValueError as exc:
+        return str(exc)
+    roles = ("colocated",) if mode == "colocated" else ("prefill", "decode")
+    missing = [r for r in roles if not hw.has(r)]
+    return f"no hardware for the {', '.join(missing)} pool" if missing else ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,6 +213,11 @@ def run(args: argparse.Namespace) -> int:
     if args.time_scale <= 0:
         print("pdserve up: --time-scale must be > 0", file=sys.stderr)
         return 2
+    if args.emulate:
+        error = _emulate_error(args.emulate, args.mode)
+        if error:
+            print(f"pdserve up: --emulate: {error}", file=sys.stderr)
+            return 2
     if args.insecure:
         from pdserve.rpc.tls import INSECURE_WARNING
 

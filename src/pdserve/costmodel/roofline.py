@@ -29,6 +29,7 @@ from typing import Any
 from pdserve.costmodel.calibration import DEFAULT_EFFICIENCY, efficiency_for
 from pdserve.costmodel.costs import CostModel, LinkCost, StepCost, plan_features
 from pdserve.costmodel.hardware import NETWORKS, Accelerator, parse_hardware
+from pdserve.costmodel.pools import ANY, ROLES, PoolHardware
 from pdserve.costmodel.shapes import (
     ModelShape,
     itemsize_of,
@@ -156,14 +157,26 @@ def pool_costs(
     dtype: str = "bfloat16",
     efficiency: dict[str, float] | None = None,
     kv_dtype: str | None = None,
-) -> dict[str, CostModel]:
-    """Per-role costs; 'h100' for every pool, or 'PREFILL_HW,DECODE_HW' (heterogeneous:
-    colocated instances use the first)."""
-    parts = [p.strip() for p in hardware.split(",") if p.strip()]
-    pre, dec = parts[0], parts[-1]
-    p = roofline_costs(model, pre, network, dtype, efficiency, kv_dtype)
-    d = p if dec == pre else roofline_costs(model, dec, network, dtype, efficiency, kv_dtype)
-    return {"prefill": p, "decode": d, "colocated": p}  # fmt: skip
+) -> dict[str, CostModel | list[CostModel]]:
+    """Per-role costs of a `costmodel.pools` hardware spec: 'h100' for every pool,
+    'PREFILL_HW,DECODE_HW' (colocated instances use the first), or 'ROLE=HW[+HW...]'. A role
+    dealt several types gets a list, one CostModel per type in the order its workers are
+    dealt them (they cycle); a role not named gets the prefill pool's (else the first's)."""
+    hw = PoolHardware.parse(hardware)
+    made: dict[str, CostModel] = {}
+
+    def cost(name: str) -> CostModel:
+        if name not in made:
+            made[name] = roofline_costs(model, name, network, dtype, efficiency, kv_dtype)
+        return made[name]
+
+    out: dict[str, CostModel | list[CostModel]] = {}
+    for role in ROLES:
+        names = (hw.pools.get(role) or hw.pools.get(ANY) or hw.pools.get("prefill")
+                 or next(iter(hw.pools.values())))  # fmt: skip
+        costs = [cost(n) for n in names]
+        out[role] = costs[0] if len(costs) == 1 else costs
+    return out
 
 
 def calibrate(profile: dict[str, Any], peak_flops: float, mem_bw_Bps: float) -> dict[str, float]:

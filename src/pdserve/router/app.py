@@ -20,7 +20,7 @@ from pdserve.rpc.server import ServiceApp
 from pdserve.v1 import router_pb2_grpc
 
 from .cluster.peers import PeerRouters, RouterIdentity
-from .cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_NAMES, Registry
+from .cluster.registry import ROLE_COLOCATED, ROLE_DECODE, ROLE_NAMES, Instance, Registry
 from .cluster.servicer import RegistryServicer
 from .cluster.workers import WorkerClients
 from .flip.controller import FlipController, FlipMetrics
@@ -42,8 +42,8 @@ from .replicas.leader import Leadership
 from .replicas.store import SharedStore
 from .scheduling.admission import Admission, AdmissionConfig
 from .scheduling.demand import DecodeDemand
+from .scheduling.factory import make_policy
 from .scheduling.length import LengthMetrics, LengthScheduling
-from .scheduling.policies import make_policy
 from .scheduling.predictor import EwmaPredictor, OraclePredictor, OutputLengthPredictor
 from .settings import RouterSettings
 
@@ -68,15 +68,22 @@ def admission_config(s: RouterSettings) -> AdmissionConfig:
     )
 
 
-def predictions_needed(s: RouterSettings) -> bool:
+def mixed_memory(decodes: Sequence[Instance]) -> bool:
+    """Whether serving decodes hold KV pools of different sizes (length routing acts)."""
+    return len({i.load.total_blocks * i.block_size for i in decodes}) > 1
+
+
+def predictions_needed(s: RouterSettings, mixed_decodes: bool = False) -> bool:
     """Whether anything reads the length prediction; when nothing does, the router does not
-    run the predictor per request (nor learn)."""
+    run the predictor per request (nor learn). Length routing reads it only on a decode
+    pool of mixed memory (`mixed_decodes`)."""
     sjf_queue = s.admission.queue_order == "sjf" and (
         s.admission.max_running or s.admission.queue_max_running_per_decode
     )
     return bool(
         sjf_queue
         or s.placement.decode_placement == "predicted"
+        or (s.placement.decode_placement == "length" and mixed_decodes)
         or s.placement.reserve_max_tokens > 0
         or s.flip.flip_enabled
         or s.length.predictor_oracle
@@ -124,6 +131,7 @@ class RouterApp(ServiceApp):
             settings.placement.session_affinity,
             settings.placement.decode_placement,
             self.demand,
+            settings.placement.length_routing_tokens,
         )
         self.registry.on_forget(self.policy.forget)
         self.registry.on_forget(self.demand.forget)
@@ -231,15 +239,18 @@ class RouterApp(ServiceApp):
 
     def _predictions_needed(self) -> bool:
         """Whether anything reads the length prediction; when nothing does, the router does
-        not run the predictor per request (nor learn)."""
-        return predictions_needed(self.settings)
+        not run the predictor per request (nor learn). Asked per request: the decode pool's
+        memory is known from the registry."""
+        return predictions_needed(
+            self.settings, mixed_memory(self.registry.candidates(ROLE_DECODE))
+        )
 
     def _length_scheduling(self, predictor: OutputLengthPredictor) -> LengthScheduling:
         s = self.settings
         return LengthScheduling(
             predictor,
             demand=self.demand,
-            needed=self._predictions_needed(),
+            needed=self._predictions_needed,
             reserve_max_tokens=s.placement.reserve_max_tokens,
             oracle=s.length.predictor_oracle,
             use_max_tokens=s.length.predictor_use_max_tokens,

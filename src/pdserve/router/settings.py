@@ -110,7 +110,9 @@ class PlacementSettings(SettingsGroup):
     Defaults by docs/studies/scheduling-policies.md, "The defaults":
     prefix_aware wins over least_loaded on the Mooncake trace (with and without the kvstore);
     predicted decode placement and KV headroom win nowhere, simulated or emulated, so both
-    stay off."""
+    stay off; placement by predicted length wins on decode pools of mixed memory (mean E2E
+    -10 to -12 % on three workloads, confirmed emulated: docs/studies/where-disagg-wins.md)
+    and leaves a uniform pool to the count order, so it is on."""
 
     policy: Literal["round_robin", "least_loaded", "prefix_aware"] = Field(
         "prefix_aware",
@@ -120,10 +122,19 @@ class PlacementSettings(SettingsGroup):
     session_affinity: bool = Field(
         True, description="same session_id -> same prefill/colocated instance while it lives"
     )
-    decode_placement: Literal["count", "predicted"] = Field(
-        "count",
-        description="decode placement: count (the policy's request counts) or predicted "
-        "(least predicted KV footprint over the request's predicted lifetime)",
+    decode_placement: Literal["count", "predicted", "length"] = Field(
+        "length",
+        description="decode placement: count (the policy's request counts), predicted "
+        "(least predicted KV footprint over the request's predicted lifetime) or length "
+        "(for decodes of mixed memory: answers predicted long to those with the most KV; "
+        "a pool of one memory size is placed by count)",
+    )
+    length_routing_tokens: int = Field(
+        0,
+        ge=0,
+        description="--decode-placement length: a predicted answer (p50) of this many tokens "
+        "or more goes to the decodes with the most KV; 0 = the longest share of requests "
+        "(their share of the pool's KV), ranked among recent predictions",
     )
     reserve_max_tokens: int = Field(
         0,

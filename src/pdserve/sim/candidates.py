@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.costmodel.costs import CostModel
+from pdserve.costmodel.hardware import split_hardware
 from pdserve.costmodel.roofline import roofline_costs
 from pdserve.sim.cluster import ClusterSpec, PoolSpec
 from pdserve.sim.instance import InstanceConfig
@@ -27,23 +28,29 @@ KINDS = ("colocated", NOCHUNK, "disagg")
 class Budget:
     devices: dict[str, int]  # device type ('h100') -> devices available
     prices: dict[str, float] = field(default_factory=dict)  # $ per device-hour
-    # device type -> the instance spec to plan with ('h100x2': tensor parallel 2); default: type
+    # device type -> the instance spec to plan with ('h100x2': tensor parallel 2; 'h100x4/8':
+    # instances of TP 4 and of TP 8, each pool either); default: the type
     specs: dict[str, str] = field(default_factory=dict)
 
     def instance_specs(self) -> list[str]:
-        return [self.specs.get(hw, hw) for hw in self.devices]
+        out = []
+        for hw in self.devices:
+            name, tps = split_tps(self.specs.get(hw, hw))
+            out += [f"{name}x{t}" for t in tps] if tps else [name]
+        return out
 
     @classmethod
     def parse(cls, spec: str, prices: str | None = None) -> Budget:
-        """'h100:16', 'h100:8,l40s:8' (heterogeneous: each pool tries each type) or
-        'a100x2:8' (8 A100s, instances of 2 in tensor parallel); prices 'h100=2.5,l40s=0.9'
-        per device-hour."""
+        """'h100:16', 'h100:8,l40s:8' (heterogeneous: each pool tries each type),
+        'a100x2:8' (8 A100s, instances of 2 in tensor parallel) or 'h100x4/8:32' (instances
+        of TP 4 and of TP 8, tried per pool); prices 'h100=2.5,l40s=0.9' per device-hour."""
         devices, specs = {}, {}
         for part in spec.split(","):
             name, _, count = part.strip().partition(":")
-            if not name or not count.isdigit() or int(count) < 1:
-                raise ValueError(f"bad --hardware {spec!r}: NAME[xTP]:COUNT[,NAME[xTP]:COUNT]")
-            base = name.lower().split("x")[0]
+            base, tps = split_tps(name.lower())
+            bad = not name or not count.isdigit() or int(count) < 1
+            if bad or ("/" in name and not tps) or any(int(t) < 1 for t in tps):
+                raise ValueError(f"bad --hardware {spec!r}: NAME[xTP[/TP]]:COUNT[,NAME[xTP]:COUNT]")
             if base in devices:
                 raise ValueError(f"bad --hardware {spec!r}: {base} given twice")
             devices[base], specs[base] = int(count), name.lower()
@@ -53,6 +60,16 @@ class Budget:
                 name, _, val = part.partition("=")
                 pr[name.strip().lower()] = float(val)
         return cls(devices, pr, specs)
+
+
+def split_tps(spec: str) -> tuple[str, list[str]]:
+    """'h100' -> ('h100', []); 'h100x2' -> ('h100', ['2']); 'h100x4/8' -> ('h100', ['4',
+    '8']); 'mi300x' -> ('mi300x', []) (`hardware.split_hardware`, with TP alternatives)."""
+    base, sep, tps = spec.rpartition("x")
+    parts = tps.split("/")
+    if sep and base and all(t.isdigit() for t in parts):
+        return base, parts
+    return spec, []
 
 
 @dataclass
@@ -83,8 +100,8 @@ class Candidate:
         out: dict[str, int] = {}
         pre = self.costs["prefill"].devices
         dec = self.costs["decode"].devices
-        base_p = self.hw_prefill.split("x")[0]
-        base_d = self.hw_decode.split("x")[0]
+        base_p = split_hardware(self.hw_prefill)[0]
+        base_d = split_hardware(self.hw_decode)[0]
         if self.kind != "disagg":
             out[base_p] = self.n_prefill * pre
             return out
@@ -130,19 +147,24 @@ def candidates(
     max_unit: int = 8,
     colocated_modes: str = "chunked",
     kv_dtype: str | None = None,
+    nochunk_budgets: Sequence[int] | None = None,
+    disagg_chunks: Sequence[int] | None = None,
 ) -> list[Candidate]:
     """Colocated and disaggregated units over the budget's hardware. `colocated_modes`:
     'chunked' (this engine's scheduler), 'nochunk' (vLLM <= 0.3: prefill priority, whole
-    prompts), or both, comma-separated. `kv_dtype`: the KV cache's (None = the weights')."""
+    prompts), or both, comma-separated. `kv_dtype`: the KV cache's (None = the weights').
+    `nochunk_budgets` / `disagg_chunks`: the token budgets of the no-chunking colocated units
+    and of the prefill pools (default: `chunks`)."""
     modes = {m.strip() for m in colocated_modes.split(",") if m.strip()}
     if not modes or modes - {"chunked", "nochunk"}:
         raise ValueError(f"bad colocated modes {colocated_modes!r}: chunked, nochunk or both")
     hws = budget.instance_specs()
     costs = {hw: roofline_costs(model, hw, network, dtype, None, kv_dtype) for hw in hws}
     out: list[Candidate] = []
+    budgets = {"colocated": chunks, NOCHUNK: nochunk_budgets or chunks}
     for kind in [k for k, m in (("colocated", "chunked"), (NOCHUNK, "nochunk")) if m in modes]:
         for hw in hws:
-            for chunk in chunks:
+            for chunk in budgets[kind]:
                 for seqs in decode_seqs:
                     c = {"prefill": costs[hw], "decode": costs[hw], "colocated": costs[hw]}
                     out.append(Candidate(kind, hw, hw, 1, 0, chunk, seqs, c))
@@ -152,7 +174,7 @@ def candidates(
                 for n in range(1, max_unit - m + 1):
                     if math.gcd(m, n) != 1:
                         continue
-                    for chunk in chunks:
+                    for chunk in disagg_chunks or chunks:
                         for seqs in decode_seqs:
                             c = {"prefill": costs[hp], "decode": costs[hd], "colocated": costs[hp]}
                             cand = Candidate("disagg", hp, hd, m, n, chunk, seqs, c)

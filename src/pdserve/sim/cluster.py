@@ -49,8 +49,9 @@ from pdserve.router.frontdoor.input_limits import InputLimits
 from pdserve.router.job import Job
 from pdserve.router.scheduling.admission import Admission
 from pdserve.router.scheduling.demand import DecodeDemand
+from pdserve.router.scheduling.factory import make_policy
 from pdserve.router.scheduling.length import LengthScheduling, Prediction
-from pdserve.router.scheduling.policies import PlacementPolicy, RouteRequest, make_policy
+from pdserve.router.scheduling.policies import PlacementPolicy, RouteRequest
 from pdserve.router.scheduling.predictor import EwmaPredictor, OutputLengthPredictor
 from pdserve.router.settings import RouterSettings
 from pdserve.sim import router_side
@@ -127,14 +128,22 @@ class SimCluster:
         self.settings = rs
         self.demand = DecodeDemand()
         self.policy = policy or make_policy(
-            spec.policy, spec.session_affinity, rs.placement.decode_placement, self.demand
+            spec.policy,
+            spec.session_affinity,
+            rs.placement.decode_placement,
+            self.demand,
+            rs.placement.length_routing_tokens,
         )
         if hasattr(self.policy, "_clock"):  # session TTLs run on simulated time
             self.policy._clock = self.loop.clock  # type: ignore[attr-defined]
         # The router's length scheduling when some decision reads a prediction (or a
         # predictor is given explicitly, e.g. by a test) or the admission queue orders by it;
         # the admission stage when a running limit can make requests wait.
-        needed = predictor is not None or predictions_needed(rs)
+        # (length routing reads predictions on decodes of mixed memory: the spec's decode
+        # pools; the router asks its registry per request, so a flip can change it there)
+        decode_kv = {p.config.num_blocks * p.config.block_size
+                     for p in spec.pools if p.role == "decode"}  # fmt: skip
+        needed = predictor is not None or predictions_needed(rs, len(decode_kv) > 1)
         limited = router_side.admission_limited(rs)
         self.length: LengthScheduling | None = None
         self.admission: Admission | None = None
@@ -159,8 +168,10 @@ class SimCluster:
         self.flips: list[dict[str, Any]] = []
         self.instances: dict[str, SimInstance] = {}
         self._stepping = 0  # instances with a step in flight
+        per_role: dict[str, int] = {}
         for pool in spec.pools:
-            for k in range(pool.count):
+            for _ in range(pool.count):
+                k = per_role[pool.role] = per_role.get(pool.role, -1) + 1  # pools of one role
                 iid = f"{pool.role}-{k}"
                 inst = SimInstance(iid, ROLE_BY_NAME[pool.role], pool.costs, pool.config)
                 self.instances[iid] = inst
@@ -334,7 +345,7 @@ class SimCluster:
         st.job = job
         # the front door: predict (Orchestrator.predict), then one admission turn
         coro = self.length.predict(job, st.route, self._block_size())
-        st.pred = self.aio.run(coro, needs_loop=bool(req.prompt_text) and self.length.needed)
+        st.pred = self.aio.run(coro, needs_loop=bool(req.prompt_text) and self.length.is_needed())
         if self.admission is None:
             self._admitted(rid)
             return

@@ -67,6 +67,31 @@ def cost_per_m_tokens(devices: dict[str, int], prices: dict[str, float], rate: f
     return per_hour / (rate * out_tokens * 3600.0) * 1e6
 
 
+def cost_ranking(rows: list[dict[str, Any]], prices: dict[str, float]) -> list[dict[str, Any]]:
+    """Configurations ranked by cost per goodput, cheapest first: $ per device-hour x devices
+    over the goodput ($/h per req/s) and per million output tokens at that goodput. Rows
+    (label, devices {type: n}, goodput_req_s, mean_output_tokens) without a price for each
+    of their device types, or without goodput, rank last, by per-device goodput."""
+    out = []
+    for r in rows:
+        per_hour = None
+        if prices and all(hw in prices for hw in r["devices"]):
+            per_hour = sum(prices[hw] * n for hw, n in r["devices"].items())
+        rate = r["goodput_req_s"]
+        out.append({
+            "label": r["label"], "devices": r["devices"], "goodput_req_s": rate,
+            "per_device_goodput": rate / max(1, sum(r["devices"].values())),
+            "usd_per_hour": per_hour,
+            "usd_per_hour_per_req_s": per_hour / rate if per_hour is not None and rate > 0
+            else None,
+            "cost_per_m_output_tokens": cost_per_m_tokens(r["devices"], prices, rate,
+                                                          r["mean_output_tokens"]),
+        })  # fmt: skip
+    return sorted(out, key=lambda r: (r["usd_per_hour_per_req_s"] is None,
+                                      r["usd_per_hour_per_req_s"] or 0.0,
+                                      -r["per_device_goodput"]))  # fmt: skip
+
+
 def plan(
     args: argparse.Namespace,
     budget: Budget,
@@ -86,7 +111,7 @@ def plan(
     seqs = [int(x) for x in args.decode_seqs.split(",")]
     kv_dtype = getattr(args, "kv_dtype", None)
     cands = candidates(budget, model, network, dtype, chunks, seqs, args.max_unit,
-                       colocated_modes=getattr(args, "colocated_modes", "chunked"),
+                       colocated_modes=getattr(args, "colocated_modes", None) or "chunked",
                        kv_dtype=kv_dtype)  # fmt: skip
     jobs = getattr(args, "jobs", 1) or os.cpu_count() or 1
     log(f"{len(cands)} candidate units; simulating the rate searches ({jobs} processes) ...")
@@ -131,6 +156,13 @@ def plan(
     if "disagg" in best and best.get(NOCHUNK, {}).get("per_device_goodput"):
         nochunk_ratio = best["disagg"]["per_device_goodput"] / best[NOCHUNK]["per_device_goodput"]
     overall = max(best.values(), key=lambda b: b["per_device_goodput"]) if best else None
+    mean_out = {r["label"]: r["mean_output_tokens"] for r in results}
+    ranking = cost_ranking(
+        [{k: r[k] for k in ("label", "devices", "goodput_req_s", "mean_output_tokens")}
+         for r in results]
+        + [{"label": f"{b['unit']} x{b['replicas']}", "devices": b["devices"],
+            "goodput_req_s": b["goodput_req_s"], "mean_output_tokens": mean_out[b["unit"]]}
+           for b in best.values()], budget.prices)  # fmt: skip
     return {
         "model": shape.name,
         "dtype": dtype,
@@ -151,6 +183,7 @@ def plan(
         ],
         "best": best,
         "best_overall": overall,
+        "cost_ranking": ranking,
         "disagg_over_colocated_per_device": ratio,
         "disagg_over_colocated_per_device_units": unit_ratio,
         "disagg_over_colocated_nochunk_per_device": nochunk_ratio,

@@ -330,7 +330,8 @@ def profile_router_decision(n_instances: int = 2, iters: int = 2000) -> float:
     """Seconds per placement decision (PrefixAware over a Registry, 256-token prompt)."""
     from pdserve.kv.hashing import block_hashes
     from pdserve.router.cluster.registry import ROLE_COLOCATED, Registry
-    from pdserve.router.scheduling.policies import RouteRequest, make_policy
+    from pdserve.router.scheduling.factory import make_policy
+    from pdserve.router.scheduling.policies import RouteRequest
 
     reg = Registry()
     for i in range(n_instances):

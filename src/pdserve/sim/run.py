@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -152,11 +153,12 @@ def costs_of_profile(prof: dict[str, Any]) -> CostModel | dict[str, CostModel]:
 
 def spec_from_up_flags(
     flags: list[str],
-    costs: CostModel | dict[str, CostModel],
+    costs: CostModel | Mapping[str, CostModel | list[CostModel]],
     max_model_len: int,
     block_size: int = 16,
 ) -> ClusterSpec:
-    """A ClusterSpec from `pdserve up` flags. `costs` may differ per role (heterogeneous)."""
+    """A ClusterSpec from `pdserve up` flags. `costs` may differ per role (heterogeneous),
+    and within a role per worker (a list, dealt in order: `roofline.pool_costs`)."""
     up, _ = up_parser().parse_known_args(flags)
     wk, _ = worker_parser().parse_known_args([a for f in up.worker_arg for a in shlex.split(f)])
     router_argv = (["--policy", up.policy] if up.policy else []) + [
@@ -167,11 +169,12 @@ def spec_from_up_flags(
     except SettingsError as exc:
         raise ValueError(f"router flags {router_argv}: {exc}") from None
 
-    def cost_for(role: str) -> CostModel:
-        return costs[role] if isinstance(costs, dict) else costs
+    def costs_of(role: str) -> list[CostModel]:
+        """One per hardware type the pool's workers are dealt, in order (they cycle)."""
+        c = costs[role] if isinstance(costs, dict) else costs
+        return list(c) if isinstance(c, list) else [c]
 
-    def config_for(role: str) -> InstanceConfig:
-        c = cost_for(role)
+    def config_for(c: CostModel) -> InstanceConfig:
         bs = wk.block_size or block_size
         kv_bytes = wk.kv_cache_bytes or c.kv_capacity_bytes
         pools = instance_kv_config(
@@ -196,15 +199,17 @@ def spec_from_up_flags(
             max_model_len=max_model_len,
         )
 
+    def pool(role: str, count: int) -> list[PoolSpec]:
+        cs = costs_of(role)
+        if len(cs) == 1:
+            return [PoolSpec(role, count, cs[0], config_for(cs[0]))]
+        # mixed hardware: one spec per worker, in the order `pdserve up` deals them
+        return [PoolSpec(role, 1, c, config_for(c)) for c in (cs * count)[:count]]
+
     if up.mode == "colocated":
-        pools = [
-            PoolSpec("colocated", up.colocated, cost_for("colocated"), config_for("colocated"))
-        ]
+        pools = pool("colocated", up.colocated)
     else:
-        pools = [
-            PoolSpec("prefill", up.prefill, cost_for("prefill"), config_for("prefill")),
-            PoolSpec("decode", up.decode, cost_for("decode"), config_for("decode")),
-        ]
+        pools = pool("prefill", up.prefill) + pool("decode", up.decode)
     return ClusterSpec(
         pools=pools,
         policy=rt.placement.policy,

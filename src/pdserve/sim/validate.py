@@ -179,11 +179,25 @@ def path_overhead_s(addr: str, n: int = 12) -> float:
 
 
 def with_router_overhead(costs: Any, overhead_s: float) -> Any:
-    """`costs` (one CostModel or one per role) charging `overhead_s` per request."""
+    """`costs` (one CostModel, or one per role, or a list per mixed role) charging
+    `overhead_s` per request."""
     import copy
 
     if isinstance(costs, dict):
         return {k: with_router_overhead(v, overhead_s) for k, v in costs.items()}
+    if isinstance(costs, list):  # a pool of mixed hardware: one per type
+        return [with_router_overhead(v, overhead_s) for v in costs]
     out = copy.copy(costs)
     out.router_overhead_s = overhead_s
+    return out
+
+
+def flag_value(flags: list[str], name: str) -> str | None:
+    """The value of `--name V` or `--name=V` in a command line (the last one given)."""
+    out = None
+    for i, f in enumerate(flags):
+        if f == name and i + 1 < len(flags):
+            out = flags[i + 1]
+        elif f.startswith(name + "="):
+            out = f.split("=", 1)[1]
     return out

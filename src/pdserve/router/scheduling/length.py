@@ -23,6 +23,7 @@ import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -92,7 +93,7 @@ class LengthScheduling:
         predictor: OutputLengthPredictor,
         *,
         demand: DecodeDemand | None = None,
-        needed: bool = True,
+        needed: bool | Callable[[], bool] = True,
         reserve_max_tokens: int = 0,
         oracle: bool = False,
         use_max_tokens: bool = True,
@@ -103,6 +104,8 @@ class LengthScheduling:
         self.demand = demand if demand is not None else DecodeDemand()
         # False: nothing reads predictions (FCFS or no queue, count placement, no KV
         # headroom): skip the estimate (milliseconds of text featurizing) and the learning.
+        # A callable is asked per request (length routing reads them only while the decode
+        # pool's memory is mixed).
         self.needed = needed
         self.reserve_max_tokens = reserve_max_tokens
         self.oracle = oracle
@@ -113,6 +116,9 @@ class LengthScheduling:
         self._pairs: deque[tuple[float, float]] = deque(maxlen=window)
         self._gauged: set[str] = set()  # decode ids with a predicted-KV series
         self.learned = 0
+
+    def is_needed(self) -> bool:
+        return self.needed() if callable(self.needed) else self.needed
 
     # -- before placement
     def query(self, job: Job, route: RouteRequest, block_size: int) -> LengthQuery:
@@ -127,7 +133,7 @@ class LengthScheduling:
         )
 
     async def predict(self, job: Job, route: RouteRequest, block_size: int) -> Prediction:
-        if not self.needed:  # (no prompt hashing either: nothing reads the query)
+        if not self.is_needed():  # (no prompt hashing either: nothing reads the query)
             n = job.params.max_tokens
             est = LengthEstimate(float(n), float(n), "unused")
             return Prediction(job.request_id, self.query(job, route, 0), est, n, n, n, False)

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..cluster.registry import Instance
-from .demand import DecodeDemand
 
 
 @dataclass
@@ -213,77 +212,8 @@ class SessionAffinity(PlacementPolicy):
         return entry[0] if entry else None
 
 
-class PredictedFootprint(PlacementPolicy):
-    """Decode placement by predicted footprint over the new request's predicted lifetime
-    h (its p50), from what the router placed on each instance (demand.DecodeDemand):
-      - KV: the instance's predicted peak over [0, h] -- every placed request's prompt +
-        generated tokens, grown by min(its predicted remaining, h) -- plus the new
-        request's prompt + h, as a fraction of the instance's KV capacity; above 1 the
-        request would wait for blocks or cause preemptions, so overflow is penalised;
-      - batch: the expected number of sequences decoding alongside it, each placed
-        request weighted by the fraction of h it is predicted to still run (a request
-        about to finish barely counts; a long one counts fully), which sets its TPOT.
-    Lower (overflow, batch, KV fraction) wins; ties go to the policy's count order.
-    Prefill is the inner policy's choice."""
-
-    def __init__(self, inner: PlacementPolicy, demand: DecodeDemand) -> None:
-        self.inner = inner
-        self.demand = demand
-        self.name = f"{inner.name}+predicted_kv"
-
-    def decode_cost(self, request: RouteRequest, inst: Instance) -> tuple[float, float, float]:
-        h = max(1, request.predicted_tokens)
-        batch = 1.0
-        peak = len(request.token_ids) + h
-        for p in self.demand.placements(inst.instance_id):
-            grow = min(self.demand.remaining(p), h)
-            batch += grow / h
-            peak += p.prompt_tokens + p.generated + grow
-        capacity = inst.load.total_blocks * inst.block_size
-        frac = peak / capacity if capacity > 0 else 0.0
-        return (max(0.0, frac - 1.0), round(batch, 6), frac)
-
-    def pick_prefill(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
-        return self.inner.pick_prefill(request, candidates)
-
-    def pick_decode(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
-        return min(candidates, key=lambda i: (*self.decode_cost(request, i), decode_load(i)))
-
-    def on_routed(
-        self, request: RouteRequest, prefill: Instance | None, decode: Instance | None
-    ) -> None:
-        self.inner.on_routed(request, prefill, decode)
-
-    def forget(self, instance_id: str) -> None:
-        self.inner.forget(instance_id)
-
-
 POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "round_robin": RoundRobin,
     "least_loaded": LeastLoaded,
     "prefix_aware": PrefixAware,
 }
-
-
-DECODE_PLACEMENTS = ("count", "predicted")
-
-
-def make_policy(
-    name: str,
-    session_affinity: bool = False,
-    decode_placement: str = "count",
-    demand: DecodeDemand | None = None,
-) -> PlacementPolicy:
-    """`decode_placement`: "count" = the policy's own choice (request counts),
-    "predicted" = PredictedFootprint over `demand`."""
-    try:
-        policy = POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    if decode_placement == "predicted":
-        policy = PredictedFootprint(policy, demand if demand is not None else DecodeDemand())
-    elif decode_placement != "count":
-        raise ValueError(
-            f"unknown decode placement {decode_placement!r}; choose one of {DECODE_PLACEMENTS}"
-        )
-    return SessionAffinity(policy) if session_affinity else policy
