@@ -121,7 +121,7 @@ class Orchestrator:
     async def predict(self, job: Job) -> Prediction:
         """The request's output-length prediction (once per request: before admission)."""
         route = self._route(job)
-        block_size = self._predictor_block_size() if self.length.needed else 0
+        block_size = self._predictor_block_size() if self.length.is_needed() else 0
         return await self.length.predict(job, route, block_size)
 
     def run(
