@@ -31,6 +31,17 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.primary_user_agent", "pdserve"),
 )
 
+# A call that reached a server waits in grpc's core until the event loop accepts it (the aio
+# server asks for one call at a time). Under a burst (2,048 streams at once on one router)
+# the core, with its defaults, drops waiting calls before any handler runs: it refuses some
+# once more than 1,000 wait (random early drop up to 3,000) and kills those that waited
+# 30 s. Their client gets CANCELLED and the service never sees them, so it can neither log
+# nor count them. With these limits such calls wait for the loop and reach the service,
+# whose own admission queues them or answers RESOURCE_EXHAUSTED; the client's deadline
+# still bounds the wait.
+PENDING_CALLS_MAX = 1 << 16
+PENDING_CALL_WAIT_S = 3600
+
 SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -39,6 +50,9 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.server.max_pending_requests", PENDING_CALLS_MAX),
+    ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS_MAX),
+    ("grpc.server_max_unrequested_time_in_server", PENDING_CALL_WAIT_S),
     # A port already in use must fail loudly, not be shared with another process.
     ("grpc.so_reuseport", 0),
 )
