@@ -17,9 +17,10 @@ never see each other's. Other per-task fields can be bound with
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar, Token
 from typing import IO, Any, Literal
 
@@ -161,6 +162,13 @@ def configure_logging(
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level_no)
+
+
+def debug_enabled(name: str) -> Callable[[], bool]:
+    """Whether DEBUG lines of logger `name` are emitted now (the stdlib logger's own check,
+    as structlog's filter_by_level makes it; it follows later level changes). Guards a
+    DEBUG line on a hot path: a dropped structlog call still builds a bound logger."""
+    return functools.partial(logging.getLogger(name).isEnabledFor, logging.DEBUG)
 
 
 def get_logger(name: str | None = None, **initial: Any) -> structlog.stdlib.BoundLogger:

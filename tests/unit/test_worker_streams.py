@@ -35,6 +35,7 @@ class Scripted(worker_pb2_grpc.WorkerServicer):
         self.steps = 0
         self.stopped: list[str] = []  # streams whose generator was closed before its end
         self.writes = 0
+        self.reads: list[worker_pb2.StreamsRequest] = []  # the router's messages
 
     async def tick(self) -> None:
         async with self.step:
@@ -82,7 +83,10 @@ class _Counted:
         self._context, self._worker = context, worker
 
     async def read(self):
-        return await self._context.read()
+        msg = await self._context.read()
+        if msg is not grpc.aio.EOF:
+            self._worker.reads.append(msg)
+        return msg
 
     async def write(self, msg) -> None:
         self._worker.writes += 1
@@ -308,3 +312,28 @@ def test_without_credit_the_worker_holds_its_events_and_merges_them():
     assert len(rest.events) == 2  # one event per stream: its tokens merged, with its finish
     for e in by_stream.values():
         assert list(e.token_ids) == [101, 102] and e.finish_reason
+
+
+def test_short_streams_carry_their_credit_with_their_opens():
+    """One stream after another, each one message from the worker (a short request): every
+    grant rides on the next open, so the router writes one message per stream and no
+    credit-only messages, and the worker never runs out of credit."""
+
+    async def scenario():
+        server, worker, addr = await _serve()
+        workers = WorkerClients(grpc.aio.insecure_channel)
+        try:
+            for _ in range(20):
+                handle = workers.open_generate(addr, _generate("tokens-0"))
+                tokens, finish, _stages = await asyncio.wait_for(_drain(handle), 5)
+                assert tokens == [] and finish == common_pb2.FINISH_REASON_LENGTH
+                await asyncio.sleep(0.01)  # the grant is due before the next open
+            return worker.reads
+        finally:
+            await workers.close()
+            await server.stop(None)
+
+    reads = asyncio.run(scenario())
+    assert [len(m.open) for m in reads] == [1] * 20  # no message without an open
+    granted = sum(m.credit for m in reads)
+    assert granted >= 20  # the first message's credit, and then every message taken back

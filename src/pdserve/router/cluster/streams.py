@@ -11,7 +11,9 @@ Flow control (StreamsRequest.credit): the router grants the worker `CREDIT` mess
 first write, and once its streams have taken in `CREDIT // 2` more messages (after the
 consumers woken by the last of them ran), that many again: a credit write per few messages,
 never so few that the worker waits while the router does not (a grant is due before the
-worker can have spent its credit). A router that falls behind thus gets fewer messages
+worker can have spent its credit). A write that goes anyway (opens, closes) carries what was
+taken in since the last grant, so a load of short requests, one open and one message each,
+needs no credit-only writes. A router that falls behind thus gets fewer messages
 from the worker, each carrying every token made since the last, instead of a backlog of small
 messages in its socket, which its streams would drain one token at a time.
 
@@ -231,8 +233,14 @@ class WorkerStreams:
                     self._wake = loop.create_future()
                     await self._wake
                     continue
+                # (a write that goes anyway also grants what was taken since the last
+                # grant: short requests then need no credit-only writes)
+                credit = self._credit
+                if self._opens or self._closes:
+                    credit += self._taken
+                    self._taken = 0
                 msg = worker_pb2.StreamsRequest(
-                    open=self._opens.values(), close=self._closes, credit=self._credit
+                    open=self._opens.values(), close=self._closes, credit=credit
                 )
                 self._opens, self._closes, self._credit = {}, [], 0
                 await self._call.write(msg)

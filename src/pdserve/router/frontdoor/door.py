@@ -26,7 +26,7 @@ from pdserve.errors import (
     PdserveError,
     UnavailableError,
 )
-from pdserve.logging import bind_request_id, get_logger
+from pdserve.logging import bind_request_id, debug_enabled, get_logger
 from pdserve.rpc.ids import MAX_ID_CHARS, check_id
 from pdserve.rpc.interceptor import status_for
 from pdserve.v1 import common_pb2, router_pb2
@@ -46,6 +46,7 @@ from .text import TextStream
 from .validation import check_messages, check_request, to_params
 
 log = get_logger("pdserve.router")
+_debug = debug_enabled("pdserve.router")  # "request finished" is at DEBUG
 
 
 def _reason(finish: int) -> str:
@@ -416,6 +417,8 @@ class FrontDoor:
             if n_out > 1:
                 self.metrics.tpot.observe((now - t_first) / (n_out - 1))
         self.metrics.e2e.observe(now - t0)
+        if not _debug():
+            return
         log.debug(
             "request finished",
             finish_reason=reason,

@@ -121,8 +121,9 @@ class Orchestrator:
     async def predict(self, job: Job) -> Prediction:
         """The request's output-length prediction (once per request: before admission)."""
         route = self._route(job)
-        block_size = self._predictor_block_size() if self.length.is_needed() else 0
-        return await self.length.predict(job, route, block_size)
+        needed = self.length.is_needed()  # (asked once: it may scan the registry)
+        block_size = self._predictor_block_size() if needed else 0
+        return await self.length.predict(job, route, block_size, needed)
 
     def run(
         self, job: Job, pred: Prediction | None = None, received: Sequence[int] = ()

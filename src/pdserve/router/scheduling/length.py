@@ -132,8 +132,12 @@ class LengthScheduling:
             oracle_tokens=job.oracle_tokens if self.oracle else 0,
         )
 
-    async def predict(self, job: Job, route: RouteRequest, block_size: int) -> Prediction:
-        if not self.is_needed():  # (no prompt hashing either: nothing reads the query)
+    async def predict(
+        self, job: Job, route: RouteRequest, block_size: int, needed: bool | None = None
+    ) -> Prediction:
+        """`needed`: `is_needed()` when the caller just asked it (None: asked here)."""
+        if not (self.is_needed() if needed is None else needed):
+            # (no prompt hashing either: nothing reads the query)
             n = job.params.max_tokens
             est = LengthEstimate(float(n), float(n), "unused")
             return Prediction(job.request_id, self.query(job, route, 0), est, n, n, n, False)
