@@ -47,8 +47,8 @@ class UnavailableError(PdserveError):
 
 class NoInstanceHereError(UnavailableError):
     """This router has no instance to continue a stream on (its workers died or it is cut off
-    from them). Another replica may still reach some, so the error is not marked as the
-    router's verdict: the SDK resumes the stream on another router."""
+    from them). Another replica may still reach some: the error is marked "elsewhere", and
+    the SDK resumes the stream on a router that has not said so (with one router, it fails)."""
 
 
 class DeadlineError(PdserveError):

@@ -255,6 +255,7 @@ class ResumingRouter(FakeRouter):
         super().__init__()
         self.die_after: int | None = None
         self.answered = False  # the router itself fails the stream (its verdict: no resume)
+        self.mark = "1"  # "elsewhere": it has no instance left (another replica may)
         self.fail_resume = False  # a Resume here fails at once (the replica is going too)
         self.resumes: list[router_pb2.ResumeRequest] = []
 
@@ -266,7 +267,7 @@ class ResumingRouter(FakeRouter):
                 if self.answered:  # what the router's ErrorInterceptor sends
                     await context.abort(
                         grpc.StatusCode.UNAVAILABLE, "decode instance d1: lost; no migration left",
-                        trailing_metadata=(("pdserve-answered", "1"),),
+                        trailing_metadata=(("pdserve-answered", self.mark),),
                     )  # fmt: skip
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
             last = i == n - 1
@@ -373,3 +374,24 @@ async def test_a_stream_the_router_itself_failed_is_not_resumed(pair):
         with pytest.raises(Unavailable, match="no migration left") as info:
             await c.generate(token_ids=[1], max_tokens=6)
     assert info.value.answered and not (a.resumes or b.resumes)
+
+
+async def test_a_router_without_instances_sends_the_stream_to_another(pair):
+    """A router that has no instance left ("elsewhere") does not end the stream: the SDK
+    resumes it on a replica that has not said so; when every one has, the error is final."""
+    a, b = pair
+    a.die_after, a.answered, a.mark = 2, True, "elsewhere"
+    async with AsyncClient([a.addr, b.addr], retry_backoff_s=0.01) as c:
+        c.routers._next = 0  # the stream starts on a
+        result = await c.generate(token_ids=[1], max_tokens=6)
+    assert result.token_ids == [1, 2, 3, 4, 5, 6] and len(b.resumes) == 1 and not a.resumes
+
+    b.die_after, b.answered, b.mark = 0, True, "elsewhere"  # b has none left either
+    b.resumes.clear()
+    async with AsyncClient([a.addr, b.addr], retry_backoff_s=0.01) as c:
+        c.routers._next = 0
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="no migration left") as info:
+            await c.generate(token_ids=[1], max_tokens=6)
+        assert time.monotonic() - t0 < 10  # final at once, not after resume_timeout_s
+    assert info.value.elsewhere and len(b.resumes) == 1 and not a.resumes

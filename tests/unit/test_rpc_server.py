@@ -240,8 +240,8 @@ async def test_answered_mark_only_where_another_replica_cannot_do_better(
     toy: tuple[Toy, ServiceRunner],
 ) -> None:
     """An UNAVAILABLE the service decided carries the answered mark (the SDK gives up); one
-    that says only that this router has no instance left leaves it off (the SDK resumes the
-    stream on another replica, which may still reach workers)."""
+    that says only that this router has no instance left is marked "elsewhere" (the SDK
+    resumes the stream on a replica that has not said so)."""
     _, runner = toy
     marks = {}
     for req in (b"gone", b"no-instance"):
@@ -249,7 +249,7 @@ async def test_answered_mark_only_where_another_replica_cannot_do_better(
             await _call(runner.address, "Echo", req)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         marks[req] = dict(info.value.trailing_metadata() or ()).get("pdserve-answered")
-    assert marks == {b"gone": "1", b"no-instance": None}
+    assert marks == {b"gone": "1", b"no-instance": "elsewhere"}
 
 
 async def test_streaming_errors_mid_stream(toy: tuple[Toy, ServiceRunner]) -> None:

@@ -231,7 +231,11 @@ class AsyncClient:
                 failures[addr] = error.message
                 now = time.monotonic()
                 if stream.received:  # mid-stream: resume elsewhere, if the router died
-                    if not stream.resume_token or error.answered:  # (it answered: its verdict)
+                    if error.elsewhere:  # no instance there: try the routers that have not said so
+                        stream.no_instance_at.add(addr)
+                    exhausted = stream.no_instance_at.issuperset(self.routers.addrs)
+                    verdict = error.answered and not (error.elsewhere and not exhausted)
+                    if not stream.resume_token or verdict:  # (it answered: its verdict)
                         raise error from None
                     stream.resume_deadline = stream.resume_deadline or now + self.resume_timeout_s
                     backoff = self.routers.backoff(stream.resumes, self.retry_backoff_s)
@@ -302,6 +306,7 @@ class _StreamState:
         self.finished = False  # the message with the finish reason arrived
         self.resumes = 0
         self.resume_deadline: float | None = None
+        self.no_instance_at: set[str] = set()  # routers that had no instance to continue on
 
     def take(self, msg: router_pb2.GenerateResponse) -> GenerationEvent:
         if msg.resume_token:

@@ -16,6 +16,8 @@ class PdserveClientError(Exception):
         # True: the server decided this status; False: the call failed on the way (the
         # connection broke, nothing listens, the server was still starting)
         self.answered = False
+        # the server answered that another replica may do better (it has no instance left)
+        self.elsewhere = False
         if code is not None:
             self.code = code
 
@@ -97,4 +99,5 @@ def from_rpc_error(err: grpc.RpcError) -> PdserveClientError:
             error.retry_after_s = float(value)
         elif key == "pdserve-answered":
             error.answered = True
+            error.elsewhere = value == "elsewhere"
     return error

@@ -38,6 +38,8 @@ RETRY_AFTER_KEY = "retry-after"
 # Trailing metadata on every status a pdserve service sends for an error it decided: the
 # client can tell "the server answered UNAVAILABLE" (e.g. a router whose worker died past
 # its migrations) from "the connection failed" (the server died: the SDK resumes elsewhere).
+# The value "elsewhere" marks a router that has no instance left to continue a stream on: the
+# SDK resumes it on a replica that has not said so.
 ANSWERED_KEY = "pdserve-answered"
 MAX_DETAILS = 300
 
@@ -84,9 +86,9 @@ async def _abort(context: aio.ServicerContext, exc: Exception, method: str) -> N
         _log.error("rpc crashed", method=method, code=code.name, exc_info=exc)
     else:
         _log.warning("rpc failed upstream", method=method, code=code.name, details=details)
-    trailing = retry_metadata(exc)
-    if not isinstance(exc, NoInstanceHereError):  # another replica may answer otherwise
-        trailing += ((ANSWERED_KEY, "1"),)
+    # "elsewhere": this router has no instance left; another replica may still have one
+    verdict = "elsewhere" if isinstance(exc, NoInstanceHereError) else "1"
+    trailing = (*retry_metadata(exc), (ANSWERED_KEY, verdict))
     await context.abort(code, details, trailing_metadata=trailing)  # raises
     raise AssertionError("context.abort returned")  # pragma: no cover
 
