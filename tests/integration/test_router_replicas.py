@@ -200,12 +200,14 @@ def test_streams_survive_a_killed_router(replicas, long_reference):
     assert not wrong, f"wrong tokens in streams {wrong}"
     assert all(finish == "length" for _t, finish, _x in results)
     victim = killed[0]
+    # Resumed on a live router: the survivor, or (if the SDK met the survivor busy or failing
+    # under load) the victim once restarted; each process's log is its own file (a restart
+    # starts a fresh one), so the dead process's log holds none of them.
     resumed = sum(
         "stream resumed" in cluster.processes[n].log_path.read_text()
         for n in cluster.router_names()
-        if n != victim
     )
-    assert resumed, "no stream was resumed on the surviving router"
+    assert resumed, "no stream was resumed on a live router"
 
     # New requests reach the survivor at once, on both doors.
     survivor = next(n for n in cluster.router_names() if n != victim)
