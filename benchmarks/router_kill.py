@@ -8,7 +8,7 @@ a router is killed with SIGKILL every `--kill-every-s` seconds (the one carrying
 streams). Every stream is compared with the run without kills. `--idle-wait-s` after the
 last wave every worker's KV pool is read.
 
-Prints (and with --json writes) three counts, the acceptance of issue 35:
+Prints (and with --json writes) three counts, the acceptance criteria of a router-kill run:
   failed        streams that ended with an error
   wrong         streams whose tokens or text differ from the run without kills
   blocks_held   KV blocks still held on the workers `--idle-wait-s` after the load

@@ -1,4 +1,4 @@
-"""The issue's scenario on a served cluster: one `pdserve up`-style 1P1D cluster of a tiny
+"""The conformance scenario on a served cluster: one `pdserve up`-style 1P1D cluster of a tiny
 qwen2 in the DEFAULT dtype (auto: bfloat16 on a CPU with AVX512-BF16/AMX), 16 requests sent
 one by one, then all at once: identical tokens, and identical to the in-process engine (same
 dtype, each request alone). Greedy and seeded sampling (temperature 0.8) requests mixed.

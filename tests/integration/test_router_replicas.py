@@ -1,4 +1,4 @@
-"""Router replicas (issue 35, sections 1 and 3): two routers sharing a real Redis, every
+"""Router replicas: two routers sharing a real Redis, every
 worker registered with both, under the launcher's Supervisor (what `pdserve up --routers 2`
 runs). A router killed with SIGKILL mid-stream: every SDK stream resumes on the other
 replica with the in-process engine's tokens (greedy and seeded), the supervisor restarts
@@ -317,7 +317,7 @@ def test_bad_resumes_get_clear_errors_and_lose_nothing(replicas, long_reference)
 
 def test_key_limit_holds_across_replicas(replicas):
     """Key alpha may run KEY_LIMIT streams in all: 2 x KEY_LIMIT started on two replicas
-    at once, at most KEY_LIMIT (+1 per replica, the issue's bound) run, the rest get
+    at once, at most KEY_LIMIT (+1 per replica, the documented bound) run, the rest get
     RESOURCE_EXHAUSTED naming the replicas."""
     cluster, _supervisor, _said = replicas
     from pdserve.client import AsyncClient, ResourceExhausted

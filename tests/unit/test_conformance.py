@@ -4,7 +4,7 @@ The reference of every request is the request run ALONE on a fresh engine, its w
 one step. Each test runs the same requests another way and requires identical tokens, in bf16
 and fp32, with greedy and seeded-sampling requests (temperature 0.8, top-p 0.9) mixed in one
 batch:
-  - the issue's scenario: 16 requests one by one, then all at once (chunked prefill, one batch
+  - the conformance scenario: 16 requests one by one, then all at once (chunked prefill, one batch
     mix), then staggered arrivals under another chunk size, then under preemption;
   - a local prefix-cache hit, and a stream resumed after k tokens (what migration and failover
     replay: prompt + k tokens with output_offset=k);
