@@ -22,30 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import shlex
 import signal
 import sys
 import time
 
 from pdserve.client import AsyncClient
-
-
-def requests(n: int, max_tokens: int, vocab: int, seed: int) -> list[dict]:
-    """Distinct prompts; even streams greedy, odd ones seeded sampling."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        req = {
-            "token_ids": [rng.randint(2, vocab - 1) for _ in range(rng.randint(8, 48))],
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-        }
-        if i % 2:
-            req.update(temperature=0.9, top_p=0.95, seed=1000 * seed + i)
-        out.append(req)
-    return out
+from pdserve.workload.requests import greedy_and_seeded_streams
 
 
 async def wave(client: AsyncClient, reqs: list[dict]) -> list:
@@ -172,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     supervisor = Supervisor(cluster, RestartPolicy(initial_s=0.2, max_s=2.0))
     try:
         with SupervisorThread(supervisor):
-            reqs = requests(args.streams, args.max_tokens, asyncio.run(vocab_size(cluster.addrs)),
-                            args.seed)  # fmt: skip
+            vocab = asyncio.run(vocab_size(cluster.addrs))
+            reqs = greedy_and_seeded_streams(args.streams, args.max_tokens, vocab, args.seed)
             out = asyncio.run(run_load(cluster, reqs, args.duration_s, args.kill_every_s))
             time.sleep(args.idle_wait_s)
             pools = blocks_held(cluster)

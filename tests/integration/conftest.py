@@ -56,6 +56,25 @@ def reference_tokens(engine, requests: Sequence[tuple[list[int], int]]) -> list[
     return [out[f"ref-{i}"] for i in range(len(requests))]
 
 
+def engine_tokens(engine, requests: Sequence[dict]) -> list[list[int]]:
+    """The in-process engine's tokens for SDK `generate` arguments (greedy or seeded), all in
+    one batch."""
+    from pdserve.engine.params import SamplingParams
+
+    out: dict[str, list[int]] = {}
+    for i, r in enumerate(requests):
+        params = SamplingParams(
+            max_tokens=r["max_tokens"], temperature=r["temperature"], top_p=r.get("top_p", 1.0),
+            seed=r.get("seed"), ignore_eos=True,
+        )  # fmt: skip
+        engine.add_request(f"ref-{i}", r["token_ids"], params)
+        out[f"ref-{i}"] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[f"ref-{i}"] for i in range(len(requests))]
+
+
 def mixed_requests(n: int, seed: int, max_len: int = 100) -> list[tuple[list[int], int]]:
     """n (prompt, max_tokens): lengths 1..max_len incl. block boundaries (15, 16, 17, 32, 33),
     distinct random prompts (no shared prefixes, so no prefix-cache hits)."""

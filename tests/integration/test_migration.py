@@ -8,7 +8,6 @@ the migrations. Every wait is bounded (hang guards, not timing claims)."""
 from __future__ import annotations
 
 import asyncio
-import random
 import signal
 import socket
 import time
@@ -16,7 +15,9 @@ import urllib.request
 
 import pytest
 
-from .conftest import VOCAB, pool_idle, start_cluster, wait_until, worker_info
+from pdserve.workload.requests import greedy_and_seeded_streams
+
+from .conftest import VOCAB, engine_tokens, pool_idle, start_cluster, wait_until, worker_info
 
 pytestmark = pytest.mark.integration
 
@@ -38,40 +39,7 @@ def _free_port() -> int:
 
 
 def _requests(seed: int, max_tokens: int = MAX_TOKENS) -> list[dict]:
-    """Distinct prompts; even streams greedy, odd ones seeded sampling."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(N_STREAMS):
-        req = {
-            "token_ids": [rng.randint(2, VOCAB - 1) for _ in range(rng.randint(8, 48))],
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-        }
-        if i % 2:
-            req.update(temperature=0.9, top_p=0.95, seed=1000 * seed + i)
-        out.append(req)
-    return out
-
-
-def _reference(engine, requests: list[dict]) -> list[list[int]]:
-    from pdserve.engine.params import SamplingParams
-
-    out: dict[str, list[int]] = {}
-    for i, r in enumerate(requests):
-        params = SamplingParams(
-            max_tokens=r["max_tokens"],
-            temperature=r["temperature"],
-            top_p=r.get("top_p", 1.0),
-            seed=r.get("seed"),
-            ignore_eos=True,
-        )
-        engine.add_request(f"mig-{i}", r["token_ids"], params)
-        out[f"mig-{i}"] = []
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return [out[f"mig-{i}"] for i in range(len(requests))]
+    return greedy_and_seeded_streams(N_STREAMS, max_tokens, VOCAB, seed)
 
 
 def _migrations(port: int, reason: str = "") -> float:
@@ -227,7 +195,7 @@ def _wave(cluster, metrics_port: int, requests, expected, sig: int, label: str) 
 def test_streams_survive_a_killed_decode(supervised, long_reference):
     cluster, supervisor, metrics_port, said = supervised
     requests = _requests(seed=1)  # the same streams each wave (the prompts then hit the
-    expected = _reference(long_reference, requests)  # prefill's prefix cache: fine)
+    expected = engine_tokens(long_reference, requests)  # prefill's prefix cache: fine)
     for wave in range(KILLS):
         _wave(cluster, metrics_port, requests, expected, signal.SIGKILL, f"kill {wave}")
     assert sum(supervisor.restarts.values()) == KILLS
@@ -241,7 +209,7 @@ def test_streams_leave_a_frozen_decode(supervised, long_reference):
     counts it lost after the heartbeat timeout and moves its streams (StreamLost)."""
     cluster, supervisor, metrics_port, _said = supervised
     requests = _requests(seed=2)[:12]
-    expected = _reference(long_reference, requests)
+    expected = engine_tokens(long_reference, requests)
     restarts0 = sum(supervisor.restarts.values())
     lost0 = _migrations(metrics_port, reason="lost")
     _wave(cluster, metrics_port, requests, expected, signal.SIGSTOP, "freeze")
@@ -262,7 +230,7 @@ def test_colocated_streams_survive_a_killed_worker(long_model_dir, long_referenc
     )
     try:
         requests = _requests(seed=3)[:12]
-        expected = _reference(long_reference, requests)
+        expected = engine_tokens(long_reference, requests)
         hit: list[str] = []
 
         def hit_when_running() -> bool:

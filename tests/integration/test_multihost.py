@@ -35,7 +35,6 @@ bounded (hang guards); the lease bound is the registry's contract, with slack fo
 from __future__ import annotations
 
 import inspect
-import random
 import secrets
 import sys
 import time
@@ -45,8 +44,9 @@ import pytest
 
 from pdserve.client.aio import AsyncClient
 from pdserve.router.settings import LifecycleSettings
+from pdserve.workload.requests import greedy_and_seeded_streams
 
-from .conftest import VOCAB
+from .conftest import VOCAB, engine_tokens
 from .netns_layout import Agent, Layout, script, unavailable
 
 pytestmark = pytest.mark.integration
@@ -124,40 +124,7 @@ def layout(request, tmp_path_factory):
 
 
 def _requests(seed: int, max_tokens: int) -> list[dict]:
-    """Distinct prompts; even streams greedy, odd ones seeded top-p sampling."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(N_STREAMS):
-        req = {
-            "token_ids": [rng.randint(2, VOCAB - 1) for _ in range(rng.randint(8, 48))],
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-        }
-        if i % 2:
-            req.update(temperature=0.9, top_p=0.95, seed=1000 * seed + i)
-        out.append(req)
-    return out
-
-
-def _expected(engine, requests: list[dict]) -> list[list[int]]:
-    from pdserve.engine.params import SamplingParams
-
-    out: dict[str, list[int]] = {}
-    for i, r in enumerate(requests):
-        params = SamplingParams(
-            max_tokens=r["max_tokens"],
-            temperature=r["temperature"],
-            top_p=r.get("top_p", 1.0),
-            seed=r.get("seed"),
-            ignore_eos=True,
-        )
-        engine.add_request(f"mh-{i}", r["token_ids"], params)
-        out[f"mh-{i}"] = []
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return [out[f"mh-{i}"] for i in range(len(requests))]
+    return greedy_and_seeded_streams(N_STREAMS, max_tokens, VOCAB, seed)
 
 
 def _kv_bytes_in(layout: Layout) -> int:
@@ -254,7 +221,7 @@ def test_tokens_and_kv_cross_hosts(layout: Layout, reference):
     requests = _requests(seed=1, max_tokens=24)
     layout.agent.call("start", batch="plain", router=layout.router, requests=requests, stream_s=120)
     results = layout.agent.call("wait", batch="plain", wait_s=120, timeout=130)
-    _check_results(results, _expected(reference, requests), "plain")
+    _check_results(results, engine_tokens(reference, requests), "plain")
     served = {r: layout.status(r)["requests_total"] - total0[r] for r in layout.routers}
     assert sum(served.values()) == len(requests) and min(served.values()) > 0, served
 
@@ -294,7 +261,7 @@ def test_a_host_cut_off_and_reconnected(layout: Layout, reference):
     each router once (the same instance, one registration) and holds nothing of the streams
     it lost."""
     requests = _requests(seed=2, max_tokens=LONG_TOKENS)
-    expected = _expected(reference, requests)
+    expected = engine_tokens(reference, requests)
     lost0 = layout.migrations("lost")
     victim = _start_and_hit(layout, "cut", requests, ["decode0", "decode1"])
     (victim_id,) = {i["id"] for r in layout.routers for i in layout.instance_at(victim, r)}
@@ -335,7 +302,7 @@ def test_a_host_goes_down(layout: Layout, reference):
     for r in layout.routers:
         assert len(layout.instances(r)) == 3, f"the previous test left {r} short"
     requests = _requests(seed=3, max_tokens=LONG_TOKENS)
-    expected = _expected(reference, requests)
+    expected = engine_tokens(reference, requests)
     moved0 = layout.migrations("unavailable") + layout.migrations("lost")
     victim = _start_and_hit(layout, "down", requests, ["decode0", "decode1"])
     (survivor,) = {"decode0", "decode1"} - {victim}
@@ -365,9 +332,9 @@ def test_a_router_host_goes_down(layout: Layout, reference):
     worker_hosts = [h for h in layout.hosts if layout.worker(h) in workers]
     decodes = [h for h in worker_hosts if h.startswith("decode")]
     requests = _requests(seed=4, max_tokens=LONG_TOKENS)
-    expected = _expected(reference, requests)
+    expected = engine_tokens(reference, requests)
     new = _requests(seed=5, max_tokens=NEW_TOKENS)[:N_NEW]
-    new_expected = _expected(reference, new)
+    new_expected = engine_tokens(reference, new)
     resumed0 = {r: layout.counter(r, "resumes", 'outcome="resumed"') for r in layout.routers}
     layout.agent.call(
         "start", batch="router", router=layout.router, requests=requests, stream_s=120

@@ -19,7 +19,9 @@ import time
 import grpc
 import pytest
 
-from .conftest import VOCAB, pool_idle, start_cluster, wait_until
+from pdserve.workload.requests import greedy_and_seeded_streams
+
+from .conftest import VOCAB, engine_tokens, pool_idle, start_cluster, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -37,36 +39,7 @@ KEYS = {
 
 
 def _requests(seed: int, n: int = N_STREAMS, max_tokens: int = MAX_TOKENS) -> list[dict]:
-    """Distinct prompts; even streams greedy, odd ones seeded sampling."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        req = {
-            "token_ids": [rng.randint(2, VOCAB - 1) for _ in range(rng.randint(8, 48))],
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-        }
-        if i % 2:
-            req.update(temperature=0.9, top_p=0.95, seed=1000 * seed + i)
-        out.append(req)
-    return out
-
-
-def _reference(engine, requests: list[dict]) -> list[list[int]]:
-    from pdserve.engine.params import SamplingParams
-
-    for i, r in enumerate(requests):
-        params = SamplingParams(
-            max_tokens=r["max_tokens"], temperature=r["temperature"], top_p=r.get("top_p", 1.0),
-            seed=r.get("seed"), ignore_eos=True,
-        )  # fmt: skip
-        engine.add_request(f"rep-{i}", r["token_ids"], params)
-    out: dict[str, list[int]] = {f"rep-{i}": [] for i in range(len(requests))}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return [out[f"rep-{i}"] for i in range(len(requests))]
+    return greedy_and_seeded_streams(n, max_tokens, VOCAB, seed)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +151,7 @@ async def _streams(addrs, requests, on_progress, key="sk-beta"):
 def test_streams_survive_a_killed_router(replicas, long_reference):
     cluster, supervisor, said = replicas
     requests = _requests(seed=1)
-    expected = _reference(long_reference, requests)
+    expected = engine_tokens(long_reference, requests)
     killed: list[str] = []
 
     def kill_busiest(counts: list[int]) -> bool:
@@ -285,7 +258,7 @@ def test_bad_resumes_get_clear_errors_and_lose_nothing(replicas, long_reference)
     cluster, _supervisor, _said = replicas
     a, b = cluster.addrs
     req = _requests(seed=7, n=1, max_tokens=40)[0]
-    [expected] = _reference(long_reference, [req])
+    [expected] = engine_tokens(long_reference, [req])
     request, tokens, text, token = _raw_stream(a, "sk-alpha", req, 10)
     assert token and tokens == expected[: len(tokens)]
 

@@ -9,6 +9,7 @@ kvstore can reuse. Every request runs with ignore_eos and max_tokens = its outpu
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -178,3 +179,21 @@ def iter_trace_requests(
         else:
             prompt = random_tokens(rng, n_in, vocab_size)
         yield BenchRequest(i, prompt, n_out, rec.timestamp_s, hash_ids=rec.hash_ids)
+
+
+def greedy_and_seeded_streams(n: int, max_tokens: int, vocab: int, seed: int) -> list[dict]:
+    """SDK `generate` arguments for token-exactness checks: distinct prompts of 8-48 ids,
+    ignore_eos; even streams greedy, odd ones seeded top-p sampling (seed 1000*seed + i)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        req = {
+            "token_ids": [rng.randint(2, vocab - 1) for _ in range(rng.randint(8, 48))],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
+        if i % 2:
+            req.update(temperature=0.9, top_p=0.95, seed=1000 * seed + i)
+        out.append(req)
+    return out
