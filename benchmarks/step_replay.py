@@ -40,21 +40,12 @@ def step_kind(batch: list[tuple[int, int]]) -> str:
 def replay(engine: Any, reqs: list[Any], clock: str) -> list[dict[str, Any]]:
     """Drive `engine` through `reqs` (arrival_s, prompt_ids, max_tokens) in virtual time."""
     from pdserve.engine.params import SamplingParams
+    from pdserve.sim.profile import recorded_batches
 
     tick = time.thread_time if clock == "cpu" else time.perf_counter
-    sched = engine.scheduler
-    orig = sched.schedule
-    last: list[list[tuple[int, int]]] = []
-
-    def schedule():
-        plan = orig()
-        last.append([(e.start, e.num_new_tokens) for e in plan.scheduled])
-        return plan
-
-    sched.schedule = schedule
     pending = sorted(reqs, key=lambda r: r.arrival_s)
     now, i, out = 0.0, 0, []
-    try:
+    with recorded_batches(engine) as last:
         while i < len(pending) or engine.has_unfinished_requests():
             if not engine.has_unfinished_requests() and pending[i].arrival_s > now:
                 now = pending[i].arrival_s  # idle: jump to the next arrival
@@ -73,8 +64,6 @@ def replay(engine: Any, reqs: list[Any], clock: str) -> list[dict[str, Any]]:
             if last and last[-1]:
                 out.append({"batch": last[-1], "s": dt, "at": now})
             last.clear()
-    finally:
-        sched.schedule = orig
     return out
 
 

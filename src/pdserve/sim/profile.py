@@ -19,7 +19,8 @@ import asyncio
 import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,26 @@ MIB = 1 << 20
 
 
 # ---------------------------------------------------------------------------- engine steps
+@contextmanager
+def recorded_batches(engine: Any) -> Iterator[list[list[tuple[int, int]]]]:
+    """While inside, every step's scheduled batch, [(start, num_new_tokens)], is appended to
+    the list yielded (the engine's scheduler is wrapped, and restored on exit)."""
+    sched = engine.scheduler
+    orig = sched.schedule
+    batches: list[list[tuple[int, int]]] = []
+
+    def schedule():
+        plan = orig()
+        batches.append([(e.start, e.num_new_tokens) for e in plan.scheduled])
+        return plan
+
+    sched.schedule = schedule
+    try:
+        yield batches
+    finally:
+        sched.schedule = orig
+
+
 def timed_steps(
     engine: Any,
     samples: list[dict[str, Any]],
@@ -42,17 +63,7 @@ def timed_steps(
 ):
     """Step `engine` until idle, recording (batch, seconds) of every step (`tick`: the
     clock; `time.thread_time` measures the engine thread's CPU time instead of wall time)."""
-    sched = engine.scheduler
-    orig = sched.schedule
-    last: list[list[tuple[int, int]]] = []
-
-    def schedule():
-        plan = orig()
-        last.append([(e.start, e.num_new_tokens) for e in plan.scheduled])
-        return plan
-
-    sched.schedule = schedule
-    try:
+    with recorded_batches(engine) as last:
         for _ in range(max_steps):
             if not engine.has_unfinished_requests():
                 break
@@ -62,8 +73,6 @@ def timed_steps(
             batch = last[-1] if last else []
             if batch:
                 samples.append({"kind": label, "batch": batch, "s": dt})
-    finally:
-        sched.schedule = orig
 
 
 def device_tick(tick: Callable[[], float], device: str) -> Callable[[], float]:
