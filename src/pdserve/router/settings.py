@@ -127,7 +127,9 @@ class PlacementSettings(SettingsGroup):
         description="decode placement: count (the policy's request counts), predicted "
         "(least predicted KV footprint over the request's predicted lifetime) or length "
         "(for decodes of mixed memory: answers predicted long to those with the most KV; "
-        "a pool of one memory size is placed by count)",
+        "a pool of one memory size is placed by count). Default length: mean E2E "
+        "-12.4 +- 6.0 % simulated (Azure, 5 seeds, 95 % CI), -14.0 +- 11.1 % emulated "
+        "(docs/RESULTS.md, 'The evidence behind each default')",
     )
     length_routing_tokens: int = Field(
         0,
