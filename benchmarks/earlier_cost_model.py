@@ -8,6 +8,10 @@ factor for both step kinds.
 
     python -m benchmarks.earlier_cost_model PROFILE VALIDATE_JSON OUT_PROFILE OUT_VALIDATE_JSON
     pdserve sim validate --real OUT_VALIDATE_JSON --profile OUT_PROFILE ...the run's flags...
+
+With `--one-slope`, the model just before the served-1P1D terms instead: every step sample
+kept, fitted with one slope per token (no `token_knots`), the roles' neighbour factors
+kept but not the 1P1D request path nor the disaggregated prompt's extra.
 """
 
 from __future__ import annotations
@@ -41,6 +45,21 @@ def earlier_profile(prof: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def one_slope_profile(prof: dict[str, Any]) -> dict[str, Any]:
+    samples = prof["engine"]["samples"]
+    batches, times = [s["batch"] for s in samples], [s["s"] for s in samples]
+    out = dict(prof)
+    out["costs"] = dict(prof["costs"]) | {"step": asdict(StepCost.fit(batches, times))}
+    out["step_floor"] = asdict(StepCost.fit_floor(batches, times))
+    roles = prof.get("roles") or {}
+    out["roles"] = {
+        r: {"neighbour_busy_factor": v["neighbour_busy_factor"]}
+        for r, v in roles.items()
+        if "neighbour_busy_factor" in v
+    } or None
+    return out
+
+
 def one_probe_factor(run: dict[str, Any]) -> dict[str, Any]:
     out = json.loads(json.dumps(run))
     for arm in out["arms"].values():
@@ -56,11 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("validate_json")
     p.add_argument("out_profile")
     p.add_argument("out_validate_json")
+    p.add_argument("--one-slope", action="store_true",
+                   help="the model before the piecewise token term and the served-1P1D terms")  # fmt: skip
     a = p.parse_args(argv)
     with open(a.profile) as f:
         prof = json.load(f)
     with open(a.validate_json) as f:
         run = json.load(f)
+    if a.one_slope:
+        with open(a.out_profile, "w") as f:
+            json.dump(one_slope_profile(prof), f)
+        with open(a.out_validate_json, "w") as f:
+            json.dump(run, f)
+        return 0
     old = earlier_profile(prof)
     kept = sum(not is_long_context(s) for s in prof["engine"]["samples"])
     print(f"{kept} of {len(prof['engine']['samples'])} step samples kept", file=sys.stderr)

@@ -39,3 +39,21 @@ def test_one_probe_factor_for_both_kinds() -> None:
     c = out["arms"]["c1"]["contention"]
     assert c["prefill_factor"] == c["decode_factor"] == 1.1
     assert run["arms"]["c1"]["contention"]["prefill_factor"] == 0.9
+
+
+def test_one_slope_drops_the_knots_and_the_1p1d_terms_but_keeps_the_factors() -> None:
+    from benchmarks.earlier_cost_model import one_slope_profile
+
+    samples = [_sample("prefill", [(0, n)]) for n in (16, 64, 256, 512) for _ in range(2)]
+    samples += [_sample("decode", [(c, 1)] * b) for c in (64, 512) for b in (1, 4)]
+    roles = {"prefill": {"neighbour_busy_factor": 1.2, "prefill_chunk_s": 0.01,
+                         "router_overhead_s": 0.009},
+             "decode": {"neighbour_busy_factor": 1.1, "router_overhead_s": 0.009}}  # fmt: skip
+    prof = {"engine": {"samples": samples}, "costs": {"step": {"token_knots": [0, 64]}},
+            "step_floor": {}, "roles": roles}  # fmt: skip
+    old = one_slope_profile(prof)
+    assert old["costs"]["step"]["token_knots"] == ()
+    assert old["costs"]["step"]["per_token_s"] > 0
+    assert old["roles"] == {"prefill": {"neighbour_busy_factor": 1.2},
+                            "decode": {"neighbour_busy_factor": 1.1}}  # fmt: skip
+    assert prof["roles"]["prefill"]["router_overhead_s"] == 0.009  # the input is not changed

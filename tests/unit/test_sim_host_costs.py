@@ -29,15 +29,38 @@ def _two_colocated(factor: float) -> ClusterSpec:
 
 
 def test_a_step_pays_the_neighbour_factor_only_while_another_instance_steps():
-    # two 32-token prompts at t = 0 on two instances: the first starts alone (10 + 32 ms),
-    # the second starts while the first steps (42 ms x 1.5)
+    # two 32-token prompts (10 + 32 = 42 ms alone each) at t = 0 on two instances: they
+    # step together all along, each at 1 / 1.5 of its speed
     a, b = SimCluster(_two_colocated(1.5)).run([_req(0, 32, 1), _req(1, 32, 1)])
-    assert sorted([a.finish_s, b.finish_s]) == pytest.approx([0.042, 0.063])
+    assert (a.finish_s, b.finish_s) == pytest.approx((0.063, 0.063))
     a, b = SimCluster(_two_colocated(1.0)).run([_req(0, 32, 1), _req(1, 32, 1)])
     assert a.finish_s == b.finish_s == pytest.approx(0.042)
+    # the second arrives half way: the first ran 21 ms alone, its other 21 ms take 31.5 ms
+    # beside the second (ends at 52.5 ms); the second did 21 ms of work by then and runs its
+    # last 21 ms alone (73.5 ms). Charged by the state at its start it would end at 84 ms.
+    a, b = SimCluster(_two_colocated(1.5)).run([_req(0, 32, 1), _req(1, 32, 1, at=0.021)])
+    assert (a.finish_s, b.finish_s) == pytest.approx((0.0525, 0.0735))
     # one after the other: nobody else is stepping, nobody pays
     a, b = SimCluster(_two_colocated(1.5)).run([_req(0, 32, 1), _req(1, 32, 1, at=0.1)])
     assert (a.finish_s, b.finish_s) == pytest.approx((0.042, 0.142))
+
+
+def test_an_engine_command_waits_for_the_step_in_flight_even_when_it_is_stretched():
+    cluster = SimCluster(_two_colocated(1.5))
+    inst = next(iter(cluster.instances.values()))
+    inst.busy, inst.step_end = True, 0.010
+    fired: list[float] = []
+    cluster._after_step(inst, lambda: fired.append(cluster.loop.now))
+    inst.step_end = 0.015  # re-timed meanwhile: a neighbour began to step
+    cluster.loop.run()
+    assert fired == [pytest.approx(0.015)]
+    # the step ended on time and the next one began: the command runs between the two
+    inst.busy, inst.step_end, fired[:] = True, 0.020, []
+    cluster._after_step(inst, lambda: fired.append(cluster.loop.now))
+    inst.steps += 1
+    inst.step_end = 0.050
+    cluster.loop.run()
+    assert fired == [pytest.approx(0.020)]
 
 
 def test_kind_scaled_step_scales_prompt_steps_and_decode_steps_apart():
@@ -154,3 +177,35 @@ def test_the_profile_samples_long_contexts_where_the_model_reaches_them():
     sample_long_contexts(short, lambda n, o: short.added.append((n, o)), [], lambda: 0.0,
                          True, 512)  # fmt: skip
     assert short.added == []
+
+
+def test_a_profile_that_probed_itself_scales_its_typical_fit_by_the_probe_ratio(tmp_path):
+    from pdserve.cli.sim import calibrated_costs
+
+    prof = _profile(None) | {"probe": {"factor": 0.9, "prefill_factor": 0.8, "decode_factor": 1.0}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    # the machine as fast as when profiled: the typical fit unchanged
+    same = calibrated_costs(str(path), {"factor": 0.9, "prefill_factor": 0.8, "decode_factor": 1.0})
+    assert same.step.step_s([(0, 100)]) == pytest.approx(STEP.step_s([(0, 100)]))
+    assert same.step.step_s([(100, 1)]) == pytest.approx(STEP.step_s([(100, 1)]))
+    # 10 % slower on prompt steps, 20 % on decodes than when profiled
+    slow = calibrated_costs(
+        str(path), {"factor": 1.0, "prefill_factor": 0.88, "decode_factor": 1.2}
+    )
+    assert slow.step.step_s([(0, 100)]) == pytest.approx(STEP.step_s([(0, 100)]) * 1.1)
+    assert slow.step.step_s([(100, 1)]) == pytest.approx(STEP.step_s([(100, 1)]) * 1.2)
+
+
+def test_the_disaggregated_prompt_extra_is_measured_against_served_colocated_prompts():
+    from pdserve.sim.profile_pd import disaggregated_prompt_extra
+
+    colocated = [{"tokens": n, "prefill_s": 0.020 + 0.0005 * n} for n in (8, 32, 128, 256)] * 3
+    # the 1P1D stage: 5 ms + 10 us per token more than the colocated one, at any length;
+    # a 1,024-token prompt (two chunks) and lengths the colocated profile lacks are left out
+    paths = [{"tokens": n, "prefill_s": 0.025 + 0.00051 * n, "engine_step_s": 9.9}
+             for n in (32, 128, 256, 512, 1024)]  # fmt: skip
+    a, b = disaggregated_prompt_extra(paths, 512, colocated, (0.002, 0.0))
+    assert (a, b) == (pytest.approx(0.007), pytest.approx(1e-5))
+    # without a colocated reference: against the engine-only step (here far above: 0)
+    assert disaggregated_prompt_extra(paths, 512, None, (0.002, 0.0)) == (0.0, 0.0)

@@ -37,8 +37,15 @@ def main(args: argparse.Namespace) -> int:
     path = write_profile(data, args.out)
     c = data["costs"]
     st = c["step"]
+    knots = st.get("token_knots") or []
+    tokens = (
+        " then ".join(f"{v * 1e6:.0f} us/token from {k:.0f}"
+                      for k, v in zip(knots, st["token_slopes"], strict=True))
+        if knots
+        else f"{st['per_token_s'] * 1e6:.1f} us/token"
+    )  # fmt: skip
     print(
-        f"step = {st['base_s'] * 1e3:.2f} ms + {st['per_token_s'] * 1e6:.1f} us/token "
+        f"step = {st['base_s'] * 1e3:.2f} ms + {tokens} "
         f"+ {st['per_seq_s'] * 1e6:.1f} us/seq + {st['per_ctx_token_s'] * 1e9:.1f} ns/ctx token "
         f"+ {st['per_attn_s'] * 1e9:.3f} ns/attn pair (fit rel. RMS {st['fit_rel_rmse']:.1%})"
     )
@@ -50,6 +57,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"router overhead  {c['router_overhead_s'] * 1e3:.3f} ms/request")
     print(f"stream token     {c.get('stream_token_s', 0.0) * 1e3:.3f} ms per streamed sequence "
           "per step")  # fmt: skip
+    if c.get("stream_points"):
+        print("stream per step  " + ", ".join(f"{y * 1e3:.2f} ms at {x:.0f}"
+                                             for x, y in c["stream_points"]))  # fmt: skip
     print(f"limits           {data['limits'] or 'n/a (pdserve.bench.limits not present)'}")
     print(f"wrote {path} in {data['profile_s']:.0f} s")
     return 0

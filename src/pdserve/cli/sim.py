@@ -145,8 +145,11 @@ def distserve_pool_costs(args: argparse.Namespace) -> Any:
 
 
 def calibrated_costs(profile: str, contention: dict[str, float]) -> Any:
-    """The profile's costs (per role when it measured roles) with its floor (uncontended)
-    step model x the contention factor of each step kind (`validate.contention`)."""
+    """The profile's costs (per role when it measured roles) with its step model x the
+    contention factor of each step kind (`validate.contention`). A profile that probed the
+    machine itself (`probe`) keeps its typical fit, scaled by the arm's probe over its own:
+    how much faster or slower the machine runs now than when it was profiled. An older one
+    scales its floor (uncontended) fit by the arm's probe alone."""
     import copy
 
     from pdserve.costmodel.costs import KindScaledStep, StepCost
@@ -154,13 +157,16 @@ def calibrated_costs(profile: str, contention: dict[str, float]) -> Any:
 
     prof = load_profile(profile)
     fields = StepCost.__dataclass_fields__
-    floor = prof.get("step_floor") or prof["costs"]["step"]
     one = contention["factor"]
-    step = KindScaledStep(
-        StepCost(**{k: v for k, v in floor.items() if k in fields}),
-        contention.get("prefill_factor", one),
-        contention.get("decode_factor", one),
-    )
+    factors = [contention.get(k, one) for k in ("prefill_factor", "decode_factor")]
+    base = prof.get("probe")
+    if base:
+        fit = prof["costs"]["step"]
+        factors = [f / base.get(k, base["factor"])
+                   for f, k in zip(factors, ("prefill_factor", "decode_factor"), strict=True)]  # fmt: skip
+    else:
+        fit = prof.get("step_floor") or prof["costs"]["step"]
+    step = KindScaledStep(StepCost(**{k: v for k, v in fit.items() if k in fields}), *factors)
     costs = costs_of_profile(prof)
     if isinstance(costs, dict):
         costs = {role: copy.copy(c) for role, c in costs.items()}

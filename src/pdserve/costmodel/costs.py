@@ -10,10 +10,19 @@ with new_tokens = sum of the plan's new tokens, context_tokens = sum of (start +
 scheduled sequences (the KV each reads), attention_pairs = sum of new * (start + (new + 1) / 2)
 (query x key pairs of causal attention over the chunk). The fit is least squares with every
 coefficient kept >= 0 (an active-set loop over numpy's lstsq).
+
+On a CPU a step's cost per new token is not constant: it falls from a handful of tokens to a
+few hundred (the weights are read once for more rows) and rises again once a chunk's
+activations outgrow the core's cache (bench50m fp32: 0.45 ms per token up to 256 tokens,
+0.77 ms per token from 256 to 512). A fit with `token_knots` replaces `per_token_s *
+new_tokens` with a piecewise-linear, non-decreasing G(new_tokens): `token_slopes[i]` seconds
+per token between knot i and knot i + 1, the last slope beyond the last knot. The knots are
+the prompt sizes the profile sampled, so each segment rests on measured steps.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -36,6 +45,41 @@ def plan_features(batch: Iterable[tuple[int, int]]) -> tuple[float, float, float
     return (1.0, new, seqs, ctx, pairs)
 
 
+def interpolate(x: float, points: Sequence[tuple[float, float]]) -> float:
+    """Linear through (0, 0) and `points` (ascending x), the last segment's slope beyond."""
+    px, py = 0.0, 0.0
+    for qx, qy in points:
+        if x <= qx:
+            return py + (qy - py) * (x - px) / (qx - px)
+        slope = (qy - py) / (qx - px)
+        px, py = qx, qy
+    return py + slope * (x - px)
+
+
+def token_ramps(new_tokens: float, knots: Sequence[float]) -> np.ndarray:
+    """The tokens of a step that fall in each segment between `knots` (the last one open):
+    G(n) = token_ramps(n, knots) @ slopes."""
+    out = np.zeros(len(knots))
+    for i, k in enumerate(knots):
+        hi = knots[i + 1] if i + 1 < len(knots) else math.inf
+        out[i] = min(max(new_tokens - k, 0.0), hi - k)
+    return out
+
+
+def knots_of(batches: Sequence[Sequence[tuple[int, int]]], max_knots: int = 8) -> tuple[float, ...]:
+    """Token knots for `StepCost.fit`: 0 and the new-token totals of the sampled prompt steps
+    (steps with more new tokens than sequences) seen at least twice, but the largest (the
+    last segment is open; at most `max_knots`, spread over the sizes)."""
+    from collections import Counter
+
+    seen = Counter(sum(n for _, n in b) for b in batches if sum(n for _, n in b) > len(b))
+    sizes = sorted(t for t, c in seen.items() if c >= 2)[:-1]
+    if len(sizes) > max_knots - 1:
+        idx = np.linspace(0, len(sizes) - 1, max_knots - 1).round().astype(int)
+        sizes = [sizes[i] for i in sorted(set(idx))]
+    return (0.0, *(float(t) for t in sizes))
+
+
 @dataclass
 class StepCost:
     base_s: float = 0.0
@@ -44,11 +88,27 @@ class StepCost:
     per_ctx_token_s: float = 0.0
     per_attn_s: float = 0.0
     fit_rel_rmse: float | None = None  # relative RMS error of the fit on its samples
+    # A piecewise-linear token term in place of per_token_s (see the module docstring):
+    # knots ascending from 0, one slope per knot (seconds per token from that knot on)
+    token_knots: tuple[float, ...] = ()
+    token_slopes: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.token_knots = tuple(float(k) for k in self.token_knots)
+        self.token_slopes = tuple(float(s) for s in self.token_slopes)
+        if len(self.token_knots) != len(self.token_slopes):
+            raise ValueError("token_knots and token_slopes differ in length")
 
     def coefs(self) -> np.ndarray:
         return np.array(
             [self.base_s, self.per_token_s, self.per_seq_s, self.per_ctx_token_s, self.per_attn_s]
         )
+
+    def token_term_s(self, new_tokens: float) -> float:
+        """Seconds for a step's new tokens: per_token_s * n, or G(n) with knots."""
+        if not self.token_knots:
+            return self.per_token_s * new_tokens
+        return float(token_ramps(new_tokens, self.token_knots) @ np.asarray(self.token_slopes))
 
     def step_s(self, batch: Sequence[tuple[int, int]]) -> float:
         if not batch:
@@ -57,22 +117,46 @@ class StepCost:
 
     def features_s(self, features: tuple[float, float, float, float, float]) -> float:
         """A non-empty step from its `plan_features`."""
-        return float(np.dot(self.coefs(), features))
+        if not self.token_knots:
+            return float(np.dot(self.coefs(), features))
+        _, new, seqs, ctx, pairs = features
+        return float(
+            self.base_s + self.token_term_s(new) + self.per_seq_s * seqs
+            + self.per_ctx_token_s * ctx + self.per_attn_s * pairs
+        )  # fmt: skip
 
     def scaled(self, factor: float) -> StepCost:
         c = self.coefs() * factor
-        return StepCost(*c.tolist(), fit_rel_rmse=self.fit_rel_rmse)
+        return StepCost(
+            *c.tolist(),
+            fit_rel_rmse=self.fit_rel_rmse,
+            token_knots=self.token_knots,
+            token_slopes=tuple(s * factor for s in self.token_slopes),
+        )
 
     @classmethod
     def fit(
-        cls, batches: Sequence[Sequence[tuple[int, int]]], times_s: Sequence[float]
+        cls,
+        batches: Sequence[Sequence[tuple[int, int]]],
+        times_s: Sequence[float],
+        token_knots: Sequence[float] = (),
     ) -> StepCost:
         """Non-negative least squares of step time on the features, weighted by 1/time so
-        that short decode steps count as much as long prefills (relative error)."""
-        x = np.array([plan_features(b) for b in batches], dtype=float)
+        that short decode steps count as much as long prefills (relative error). With
+        `token_knots` (ascending, from 0) the new-token column becomes one ramp per segment
+        (`token_ramps`), each slope >= 0, so G is piecewise linear and never decreasing."""
+        feats = np.array([plan_features(b) for b in batches], dtype=float)
         y = np.asarray(times_s, dtype=float)
         if len(y) == 0:
             raise ValueError("no samples to fit")
+        knots = tuple(float(k) for k in token_knots)
+        if knots:
+            if knots[0] != 0.0 or any(b <= a for a, b in itertools.pairwise(knots)):
+                raise ValueError(f"token knots must ascend from 0: {knots}")
+            ramps = np.array([token_ramps(f[1], knots) for f in feats])
+            x = np.hstack([feats[:, :1], ramps, feats[:, 2:]])
+        else:
+            x = feats
         w = 1.0 / np.maximum(y, 1e-6)
         active = list(range(x.shape[1]))
         coef = np.zeros(x.shape[1])
@@ -85,7 +169,13 @@ class StepCost:
             active.pop(int(np.argmin(sol)))  # drop the most negative term and refit
         pred = x @ coef
         rel = float(np.sqrt(np.mean(((pred - y) / np.maximum(y, 1e-9)) ** 2)))
-        return cls(*coef.tolist(), fit_rel_rmse=rel)
+        if not knots:
+            return cls(*coef.tolist(), fit_rel_rmse=rel)
+        k = len(knots)
+        slopes = tuple(float(v) for v in coef[1 : 1 + k])
+        base, seq, ctx, attn = (float(v) for v in (coef[0], *coef[1 + k :]))
+        return cls(base, slopes[0], seq, ctx, attn, fit_rel_rmse=rel,
+                   token_knots=knots, token_slopes=slopes)  # fmt: skip
 
     @classmethod
     def fit_floor(
@@ -95,12 +185,13 @@ class StepCost:
         slack: float = 1.15,
         rounds: int = 4,
         keep_at_least: float = 0.3,
+        token_knots: Sequence[float] = (),
     ) -> StepCost:
         """The lower envelope: on a shared machine other processes only ever slow a step
         down, so refit on the samples at most `slack` x the current fit (a few rounds, never
         fewer than `keep_at_least` of them). The uncontended cost of a step."""
         idx = np.arange(len(times_s))
-        fit = cls.fit(batches, times_s)
+        fit = cls.fit(batches, times_s, token_knots)
         y = np.asarray(times_s, dtype=float)
         for _ in range(rounds):
             pred = np.array([fit.step_s(batches[i]) for i in range(len(y))])
@@ -109,7 +200,7 @@ class StepCost:
                 keep = idx[np.argsort(y / np.maximum(pred, 1e-9))][
                     : max(8, int(keep_at_least * len(y)))
                 ]
-            fit = cls.fit([batches[i] for i in keep], y[keep])
+            fit = cls.fit([batches[i] for i in keep], y[keep], token_knots)
         return fit
 
 
@@ -173,6 +264,12 @@ class CostModel:
     # profile`: served TPOT minus the engine-only step, per stream; 0 for a GPU engine
     # whose host work overlaps its kernels)
     stream_token_s: float = 0.0
+    # The same measured per step at a few stream counts, ((streams, seconds per step), ...)
+    # ascending: a served worker's TPOT minus its engine-only step. When given, a step that
+    # samples n sequences pays it interpolated (`stream_s`), not stream_token_s * n: the
+    # decode's tokens leave in one message per step, so the work per step is not
+    # proportional to its streams (bench50m fp32: +1.2 ms at 1 stream, +1.7 ms at 4)
+    stream_points: tuple[tuple[float, float], ...] = ()
     # The same for a prompt: the serving stack's extra work per prefill chunk and per prompt
     # token of a step (a chunk = a scheduled entry of more than one new token), on top of the
     # engine-only step (`pdserve profile`: a served prompt's prefill stage minus the
@@ -197,7 +294,7 @@ class CostModel:
         """One engine step of `batch` that samples `num_streamed` sequences."""
         if not batch:
             return 0.0
-        t = self.step.step_s(batch) + self.stream_token_s * num_streamed
+        t = self.step.step_s(batch) + self.stream_s(num_streamed)
         if self.serves_prefill_extra:
             chunks = [n for _, n in batch if n > 1]
             t += self.prefill_chunk_s * len(chunks) + self.prefill_token_s * sum(chunks)
@@ -213,10 +310,16 @@ class CostModel:
         """`step_time_s` from a non-empty batch's `plan_features` (the simulator's hot path
         computes them while it walks the plan) and its prefill chunks and their tokens; the
         same float operations."""
-        t = self.step.features_s(features) + self.stream_token_s * num_streamed
+        t = self.step.features_s(features) + self.stream_s(num_streamed)
         if self.serves_prefill_extra:
             t += self.prefill_chunk_s * prefill_chunks + self.prefill_token_s * prefill_tokens
         return t
+
+    def stream_s(self, num_streamed: int) -> float:
+        """The serving stack's work of a step that samples `num_streamed` sequences."""
+        if not self.stream_points or not num_streamed:
+            return self.stream_token_s * num_streamed
+        return interpolate(num_streamed, self.stream_points)
 
     @property
     def serves_prefill_extra(self) -> bool:
@@ -256,6 +359,7 @@ class CostModel:
             router_overhead_s=float(d.get("router_overhead_s", 0.0)),
             token_overhead_s=float(d.get("token_overhead_s", 0.0)),
             stream_token_s=float(d.get("stream_token_s", 0.0)),
+            stream_points=tuple((float(x), float(y)) for x, y in d.get("stream_points") or ()),
             prefill_chunk_s=float(d.get("prefill_chunk_s", 0.0)),
             prefill_token_s=float(d.get("prefill_token_s", 0.0)),
             kv_bytes_per_token=int(d.get("kv_bytes_per_token", 0)),

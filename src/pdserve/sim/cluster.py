@@ -178,6 +178,11 @@ class SimCluster:
                 self.registry.register(
                     iid, f"sim:{iid}", inst.role, "sim", pool.config.block_size, inst.load()
                 )
+        # instances that slow each other while both step (a CPU host): their steps are
+        # timed by the work left and the rate they run at (`_retime`), not a fixed length
+        self._shared_host = any(
+            i.costs.neighbour_busy_factor != 1.0 for i in self.instances.values()
+        )
         self.store: BlockStore | None = None
         self._store_block_bytes = 0
         # a layered model with a window pool stores blocks as parts (kvstore/window.py):
@@ -423,7 +428,7 @@ class SimCluster:
             tried.add(dec.instance_id)
             if dec.busy and dec.step_end > self.loop.now:
                 # Reserve is an engine command: the engine thread runs it between two steps
-                self.loop.at(dec.step_end, lambda dec=dec: self._try_reserve(rid, dec, tried))
+                self._after_step(dec, lambda dec=dec: self._try_reserve(rid, dec, tried))
                 return
             if self._try_reserve(rid, dec, tried, go_on=False):
                 return
@@ -526,16 +531,65 @@ class SimCluster:
         if planned is None:
             return
         plan, dur = planned
-        if self._stepping and inst.costs.neighbour_busy_factor != 1.0:
-            dur *= inst.costs.neighbour_busy_factor  # another instance on the host is stepping
         inst.busy = True
         self._stepping += 1
+        if self._shared_host:
+            inst.step_plan, inst.step_started, inst.work_left = plan, self.loop.now, dur
+            inst.step_rate = 0.0  # not yet timed: `_retime` schedules its end
+            self._retime()
+            return
         inst.step_end = self.loop.now + dur
         self.loop.after(dur, lambda: self._step_done(inst, plan, dur))
+
+    def _retime(self) -> None:
+        """Re-time every step in flight after the number of stepping instances changed. A
+        step runs at rate 1 / `neighbour_busy_factor` while another instance steps and at
+        rate 1 alone: its cost is charged for the time the neighbour actually steps, not
+        all or nothing by the neighbour's state when it started. `work_left` is the step's
+        seconds left at rate 1; a changed end invalidates the end scheduled before it."""
+        now = self.loop.now
+        for inst in self.instances.values():
+            if not inst.busy:
+                continue
+            if inst.step_rate > 0.0:
+                inst.work_left = max(
+                    0.0, inst.work_left - (now - inst.step_marked) * inst.step_rate
+                )
+            inst.step_marked = now
+            others = self._stepping - 1
+            rate = 1.0 / inst.costs.neighbour_busy_factor if others else 1.0
+            if rate == inst.step_rate:
+                continue
+            inst.step_rate = rate
+            inst.step_end = now + inst.work_left / rate
+            inst.step_gen += 1
+            self.loop.at(
+                inst.step_end,
+                lambda inst=inst, gen=inst.step_gen: self._shared_step_done(inst, gen),
+            )
+
+    def _shared_step_done(self, inst: SimInstance, gen: int) -> None:
+        if gen != inst.step_gen or not inst.busy:
+            return  # re-timed since: a later end is scheduled
+        self._step_done(inst, inst.step_plan, self.loop.now - inst.step_started)
+
+    def _after_step(self, inst: SimInstance, fn: Callable[[], None]) -> None:
+        """`fn` when the step in flight on `inst` ends; a re-timed step is waited for again."""
+        steps = inst.steps
+
+        def fire() -> None:
+            if inst.busy and inst.steps == steps and inst.step_end > self.loop.now:
+                self.loop.at(inst.step_end, fire)  # the same step, stretched meanwhile
+                return
+            fn()
+
+        self.loop.at(inst.step_end, fire)
 
     def _step_done(self, inst: SimInstance, plan, dur: float) -> None:
         inst.busy = False
         self._stepping -= 1
+        if self._shared_host:
+            self._retime()  # the others may run alone now
         length = self.length
         if length is not None:  # progress() and done() share the length state: in order
             for seq, reason in inst.finish_step(plan, dur).produced:

@@ -93,6 +93,15 @@ class SimInstance:
         )
         self.busy = False  # a step is in flight
         self.step_end = 0.0  # when the step in flight ends (engine commands wait for it)
+        # a step on a shared host (`SimCluster._retime`): its plan, start, seconds of work
+        # left at rate 1, the rate it runs at, when work_left was last brought up to date,
+        # and the number of its currently scheduled end
+        self.step_plan: Any = None
+        self.step_started = 0.0
+        self.work_left = 0.0
+        self.step_rate = 0.0
+        self.step_marked = 0.0
+        self.step_gen = 0
         self.tokens_in_flight = 0  # prompt tokens of requests in flight (worker's own count)
         self.busy_s = 0.0
         self.flip_to = 0  # role this instance drains towards (the flip controller's pick)

@@ -28,6 +28,13 @@ from typing import Any
 def run_probe(
     model: str, profile: str, dtype: str = "float32", cpu: int | None = 0
 ) -> dict[str, Any]:
+    """The probe's steps, on an engine thread as the profile's and the worker's are."""
+    from pdserve.sim.profile import on_engine_thread
+
+    return on_engine_thread(_probe_steps, model, profile, dtype, cpu)
+
+
+def _probe_steps(model: str, profile: str, dtype: str, cpu: int | None) -> dict[str, Any]:
     import numpy as np
     import torch
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import platform
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.costmodel.costs import CostModel, LinkCost, StepCost
-from pdserve.sim.profile_pd import roles_of
+from pdserve.costmodel.costs import CostModel, LinkCost, StepCost, knots_of
+from pdserve.sim.profile_pd import fit_served_prefill, roles_of
 
 MIB = 1 << 20
 
@@ -73,6 +74,30 @@ def timed_steps(
             batch = last[-1] if last else []
             if batch:
                 samples.append({"kind": label, "batch": batch, "s": dt})
+
+
+def on_engine_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` on a thread of its own, as the worker steps its engine (its
+    engine thread), and its result (or its exception). On the main thread glibc's allocator
+    gives a large step's activations back to the kernel after each step, and the next step
+    faults them in again: a 512-token prompt step of bench50m fp32 took 64,769 minor page
+    faults and 463 ms there against 4,443 faults and 353 ms on another thread (served:
+    360 ms), so a profile stepped on the main thread charges long prompts what the server
+    does not pay."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["out"] = fn(*args, **kwargs)
+        except BaseException as exc:  # re-raised on the caller's thread
+            box["exc"] = exc
+
+    t = threading.Thread(target=run, name="profile-engine")
+    t.start()
+    t.join()
+    if "exc" in box:
+        raise box["exc"]
+    return box["out"]
 
 
 def device_tick(tick: Callable[[], float], device: str) -> Callable[[], float]:
@@ -199,11 +224,12 @@ def profile_engine(
         kinds = {"decode" if n == 1 else "prefill" for _, n in s["batch"]}
         s["kind"] = "mixed" if len(kinds) == 2 else kinds.pop()
     batches, times = [s["batch"] for s in samples], [s["s"] for s in samples]
-    step = StepCost.fit(batches, times)
+    knots = knots_of(batches)  # the token term follows the sampled prompt sizes
+    step = StepCost.fit(batches, times, knots)
     spec = engine.spec
     return {
         "step": step,
-        "step_floor": StepCost.fit_floor(batches, times),
+        "step_floor": StepCost.fit_floor(batches, times, token_knots=knots),
         "samples": samples,
         "kv_bytes_per_token": spec.bytes_per_block // spec.block_size,
         "block_size": spec.block_size,
@@ -362,7 +388,7 @@ def profile_serving(
     dtype: str,
     threads: int,
     step: StepCost,
-    batches: tuple[int, ...] = (1, 4, 16),
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16),
     prompt_len: int = 64,
     max_tokens: int = 48,
     prompt_lens: tuple[int, ...] = (8, 32, 128, 256),
@@ -373,8 +399,9 @@ def profile_serving(
     """The serving stack's costs on top of the engine, on a real colocated worker behind a
     real router (`Cluster`, mutual TLS):
     - per streamed token: B concurrent greedy streams; served TPOT minus the engine-only step
-      of B decodes (the fitted `step`), divided by B, fitted over B by least squares through
-      0: seconds per sampled sequence per step (`CostModel.stream_token_s`);
+      of B decodes (the fitted `step`) at each B (`CostModel.stream_points`, interpolated
+      between them), and divided by B, fitted over B by least squares through 0: seconds per
+      sampled sequence per step (`CostModel.stream_token_s`, the figure to quote);
     - per prompt: single prompts of `prompt_lens` tokens one at a time; the worker's prefill
       stage minus the engine-only step of that prompt, fitted as a + b * tokens, both >= 0
       (`fit_served_prefill`): `prefill_chunk_s`, `prefill_token_s`;
@@ -428,34 +455,19 @@ def profile_serving(
     x = np.array([p["streams"] for p in points], dtype=float)
     y = np.array([p["tpot_s"] - p["engine_step_s"] for p in points])
     per_stream = max(0.0, float(x @ y / (x @ x)))
+    # per stream count, never negative nor falling: `CostModel.stream_points`
+    measured = np.maximum.accumulate(np.maximum(y, 0.0))
     chunk_s, token_s = fit_served_prefill(prefills)
     path_s = float(np.median([p["ttft_s"] - p["prefill_s"] for p in prefills]))
     return {
         "stream_token_s": per_stream,
+        "stream_points": [(float(b), float(v)) for b, v in zip(x, measured, strict=True)],
         "samples": points,
         "prefill_chunk_s": chunk_s,
         "prefill_token_s": token_s,
         "prefill_samples": prefills,
         "path_overhead_s": max(0.0, path_s),
     }
-
-
-def fit_served_prefill(samples: list[dict[str, float]]) -> tuple[float, float]:
-    """(a, b) >= 0 with served - engine-only prefill ~ a + b * tokens, least squares over the
-    per-length medians (a stray slow sample moves a median less than a mean)."""
-    by_len: dict[int, list[float]] = {}
-    for p in samples:
-        by_len.setdefault(int(p["tokens"]), []).append(p["prefill_s"] - p["engine_step_s"])
-    n = np.array(sorted(by_len), dtype=float)
-    extra = np.array([float(np.median(by_len[int(k)])) for k in n])
-    if len(n) < 2:
-        return max(0.0, float(extra.mean()) if len(extra) else 0.0), 0.0
-    (b, a) = np.polyfit(n, extra, 1)
-    if b < 0:  # flat or falling: a constant per chunk
-        return max(0.0, float(extra.mean())), 0.0
-    if a < 0:  # through 0: a per-token cost only
-        return 0.0, max(0.0, float(n @ extra / (n @ n)))
-    return float(a), float(b)
 
 
 # ---------------------------------------------------------------------------- limits
@@ -508,7 +520,7 @@ def run_profile(
 ) -> dict[str, Any]:
     started = time.perf_counter()
     log("profiling engine steps ...")
-    eng = profile_engine(model_dir, dtype, threads, quick, device=device)
+    eng = on_engine_thread(profile_engine, model_dir, dtype, threads, quick, device=device)
     log(
         f"  {len(eng['samples'])} steps; fit rel. RMS error {eng['step'].fit_rel_rmse:.1%} "
         f"(floor fit {eng['step_floor'].fit_rel_rmse:.1%} on its samples)"
@@ -532,6 +544,7 @@ def run_profile(
             device=device,
         )  # fmt: skip
         costs.stream_token_s = serving["stream_token_s"]
+        costs.stream_points = tuple(serving["stream_points"])
         costs.prefill_chunk_s = serving["prefill_chunk_s"]
         costs.prefill_token_s = serving["prefill_token_s"]
         log(f"  {costs.stream_token_s * 1e3:.3f} ms per streamed sequence per step; a prompt "
@@ -542,11 +555,23 @@ def run_profile(
         from pdserve.sim.profile_pd import profile_pd
 
         log("profiling a served 1P1D (each role with its neighbour idle and busy) ...")
-        pd = profile_pd(model_dir, dtype, threads, eng["step"], device,
-                        max_model_len=eng["max_model_len"])  # fmt: skip
+        pd = profile_pd(
+            model_dir, dtype, threads, eng["step"], device, max_model_len=eng["max_model_len"],
+            colocated_prompts=serving["prefill_samples"] if serving else None,
+            colocated_extra=(costs.prefill_chunk_s, costs.prefill_token_s),
+        )  # fmt: skip
         log(f"  a busy neighbour slows the prefill x{pd['prefill_factor']:.3f}, the decode "
             f"x{pd['decode_factor']:.3f} (raw {pd['raw_factors']['prefill']:.3f}, "
             f"{pd['raw_factors']['decode']:.3f})")  # fmt: skip
+        log(f"  a disaggregated prompt: request path {pd['path_overhead_s'] * 1e3:.2f} ms; "
+            f"{pd['prefill_chunk_s'] * 1e3:.2f} ms + {pd['prefill_token_s'] * 1e6:.1f} us per "
+            "token over the engine")  # fmt: skip
+    probe = None
+    if device == "cpu":
+        log("probing the machine's speed (the baseline of `sim validate --probe`) ...")
+        probe = probe_at_profile(model_dir, dtype, eng["step"], eng["step_floor"])
+        log(f"  probe x{probe['prefill_factor']:.3f} prompt steps, "
+            f"x{probe['decode_factor']:.3f} decode steps against the floor fit")  # fmt: skip
     decision_s = profile_router_decision()
     rtt = kvstore["rpc_rtt_s"] if kvstore else 0.0
     # the measured request path of a served prompt when there is one, else its estimate
@@ -576,10 +601,27 @@ def run_profile(
         "serving": serving,
         "served_1p1d": pd,
         "roles": roles_of(pd) if pd else None,
+        "probe": probe,
         "limits": limits,
         "achieved": achieved_fractions(eng, limits),
         "profile_s": time.perf_counter() - started,
     }
+
+
+def probe_at_profile(model_dir: str, dtype: str, step: StepCost, floor: StepCost) -> dict[str, Any]:
+    """`sim validate --probe`'s probe, run now against this profile's step fits: the ratio the
+    machine gives while the profile is fresh. A later probe's factor is taken relative to it
+    (`cli.sim.calibrated_costs`), so the floor fit's own error at the probe's shapes (the
+    probe read 0.80-0.90 on a quiet machine) cancels."""
+    import tempfile
+
+    from pdserve.sim.probe import probe_subprocess
+
+    fits = {"costs": {"step": asdict(step)}, "step_floor": asdict(floor)}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(fits, f)
+        f.flush()
+        return probe_subprocess(model_dir, f.name, dtype)
 
 
 def device_name(device: str) -> str:

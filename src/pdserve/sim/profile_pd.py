@@ -10,6 +10,15 @@ TLS), in alternating phases so that a change of the machine's load hits both sid
 - prefill: prompts sent one at a time (nothing queues), the worker's prefill stage over the
   engine-only time of the same chunks (the fitted step model), with the decode idle and
   with the decode busy (long greedy streams running): factor = busy / idle;
+- with the decode idle, what a disaggregated prompt costs beyond a colocated one: its
+  prefill stage over a colocated worker's served prefill stage of the same length
+  (`profile_serving`: handing each layer's KV to the push, sending token 0), fitted as
+  a + b * tokens and added to the colocated extra (`prefill_chunk_s`, `prefill_token_s` of
+  the prefill role; against served prompts, not the fitted engine-only step, whose error
+  at 512 tokens is larger than the few milliseconds measured), and the
+  request path outside the stages (client TTFT minus the prefill and transfer stages: the
+  router's Reserve on the decode, then its Prefill call, and the token's way back;
+  `router_overhead_s` of both roles, where a colocated request makes one call);
 - decode: B concurrent streams' TPOT with the prefill idle and with the prefill busy
   (prompts sent back to back): factor = busy / idle.
 Each round runs both sides of both roles (idle first in even rounds, busy first in odd ones);
@@ -41,13 +50,19 @@ def profile_pd(
     threads: int,
     step: StepCost,
     device: str = "cpu",
-    prompt_lens: tuple[int, ...] = (256, 512, 1024),
+    prompt_lens: tuple[int, ...] = (32, 128, 256, 512, 1024),
     streams: int = 4,
     stream_tokens: int = 48,
     rounds: int = 3,
     budget: int = 512,
     max_model_len: int | None = None,
+    colocated_prompts: list[dict[str, float]] | None = None,
+    colocated_extra: tuple[float, float] = (0.0, 0.0),
 ) -> dict[str, Any]:
+    """`colocated_prompts`: `profile_serving`'s served prompts ({"tokens", "prefill_s"}), the
+    reference of the disaggregated prompt's extra, which adds to `colocated_extra` (the
+    colocated worker's own (prefill_chunk_s, prefill_token_s)); without them the reference
+    is the engine-only step."""
     from pdserve.client import AsyncClient
     from pdserve.launcher import Cluster, ClusterConfig
 
@@ -63,13 +78,22 @@ def profile_pd(
     def ids(n: int) -> list[int]:
         return rng.integers(10, 200, n).tolist()
 
-    async def prompts(client: Any) -> list[float]:
+    paths: list[dict[str, float]] = []  # the idle prompts' stages (the decode idle)
+
+    async def prompts(client: Any, idle: bool = False) -> list[float]:
         """Each prompt's prefill stage / its engine-only time, one at a time."""
         out = []
         for n in prompt_lens:
             r = await client.generate(token_ids=ids(n), max_tokens=2, ignore_eos=True)
-            served = (r.usage.stages if r.usage else {}).get("prefill_ms", 0.0) / 1e3
-            out.append(served / engine_prefill_s(step, n, budget))
+            stages = r.usage.stages if r.usage else {}
+            served = stages.get("prefill_ms", 0.0) / 1e3
+            engine_s = engine_prefill_s(step, n, budget)
+            out.append(served / engine_s)
+            if idle:
+                paths.append({
+                    "tokens": n, "prefill_s": served, "engine_step_s": engine_s,
+                    "ttft_s": r.ttft_ms / 1e3, "transfer_s": stages.get("transfer_ms", 0.0) / 1e3,
+                })  # fmt: skip
         return out
 
     async def tpots(client: Any) -> list[float]:
@@ -81,7 +105,7 @@ def profile_pd(
 
     async def prefill_phase(client: Any, busy: bool) -> list[float]:
         if not busy:
-            return await prompts(client)
+            return await prompts(client, idle=True)
         long = 8 * stream_tokens  # outlasts the prompts; cancelled when they are done
         bg = [asyncio.ensure_future(client.generate(token_ids=ids(64), max_tokens=long,
                                                     ignore_eos=True)) for _ in range(streams)]  # fmt: skip
@@ -134,18 +158,65 @@ def profile_pd(
     per_round = [{"prefill": med(g["p_busy"]) / med(g["p_idle"]),
                   "decode": med(g["d_busy"]) / med(g["d_idle"])} for g in got]  # fmt: skip
     raw = {k: med(r[k] for r in per_round) for k in ("prefill", "decode")}
+    chunk_s, token_s = disaggregated_prompt_extra(paths, budget, colocated_prompts, colocated_extra)
+    path_s = med(p["ttft_s"] - p["prefill_s"] - p["transfer_s"] for p in paths) if paths else 0.0
     return {
         "prefill_factor": max(1.0, raw["prefill"]),
         "decode_factor": max(1.0, raw["decode"]),
+        "prefill_chunk_s": chunk_s,
+        "prefill_token_s": token_s,
+        "path_overhead_s": max(0.0, path_s),
+        "idle_prompts": paths,
         "raw_factors": raw,
         "per_round": per_round,
         "samples": got,  # per round: prefill served / engine-only, decode TPOT seconds
     }
 
 
+def fit_served_prefill(samples: list[dict[str, float]]) -> tuple[float, float]:
+    """(a, b) >= 0 with served - engine-only prefill ~ a + b * tokens, least squares over the
+    per-length medians (a stray slow sample moves a median less than a mean)."""
+    by_len: dict[int, list[float]] = {}
+    for p in samples:
+        by_len.setdefault(int(p["tokens"]), []).append(p["prefill_s"] - p["engine_step_s"])
+    n = np.array(sorted(by_len), dtype=float)
+    extra = np.array([float(np.median(by_len[int(k)])) for k in n])
+    if len(n) < 2:
+        return max(0.0, float(extra.mean()) if len(extra) else 0.0), 0.0
+    (b, a) = np.polyfit(n, extra, 1)
+    if b < 0:  # flat or falling: a constant per chunk
+        return max(0.0, float(extra.mean())), 0.0
+    if a < 0:  # through 0: a per-token cost only
+        return 0.0, max(0.0, float(n @ extra / (n @ n)))
+    return float(a), float(b)
+
+
+def disaggregated_prompt_extra(
+    paths: list[dict[str, float]],
+    budget: int,
+    colocated_prompts: list[dict[str, float]] | None,
+    colocated_extra: tuple[float, float],
+) -> tuple[float, float]:
+    """(prefill_chunk_s, prefill_token_s) of the prefill role: the idle 1P1D prompts of one
+    chunk against the colocated served prompts of the same length, fitted a + b * n and added
+    to the colocated extra; without colocated prompts, against the engine-only step."""
+    single = [p for p in paths if p["tokens"] <= budget]  # one chunk: a + b * n per chunk
+    if colocated_prompts is None:
+        return fit_served_prefill(single) if single else (0.0, 0.0)
+    by_len: dict[int, list[float]] = {}
+    for c in colocated_prompts:
+        by_len.setdefault(int(c["tokens"]), []).append(float(c["prefill_s"]))
+    ref = {n: float(np.median(v)) for n, v in by_len.items()}
+    pts = [p | {"engine_step_s": ref[int(p["tokens"])]} for p in single if int(p["tokens"]) in ref]
+    a, b = fit_served_prefill(pts) if pts else (0.0, 0.0)
+    return colocated_extra[0] + a, colocated_extra[1] + b
+
+
 def roles_of(pd: dict[str, Any]) -> dict[str, dict[str, float]]:
     """The profile's per-role overrides (`sim.run.costs_of_profile`) from `profile_pd`."""
+    path = {"router_overhead_s": float(pd["path_overhead_s"])} if "path_overhead_s" in pd else {}
+    extra = {k: float(pd[k]) for k in ("prefill_chunk_s", "prefill_token_s") if k in pd}
     return {
-        "prefill": {"neighbour_busy_factor": float(pd["prefill_factor"])},
-        "decode": {"neighbour_busy_factor": float(pd["decode_factor"])},
+        "prefill": {"neighbour_busy_factor": float(pd["prefill_factor"])} | extra | path,
+        "decode": {"neighbour_busy_factor": float(pd["decode_factor"])} | path,
     }
