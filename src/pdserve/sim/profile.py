@@ -521,6 +521,12 @@ def run_profile(
     started = time.perf_counter()
     log("profiling engine steps ...")
     eng = on_engine_thread(profile_engine, model_dir, dtype, threads, quick, device=device)
+    probe = None
+    if device == "cpu":  # right after the engine's steps: the machine as they saw it
+        log("probing the machine's speed (the baseline of `sim validate --probe`) ...")
+        probe = probe_at_profile(model_dir, dtype, eng["step"], eng["step_floor"])
+        log(f"  probe x{probe['prefill_factor']:.3f} prompt steps, "
+            f"x{probe['decode_factor']:.3f} decode steps against the floor fit")  # fmt: skip
     log(
         f"  {len(eng['samples'])} steps; fit rel. RMS error {eng['step'].fit_rel_rmse:.1%} "
         f"(floor fit {eng['step_floor'].fit_rel_rmse:.1%} on its samples)"
@@ -566,12 +572,6 @@ def run_profile(
         log(f"  a disaggregated prompt: request path {pd['path_overhead_s'] * 1e3:.2f} ms; "
             f"{pd['prefill_chunk_s'] * 1e3:.2f} ms + {pd['prefill_token_s'] * 1e6:.1f} us per "
             "token over the engine")  # fmt: skip
-    probe = None
-    if device == "cpu":
-        log("probing the machine's speed (the baseline of `sim validate --probe`) ...")
-        probe = probe_at_profile(model_dir, dtype, eng["step"], eng["step_floor"])
-        log(f"  probe x{probe['prefill_factor']:.3f} prompt steps, "
-            f"x{probe['decode_factor']:.3f} decode steps against the floor fit")  # fmt: skip
     decision_s = profile_router_decision()
     rtt = kvstore["rpc_rtt_s"] if kvstore else 0.0
     # the measured request path of a served prompt when there is one, else its estimate
