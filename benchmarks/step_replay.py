@@ -40,7 +40,7 @@ def step_kind(batch: list[tuple[int, int]]) -> str:
 def replay(engine: Any, reqs: list[Any], clock: str) -> list[dict[str, Any]]:
     """Drive `engine` through `reqs` (arrival_s, prompt_ids, max_tokens) in virtual time."""
     from pdserve.engine.params import SamplingParams
-    from pdserve.sim.profile import recorded_batches
+    from pdserve.sim.engine_steps import recorded_batches
 
     tick = time.thread_time if clock == "cpu" else time.perf_counter
     pending = sorted(reqs, key=lambda r: r.arrival_s)

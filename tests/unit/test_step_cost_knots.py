@@ -71,7 +71,7 @@ def test_knots_survive_scaling_and_json():
 
 
 def test_the_profile_steps_its_engine_off_the_main_thread():
-    from pdserve.sim.profile import on_engine_thread
+    from pdserve.sim.engine_steps import on_engine_thread
 
     assert on_engine_thread(lambda: threading.current_thread().name) == "profile-engine"
     assert on_engine_thread(lambda a, b=0: a + b, 2, b=3) == 5

@@ -29,7 +29,7 @@ def run_probe(
     model: str, profile: str, dtype: str = "float32", cpu: int | None = 0
 ) -> dict[str, Any]:
     """The probe's steps, on an engine thread as the profile's and the worker's are."""
-    from pdserve.sim.profile import on_engine_thread
+    from pdserve.sim.engine_steps import on_engine_thread
 
     return on_engine_thread(_probe_steps, model, profile, dtype, cpu)
 
@@ -42,7 +42,7 @@ def _probe_steps(model: str, profile: str, dtype: str, cpu: int | None) -> dict[
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.params import SamplingParams
-    from pdserve.sim.profile import timed_steps
+    from pdserve.sim.engine_steps import timed_steps
 
     if cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cpu})
