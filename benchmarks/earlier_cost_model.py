@@ -9,9 +9,11 @@ factor for both step kinds.
     python -m benchmarks.earlier_cost_model PROFILE VALIDATE_JSON OUT_PROFILE OUT_VALIDATE_JSON
     pdserve sim validate --real OUT_VALIDATE_JSON --profile OUT_PROFILE ...the run's flags...
 
-With `--one-slope`, the model just before the served-1P1D terms instead: every step sample
-kept, fitted with one slope per token (no `token_knots`), the roles' neighbour factors
-kept but not the 1P1D request path nor the disaggregated prompt's extra.
+With `--one-slope`, the profile terms just before the served-1P1D ones instead: every step
+sample kept, fitted with one slope per token (no `token_knots`), one slope per stream (no
+`stream_points`), the roles' neighbour factors kept but not the 1P1D request path nor the
+disaggregated prompt's extra, and no probe of its own. (Until then the simulator also charged
+the neighbour factor by the state at a step's start, not by overlap.)
 """
 
 from __future__ import annotations
@@ -49,8 +51,10 @@ def one_slope_profile(prof: dict[str, Any]) -> dict[str, Any]:
     samples = prof["engine"]["samples"]
     batches, times = [s["batch"] for s in samples], [s["s"] for s in samples]
     out = dict(prof)
-    out["costs"] = dict(prof["costs"]) | {"step": asdict(StepCost.fit(batches, times))}
+    costs = {k: v for k, v in prof["costs"].items() if k != "stream_points"}
+    out["costs"] = costs | {"step": asdict(StepCost.fit(batches, times))}
     out["step_floor"] = asdict(StepCost.fit_floor(batches, times))
+    out.pop("probe", None)  # the arm's probe against the floor fit, as it was
     roles = prof.get("roles") or {}
     out["roles"] = {
         r: {"neighbour_busy_factor": v["neighbour_busy_factor"]}

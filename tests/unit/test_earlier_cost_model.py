@@ -49,10 +49,12 @@ def test_one_slope_drops_the_knots_and_the_1p1d_terms_but_keeps_the_factors() ->
     roles = {"prefill": {"neighbour_busy_factor": 1.2, "prefill_chunk_s": 0.01,
                          "router_overhead_s": 0.009},
              "decode": {"neighbour_busy_factor": 1.1, "router_overhead_s": 0.009}}  # fmt: skip
-    prof = {"engine": {"samples": samples}, "costs": {"step": {"token_knots": [0, 64]}},
-            "step_floor": {}, "roles": roles}  # fmt: skip
+    prof = {"engine": {"samples": samples},
+            "costs": {"step": {"token_knots": [0, 64]}, "stream_points": [[1, 0.001]]},
+            "step_floor": {}, "roles": roles, "probe": {"factor": 0.9}}  # fmt: skip
     old = one_slope_profile(prof)
     assert old["costs"]["step"]["token_knots"] == ()
+    assert "stream_points" not in old["costs"] and "probe" not in old
     assert old["costs"]["step"]["per_token_s"] > 0
     assert old["roles"] == {"prefill": {"neighbour_busy_factor": 1.2},
                             "decode": {"neighbour_busy_factor": 1.1}}  # fmt: skip
