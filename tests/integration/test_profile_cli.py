@@ -32,7 +32,8 @@ def test_profile_runs_under_default_tls(serving_model_dir, tmp_path):
     assert "kvstore_publish" in proc.stdout
     # the serving stack's cost per streamed token, from a real router + worker (under TLS)
     serving = data["serving"]
-    assert [p["streams"] for p in serving["samples"]] == [1, 4, 16]
+    assert [p["streams"] for p in serving["samples"]] == [1, 2, 4, 8, 16]
+    assert [x for x, _ in costs["stream_points"]] == [1, 2, 4, 8, 16]
     assert all(p["tpot_s"] > 0 for p in serving["samples"])
     assert costs["stream_token_s"] == serving["stream_token_s"] >= 0
     assert "per streamed sequence per step" in proc.stdout
@@ -46,3 +47,16 @@ def test_profile_runs_under_default_tls(serving_model_dir, tmp_path):
     assert costs["prefill_chunk_s"] == serving["prefill_chunk_s"] >= 0
     assert costs["prefill_token_s"] == serving["prefill_token_s"] >= 0
     assert costs["router_overhead_s"] == serving["path_overhead_s"] > 0
+    # the served 1P1D: each role's neighbour factor, the disaggregated request's own path and
+    # the prefill role's prompt extra over a colocated served prompt
+    roles = data["roles"]
+    assert roles["prefill"]["neighbour_busy_factor"] >= 1.0
+    assert roles["decode"]["neighbour_busy_factor"] >= 1.0
+    assert roles["prefill"]["router_overhead_s"] == roles["decode"]["router_overhead_s"] > 0
+    assert roles["prefill"]["prefill_chunk_s"] >= costs["prefill_chunk_s"]
+    assert data["served_1p1d"]["idle_prompts"], "no idle 1P1D prompt timed"
+    # the machine's speed right after the engine's steps: the baseline of a later --probe
+    assert data["probe"]["steps"] > 0 and data["probe"]["prefill_factor"] > 0
+    # the token term follows the prompt sizes sampled, never falling
+    step = costs["step"]
+    assert step["token_knots"][0] == 0 and all(s >= 0 for s in step["token_slopes"])

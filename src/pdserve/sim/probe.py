@@ -56,14 +56,17 @@ def _probe_steps(model: str, profile: str, dtype: str, cpu: int | None) -> dict[
     ratios: dict[str, list[float]] = {"prefill": [], "decode": []}
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    # a short-context model takes the longest prompts it can (96 and 256 tokens otherwise)
+    decode_len = min(96, engine.max_model_len - 12)
+    prompt_len = min(256, engine.max_model_len - 1)
     for rep in range(3):
         for k in range(4):
             engine.add_request(
-                f"q{rep}-{k}", rng.integers(10, engine.vocab_size, 96).tolist(), params
+                f"q{rep}-{k}", rng.integers(10, engine.vocab_size, decode_len).tolist(), params
             )
         samples: list[dict[str, Any]] = []
         timed_steps(engine, samples, "probe")
-        engine.add_request(f"p{rep}", rng.integers(10, engine.vocab_size, 256).tolist(), one)
+        engine.add_request(f"p{rep}", rng.integers(10, engine.vocab_size, prompt_len).tolist(), one)
         timed_steps(engine, samples, "probe")
         if rep == 0:
             samples = samples[1:]  # warm-up step
