@@ -4,11 +4,18 @@ command (README, "Development": `pytest tests/unit -m "not slow"`) stays under a
 in each file. A name that no longer exists fails the run (tests/unit/test_test_layout.py).
 
 Measured with `pytest tests/unit -v` piped through a timestamper (2 shared cores under load,
-load average 8-20): seconds per test or per file, setup included."""
+load average 8-20): seconds per test or per file, setup included.
+
+Also the one fixture several files share: `restore_logging`, for tests that reconfigure the
+process's logging (root handlers, level, structlog) and must leave it as they found it."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+
 import pytest
+import structlog
 
 # file -> None (every test in it) or the test functions (all their parameters)
 SLOW: dict[str, tuple[str, ...] | None] = {
@@ -37,3 +44,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         names = SLOW.get(item.path.name, ())
         if names is None or getattr(item, "originalname", item.name) in (names or ()):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    config = structlog.get_config()
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    structlog.configure(**config)

@@ -6,10 +6,8 @@ import asyncio
 import io
 import json
 import logging
-from collections.abc import Iterator
 
 import pytest
-import structlog
 
 from pdserve.logging import (
     bind_request_id,
@@ -19,17 +17,6 @@ from pdserve.logging import (
     request_id_context,
     reset_request_id,
 )
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    config = structlog.get_config()
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    structlog.configure(**config)
 
 
 def _lines(buf: io.StringIO) -> list[dict]:

@@ -7,11 +7,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import logging
-from collections.abc import Iterator
 
 import pytest
-import structlog
 from prometheus_client import CollectorRegistry
 
 from pdserve.errors import OverloadedError, UnavailableError
@@ -29,16 +26,10 @@ from pdserve.v1 import common_pb2, router_pb2
 
 
 @pytest.fixture
-def log_lines() -> Iterator[io.StringIO]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    config = structlog.get_config()
+def log_lines(restore_logging: None) -> io.StringIO:
     buf = io.StringIO()
     configure_logging("json", "debug", service="router", stream=buf)
-    yield buf
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    structlog.configure(**config)
+    return buf
 
 
 def _events(buf: io.StringIO) -> list[dict]:

@@ -9,13 +9,11 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
-import structlog
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
@@ -141,16 +139,10 @@ async def toy() -> AsyncIterator[tuple[Toy, ServiceRunner]]:
 
 
 @pytest.fixture
-def log_buffer() -> Iterator[io.StringIO]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    config = structlog.get_config()
+def log_buffer(restore_logging: None) -> io.StringIO:
     buf = io.StringIO()
     configure_logging("json", "info", service="toy", stream=buf)
-    yield buf
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    structlog.configure(**config)
+    return buf
 
 
 async def _health(addr: str, service: str = "") -> int:
