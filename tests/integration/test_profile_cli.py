@@ -35,6 +35,8 @@ def test_profile_runs_under_default_tls(serving_model_dir, tmp_path):
     assert [p["streams"] for p in serving["samples"]] == [1, 2, 4, 8, 16]
     assert [x for x, _ in costs["stream_points"]] == [1, 2, 4, 8, 16]
     assert all(p["tpot_s"] > 0 for p in serving["samples"])
+    # the worker's own step counters (its Info RPC) over each phase: the machine's speed then
+    assert all(p["served_step_s"] > 0 for p in serving["samples"])
     assert costs["stream_token_s"] == serving["stream_token_s"] >= 0
     assert "per streamed sequence per step" in proc.stdout
     # per prompt: served prefill stages of 4 lengths, fitted over the engine-only step; the
@@ -55,6 +57,13 @@ def test_profile_runs_under_default_tls(serving_model_dir, tmp_path):
     assert roles["prefill"]["router_overhead_s"] == roles["decode"]["router_overhead_s"] > 0
     assert roles["prefill"]["prefill_chunk_s"] >= costs["prefill_chunk_s"]
     assert data["served_1p1d"]["idle_prompts"], "no idle 1P1D prompt timed"
+    # the prefill's factor beside a decode of 1 and of 4 streams; the decode's own serving
+    # work per step at 1, 4 and 16 streams; the Reserve's round trip, part of the path
+    assert [x for x, _ in roles["prefill"]["neighbour_points"]] == [1, 4]
+    assert all(y >= 1.0 for _, y in roles["prefill"]["neighbour_points"])
+    assert [x for x, _ in roles["decode"]["stream_points"]] == [1, 4, 16]
+    assert 0 < roles["decode"]["reserve_s"] <= roles["decode"]["router_overhead_s"]
+    assert "1P1D decode" in proc.stdout
     # the machine's speed right after the engine's steps: the baseline of a later --probe
     assert data["probe"]["steps"] > 0 and data["probe"]["prefill_factor"] > 0
     # the token term follows the prompt sizes sampled, never falling

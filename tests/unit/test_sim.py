@@ -87,6 +87,51 @@ def test_reserve_waits_for_the_decode_step_in_flight():
     assert b.stages["reserve_ms"] == pytest.approx(8.0)
 
 
+def _one_p_one_d(reserve_s: float = 0.0, overhead_s: float = 0.0) -> ClusterSpec:
+    costs = CostModel(
+        step=COSTS.step,
+        transfer=LinkCost(latency_s=0.005, bandwidth_Bps=3200 / 0.010),
+        kv_bytes_per_token=100,
+        router_overhead_s=overhead_s,
+        reserve_s=reserve_s,
+    )
+    return ClusterSpec(
+        [PoolSpec("prefill", 1, costs, _cfg()), PoolSpec("decode", 1, costs, _cfg())],
+        policy="least_loaded",
+    )
+
+
+def test_a_one_token_request_prefills_without_a_decode_or_a_push():
+    """Orchestrator._prefill_only: max_tokens 1 reserves nothing and pushes nothing; token 0
+    comes back with the Prefill answer (42 ms), and the decode never holds it."""
+    cluster = SimCluster(_one_p_one_d())
+    rec = cluster.run([_req(0, 32, 1)])[0]
+    assert rec.token_times == pytest.approx([0.042]) and rec.finish_reason == "length"
+    assert "transfer_ms" not in rec.stages and "reserve_ms" not in rec.stages
+    dec = cluster.instances["decode-0"]
+    assert dec.kv.num_reservations == 0 and dec.kv.num_free_blocks == 256
+    assert all(
+        (i.inflight_requests, i.inflight_tokens) == (0, 0) for i in cluster.registry.instances()
+    )
+
+
+def test_the_reserve_round_trip_lets_a_one_token_request_overtake_in_a_burst():
+    """Two requests at once, 10 ms of path each, 3 ms of it the Reserve's round trip: the
+    1-token one reaches the prefill at 7 ms and computes first (7 + 42 = 49 ms); the other
+    reserves, its ticket is back at 10 ms, and its prompt waits for the step in flight
+    (49 + 42 = 91 ms, then the 15 ms push)."""
+    a, b = SimCluster(_one_p_one_d(reserve_s=0.003, overhead_s=0.010)).run(
+        [_req(0, 32, 2), _req(1, 32, 1)]
+    )
+    assert b.token_times == pytest.approx([0.049])
+    assert a.token_times[0] == pytest.approx(0.091 + 0.015)
+    assert a.stages["reserve_ms"] == pytest.approx(3.0)
+    # without the round trip both reach the prefill together, in arrival order
+    a, b = SimCluster(_one_p_one_d(overhead_s=0.010)).run([_req(0, 32, 2), _req(1, 32, 1)])
+    assert a.token_times[0] == pytest.approx(0.010 + 0.042 + 0.015)
+    assert b.token_times == pytest.approx([0.010 + 0.084])
+
+
 def test_queueing_behind_a_busy_instance():
     # the second request arrives at 20 ms, while the first one's 42 ms prefill runs
     a, b = SimCluster(_colocated()).run([_req(0, 32, 1), _req(1, 32, 1, at=0.020)])

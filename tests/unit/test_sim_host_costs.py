@@ -45,6 +45,23 @@ def test_a_step_pays_the_neighbour_factor_only_while_another_instance_steps():
     assert (a.finish_s, b.finish_s) == pytest.approx((0.042, 0.142))
 
 
+def test_the_neighbour_factor_follows_the_neighbours_batch():
+    """A factor by the neighbour's sequences in flight: 1.2 beside one, 2.0 beside four (1.2
+    + 0.8 * (2 - 1) / 3 beside two), flat past the ends."""
+    costs = CostModel(step=STEP, neighbour_points=((1.0, 1.2), (4.0, 2.0)))
+    assert [costs.neighbour_factor(n) for n in (0, 1, 4, 9)] == pytest.approx([1.2, 1.2, 2.0, 2.0])
+    assert costs.neighbour_factor(2) == pytest.approx(1.2 + 0.8 / 3)
+    assert CostModel(neighbour_busy_factor=1.3).neighbour_factor(7) == 1.3
+    back = CostModel.from_json(costs.to_json())
+    assert back.neighbour_points == ((1.0, 1.2), (4.0, 2.0))
+    # two colocated instances, a 32-token prompt each (42 ms alone): each steps beside a
+    # step of 1 sequence, at 1 / 1.2 of its speed
+    cfg = InstanceConfig(num_blocks=256, block_size=16)
+    spec = ClusterSpec([PoolSpec("colocated", 2, costs, cfg)], policy="least_loaded")
+    a, b = SimCluster(spec).run([_req(0, 32, 1), _req(1, 32, 1)])
+    assert a.finish_s == b.finish_s == pytest.approx(0.042 * 1.2)
+
+
 def test_an_engine_command_waits_for_the_step_in_flight_even_when_it_is_stretched():
     cluster = SimCluster(_two_colocated(1.5))
     inst = next(iter(cluster.instances.values()))
@@ -140,6 +157,39 @@ def test_served_1p1d_arithmetic():
     roles = roles_of({"prefill_factor": 1.25, "decode_factor": 1.0})
     assert roles == {"prefill": {"neighbour_busy_factor": 1.25},
                      "decode": {"neighbour_busy_factor": 1.0}}  # fmt: skip
+    roles = roles_of({"prefill_factor": 1.25, "decode_factor": 1.0, "reserve_s": 0.003,
+                      "prefill_factor_points": [(1.0, 1.1), (4.0, 1.25)],
+                      "decode_stream_points": [(1.0, 0.001), (4.0, 0.002)]})  # fmt: skip
+    assert roles["prefill"]["neighbour_points"] == [[1.0, 1.1], [4.0, 1.25]]
+    assert roles["decode"]["stream_points"] == [[1.0, 0.001], [4.0, 0.002]]
+    assert roles["decode"]["reserve_s"] == 0.003 and "reserve_s" not in roles["prefill"]
+
+
+def test_the_served_decode_step_and_the_stream_points_of_the_1p1d_decode():
+    from pdserve.sim.profile import prompt_steps
+    from pdserve.sim.profile_pd import decode_stream_points, monotone_points
+    from pdserve.sim.served_steps import StepCounters, mean_decode_step_s
+
+    # 16 prompts of 64 tokens, 8 to a step of 512: 2 steps of 10 + 512 ms
+    assert prompt_steps(STEP, 16, 64, 512) == (2, pytest.approx(2 * 0.522))
+    # a window of 50 steps (2.0 s), 2 of them prompts (0.5 s): 48 decode steps of 31.25 ms
+    window = StepCounters(150, 7.0).since(StepCounters(100, 5.0))
+    assert mean_decode_step_s(window, 2, 0.5) == pytest.approx(1.5 / 48)
+    assert mean_decode_step_s(None, 0, 0.0) is None
+    assert mean_decode_step_s(StepCounters(2, 0.1), 2, 0.1) is None
+    assert monotone_points({4: 0.5, 1: 1.1, 16: 1.0}, floor=1.0) == [(1, 1.1), (4, 1.1), (16, 1.1)]
+    # per round, per stream count: TPOT, the engine-only step, the decode's own step. The
+    # machine ran 10 % slow in round 1 (read at 1 stream): the work per step is TPOT minus
+    # the engine-only step x 1.1; without counters (round 2), x 1.
+    got = [{"d_idle_points": [
+               {"streams": 1, "tpot_s": 0.0230, "engine_step_s": 0.020, "served_step_s": 0.022},
+               {"streams": 4, "tpot_s": 0.0300, "engine_step_s": 0.025, "served_step_s": 0.028}]},
+           {"d_idle_points": [
+               {"streams": 1, "tpot_s": 0.0205, "engine_step_s": 0.020, "served_step_s": None},
+               {"streams": 4, "tpot_s": 0.0270, "engine_step_s": 0.025, "served_step_s": None}]}]  # fmt: skip
+    pts = decode_stream_points(got)
+    assert pts == [(1.0, pytest.approx((0.001 + 0.0005) / 2)),
+                   (4.0, pytest.approx((0.0025 + 0.002) / 2))]  # fmt: skip
 
 
 class _Engine:

@@ -60,6 +60,15 @@ def main(args: argparse.Namespace) -> int:
     if c.get("stream_points"):
         print("stream per step  " + ", ".join(f"{y * 1e3:.2f} ms at {x:.0f}"
                                              for x, y in c["stream_points"]))  # fmt: skip
+    roles = data.get("roles") or {}
+    pre, dec = roles.get("prefill") or {}, roles.get("decode") or {}
+    if pre.get("neighbour_points"):
+        print("1P1D prefill     x" + ", x".join(f"{y:.3f} beside {x:.0f} decode streams"
+                                              for x, y in pre["neighbour_points"]))  # fmt: skip
+    if dec.get("stream_points"):
+        print("1P1D decode      " + ", ".join(f"{y * 1e3:.2f} ms at {x:.0f}"
+                                             for x, y in dec["stream_points"])
+              + f" per step; Reserve {dec.get('reserve_s', 0.0) * 1e3:.2f} ms")  # fmt: skip
     print(f"limits           {data['limits'] or 'n/a (pdserve.bench.limits not present)'}")
     print(f"wrote {path} in {data['profile_s']:.0f} s")
     return 0

@@ -56,6 +56,16 @@ def interpolate(x: float, points: Sequence[tuple[float, float]]) -> float:
     return py + slope * (x - px)
 
 
+def clamped(x: float, points: Sequence[tuple[float, float]]) -> float:
+    """Linear between `points` (ascending x), flat before the first and after the last."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (px, py), (qx, qy) in itertools.pairwise(points):
+        if x <= qx:
+            return py + (qy - py) * (x - px) / (qx - px)
+    return points[-1][1]
+
+
 def token_ramps(new_tokens: float, knots: Sequence[float]) -> np.ndarray:
     """The tokens of a step that fall in each segment between `knots` (the last one open):
     G(n) = token_ramps(n, knots) @ slopes."""
@@ -257,6 +267,11 @@ class CostModel:
     kvstore_fetch: LinkCost = field(default_factory=LinkCost)
     kvstore_publish: LinkCost = field(default_factory=LinkCost)
     router_overhead_s: float = 0.0  # per request, before placement (added to TTFT)
+    # A decode's share of a disaggregated request's path: the router's Reserve call's round
+    # trip when it waits for no step (`pdserve profile` on a served 1P1D). It is part of
+    # router_overhead_s, but it comes between placement and the Prefill call, and a 1-token
+    # request, which reserves nothing, does not pay it.
+    reserve_s: float = 0.0
     token_overhead_s: float = 0.0  # per streamed message (gRPC relay of one token)
     # The serving stack's work for one token of one stream, on the engine's machine (the
     # engine thread's emit, the worker's and the router's relay, their gRPC): charged per
@@ -289,6 +304,16 @@ class CostModel:
     # 1P1D on one machine slow each other, and their serving work has no spare core).
     # `pdserve profile` measures it per role on a served 1P1D; 1.0 for accelerators.
     neighbour_busy_factor: float = 1.0
+    # The same by the neighbour's batch, ((sequences in the neighbour's step, factor), ...)
+    # ascending, interpolated and flat beyond its ends (`neighbour_factor`): a decode of one
+    # stream slows a prefill beside it less than a decode of four. Empty: the one factor.
+    neighbour_points: tuple[tuple[float, float], ...] = ()
+
+    def neighbour_factor(self, neighbour_seqs: int) -> float:
+        """A step's cost multiplier while a neighbour steps `neighbour_seqs` sequences."""
+        if not self.neighbour_points:
+            return self.neighbour_busy_factor
+        return clamped(neighbour_seqs, self.neighbour_points)
 
     def step_time_s(self, batch: Sequence[tuple[int, int]], num_streamed: int) -> float:
         """One engine step of `batch` that samples `num_streamed` sequences."""
@@ -357,6 +382,7 @@ class CostModel:
             kvstore_fetch=link(d.get("kvstore_fetch")),
             kvstore_publish=link(d.get("kvstore_publish")),
             router_overhead_s=float(d.get("router_overhead_s", 0.0)),
+            reserve_s=float(d.get("reserve_s", 0.0)),
             token_overhead_s=float(d.get("token_overhead_s", 0.0)),
             stream_token_s=float(d.get("stream_token_s", 0.0)),
             stream_points=tuple((float(x), float(y)) for x, y in d.get("stream_points") or ()),
@@ -369,4 +395,7 @@ class CostModel:
             kv_capacity_bytes=d.get("kv_capacity_bytes"),
             devices=int(d.get("devices", 1)),
             neighbour_busy_factor=float(d.get("neighbour_busy_factor", 1.0)),
+            neighbour_points=tuple(
+                (float(x), float(y)) for x, y in d.get("neighbour_points") or ()
+            ),
         )

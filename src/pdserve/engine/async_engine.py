@@ -79,6 +79,10 @@ class AsyncEngine:
         self.max_model_len: int = engine.max_model_len
         self.kernels: Any = engine.kernels  # pdserve.model.kernels.KernelSelection (None: emulated)
         self.step_ms_ewma = 0.0  # written by the engine thread after each step
+        # every step so far and their seconds (engine thread; read as counters: the mean step
+        # over any window is the two counters' differences)
+        self.steps_total = 0
+        self.step_seconds_total = 0.0
         self.accounting = EngineInspection(0, 0, self.num_blocks, self.num_blocks, 0, 0, 0, 0)
         self._cond = threading.Condition()
         self._commands: deque[_Queued] = deque()
@@ -406,6 +410,8 @@ class AsyncEngine:
                     self._fail_all(e)
                     continue
                 step_ms = (time.perf_counter() - started) * 1e3
+                self.steps_total += 1
+                self.step_seconds_total += step_ms / 1e3
                 ewma = self.step_ms_ewma
                 self.step_ms_ewma = step_ms if ewma == 0 else ewma + _EWMA_ALPHA * (step_ms - ewma)
                 self._emit_step(outputs)

@@ -181,7 +181,8 @@ class SimCluster:
         # instances that slow each other while both step (a CPU host): their steps are
         # timed by the work left and the rate they run at (`_retime`), not a fixed length
         self._shared_host = any(
-            i.costs.neighbour_busy_factor != 1.0 for i in self.instances.values()
+            i.costs.neighbour_busy_factor != 1.0 or i.costs.neighbour_points
+            for i in self.instances.values()
         )
         self.store: BlockStore | None = None
         self._store_block_bytes = 0
@@ -300,7 +301,10 @@ class SimCluster:
         if too_big:  # the worker's refusal (`LLMEngine.validate`); it would wait forever here
             self._fail(rid, f"INVALID_ARGUMENT: max_tokens: {too_big}")
             return
+        # the path before placement: a disaggregated request's Reserve round trip comes
+        # after it (`_try_reserve`), and a 1-token request's path has none
         overhead = max(c.costs.router_overhead_s for c in self.instances.values())
+        overhead = max(0.0, overhead - max(c.costs.reserve_s for c in self.instances.values()))
         if self.spec.path_jitter:
             j = self.spec.path_jitter
             overhead *= self._path_rng.uniform(1.0 - j, 1.0 + j)
@@ -389,7 +393,13 @@ class SimCluster:
         st = self._reqs[rid]
         req = st.req
         assert st.route is not None
-        if self.registry.candidates(ROLE_PREFILL) and self.registry.candidates(ROLE_DECODE):
+        if self.registry.candidates(ROLE_PREFILL) and req.max_tokens <= 1:
+            # Orchestrator._prefill_only: nothing to decode, so no Reserve and no push
+            pre = self._pick(ROLE_PREFILL, st.route, None)
+            st.prefill = pre
+            self.registry.charge(pre.instance_id, requests=1, tokens=len(req.prompt_ids))
+            self._start_prefill(rid, pre, prefill_only=True)
+        elif self.registry.candidates(ROLE_PREFILL) and self.registry.candidates(ROLE_DECODE):
             st.queue_deadline = self.loop.now + self.spec.kv_queue_timeout_s
             st.reserve_started = self.loop.now
             self._reserve(rid)
@@ -475,13 +485,20 @@ class SimCluster:
         if dec.reserve(rid, n + 1 + extra, n) or (extra > 0 and dec.reserve(rid, n + 1, n)):
             self.registry.charge(dec.instance_id, requests=1)
             st.decode = dec
-            st.rec.stages["reserve_ms"] = (self.loop.now - st.reserve_started) * 1e3
-            if self.length is not None and st.pred is not None:
-                self.length.placed(st.pred, dec.instance_id, n, st.route)
-            pre = self._pick(ROLE_PREFILL, st.route, dec)
-            st.prefill = pre
-            self.registry.charge(pre.instance_id, requests=1, tokens=n)
-            self._start_prefill(rid, pre, prefill_only=True)
+
+            def reserved() -> None:  # the ticket is back at the router: pick a prefill
+                st.rec.stages["reserve_ms"] = (self.loop.now - st.reserve_started) * 1e3
+                if self.length is not None and st.pred is not None:
+                    self.length.placed(st.pred, dec.instance_id, n, st.route)
+                pre = self._pick(ROLE_PREFILL, st.route, dec)
+                st.prefill = pre
+                self.registry.charge(pre.instance_id, requests=1, tokens=n)
+                self._start_prefill(rid, pre, prefill_only=True)
+
+            if dec.costs.reserve_s > 0.0:
+                self.loop.after(dec.costs.reserve_s, reserved)
+            else:
+                reserved()
             return True
         if go_on:
             self._reserve(rid, tried)
@@ -557,7 +574,14 @@ class SimCluster:
                 )
             inst.step_marked = now
             others = self._stepping - 1
-            rate = 1.0 / inst.costs.neighbour_busy_factor if others else 1.0
+            rate = 1.0
+            if others:  # the neighbours' sequences in flight (a factor by their batch)
+                seqs = sum(
+                    len(o.step_plan.scheduled)
+                    for o in self.instances.values()
+                    if o.busy and o is not inst and o.step_plan is not None
+                )
+                rate = 1.0 / inst.costs.neighbour_factor(seqs)
             if rate == inst.step_rate:
                 continue
             inst.step_rate = rate
@@ -650,7 +674,12 @@ class SimCluster:
         st.rec.stages["prefill_ms"] = (now - st.worker_arrival) * 1e3
         self._publish(inst, st.req.prompt_ids)
         dec = st.decode
-        assert dec is not None
+        if dec is None:  # a 1-token request: token 0 in the Prefill answer, nothing pushed
+            self.registry.charge(inst.instance_id, tokens=-n)
+            st.first_token_at = now
+            self._emit(st, now + inst.costs.token_overhead_s)
+            self._finish(rid, inst, now)
+            return
         # the worker pushes every block of the prompt (`num_blocks_for(prompt)`; a layered
         # model's sliding layers their last window only)
         nbytes = inst.costs.transfer_bytes(n, inst.config.block_size)

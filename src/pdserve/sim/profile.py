@@ -29,6 +29,11 @@ import numpy as np
 from pdserve.costmodel.costs import CostModel, LinkCost, StepCost, knots_of
 from pdserve.sim.engine_steps import on_engine_thread, timed_steps
 from pdserve.sim.profile_pd import fit_served_prefill, roles_of
+from pdserve.sim.served_steps import (
+    mean_decode_step_s,
+    read_step_counters,
+    serving_work_per_step,
+)
 
 MIB = 1 << 20
 
@@ -329,13 +334,16 @@ def profile_serving(
     prompt_repeats: int = 4,
     max_model_len: int | None = None,
     device: str = "cpu",
+    budget: int = 512,
 ) -> dict[str, Any]:
     """The serving stack's costs on top of the engine, on a real colocated worker behind a
     real router (`Cluster`, mutual TLS):
-    - per streamed token: B concurrent greedy streams; served TPOT minus the engine-only step
-      of B decodes (the fitted `step`) at each B (`CostModel.stream_points`, interpolated
-      between them), and divided by B, fitted over B by least squares through 0: seconds per
-      sampled sequence per step (`CostModel.stream_token_s`, the figure to quote);
+    - per streamed token: B concurrent greedy streams; served TPOT minus the engine-only
+      step of B decodes (the fitted `step`) x the machine's speed in the same minutes (the
+      worker's own steps, `served_steps.serving_work_per_step`) at each B
+      (`CostModel.stream_points`, interpolated between them), and divided by B, fitted over B
+      by least squares through 0: seconds per sampled sequence per step
+      (`CostModel.stream_token_s`, the figure to quote);
     - per prompt: single prompts of `prompt_lens` tokens one at a time; the worker's prefill
       stage minus the engine-only step of that prompt, fitted as a + b * tokens, both >= 0
       (`fit_served_prefill`): `prefill_chunk_s`, `prefill_token_s`;
@@ -379,15 +387,21 @@ def profile_serving(
         asyncio.run(streams(2))  # warm-up
         points = []
         for b in batches:
+            before = read_step_counters(cluster, "colocated0")
             tpot = float(np.median(asyncio.run(streams(b))))
+            after = read_step_counters(cluster, "colocated0")
             ctx = prompt_len + max_tokens // 2
             engine_s = step.step_s([(ctx, 1)] * b)
-            points.append({"streams": b, "tpot_s": tpot, "engine_step_s": engine_s})
+            n_pre, pre_s = prompt_steps(step, b, prompt_len, budget)
+            window = after.since(before) if before and after else None
+            points.append({"streams": b, "tpot_s": tpot, "engine_step_s": engine_s,
+                           "served_step_s": mean_decode_step_s(window, n_pre, pre_s)})  # fmt: skip
         prefills = asyncio.run(prompts())
     finally:
         cluster.stop()
-    x = np.array([p["streams"] for p in points], dtype=float)
-    y = np.array([p["tpot_s"] - p["engine_step_s"] for p in points])
+    work = serving_work_per_step(points)
+    x = np.array(sorted(work), dtype=float)
+    y = np.array([work[int(b)] for b in x])
     per_stream = max(0.0, float(x @ y / (x @ x)))
     # per stream count, never negative nor falling: `CostModel.stream_points`
     measured = np.maximum.accumulate(np.maximum(y, 0.0))
@@ -402,6 +416,14 @@ def profile_serving(
         "prefill_samples": prefills,
         "path_overhead_s": max(0.0, path_s),
     }
+
+
+def prompt_steps(step: StepCost, b: int, prompt_len: int, budget: int) -> tuple[int, float]:
+    """(steps, engine-only seconds) of b concurrent prompts of `prompt_len` tokens, as many
+    to a step as `budget` takes."""
+    per = max(1, budget // prompt_len)
+    groups = [min(per, b - i) for i in range(0, b, per)]
+    return len(groups), sum(step.step_s([(0, prompt_len)] * g) for g in groups)
 
 
 # ---------------------------------------------------------------------------- limits

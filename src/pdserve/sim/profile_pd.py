@@ -37,6 +37,11 @@ from typing import Any
 import numpy as np
 
 from pdserve.costmodel.costs import StepCost
+from pdserve.sim.served_steps import (
+    mean_decode_step_s,
+    read_step_counters_async,
+    serving_work_per_step,
+)
 
 
 def engine_prefill_s(step: StepCost, n: int, budget: int) -> float:
@@ -58,6 +63,8 @@ def profile_pd(
     max_model_len: int | None = None,
     colocated_prompts: list[dict[str, float]] | None = None,
     colocated_extra: tuple[float, float] = (0.0, 0.0),
+    idle_streams: tuple[int, ...] = (1, 4, 16),
+    neighbour_streams: tuple[int, ...] = (1, 4),
 ) -> dict[str, Any]:
     """`colocated_prompts`: `profile_serving`'s served prompts ({"tokens", "prefill_s"}), the
     reference of the disaggregated prompt's extra, which adds to `colocated_extra` (the
@@ -93,22 +100,37 @@ def profile_pd(
                 paths.append({
                     "tokens": n, "prefill_s": served, "engine_step_s": engine_s,
                     "ttft_s": r.ttft_ms / 1e3, "transfer_s": stages.get("transfer_ms", 0.0) / 1e3,
+                    "reserve_s": stages.get("reserve_ms", 0.0) / 1e3,
                 })  # fmt: skip
         return out
 
-    async def tpots(client: Any) -> list[float]:
+    async def tpots(client: Any, b: int = streams) -> list[float]:
         rs = await asyncio.gather(*(
             client.generate(token_ids=ids(64), max_tokens=stream_tokens, ignore_eos=True)
-            for _ in range(streams)
+            for _ in range(b)
         ))  # fmt: skip
         return [r.tpot_ms / 1e3 for r in rs]
 
-    async def prefill_phase(client: Any, busy: bool) -> list[float]:
+    async def idle_points(client: Any) -> list[dict[str, Any]]:
+        """Per stream count: the median TPOT, the engine-only step of that batch and the
+        decode's own mean step over the same window (it steps decodes only)."""
+        out = []
+        for b in idle_streams:
+            before = await read_step_counters_async(cluster, "decode0")
+            tpot = statistics.median(await tpots(client, b))
+            after = await read_step_counters_async(cluster, "decode0")
+            window = after.since(before) if before and after else None
+            out.append({"streams": b, "tpot_s": tpot,
+                        "engine_step_s": step.step_s([(64 + stream_tokens // 2, 1)] * b),
+                        "served_step_s": mean_decode_step_s(window, 0, 0.0)})  # fmt: skip
+        return out
+
+    async def prefill_phase(client: Any, busy: bool, beside: int = streams) -> list[float]:
         if not busy:
             return await prompts(client, idle=True)
         long = 8 * stream_tokens  # outlasts the prompts; cancelled when they are done
         bg = [asyncio.ensure_future(client.generate(token_ids=ids(64), max_tokens=long,
-                                                    ignore_eos=True)) for _ in range(streams)]  # fmt: skip
+                                                    ignore_eos=True)) for _ in range(beside)]  # fmt: skip
         await asyncio.sleep(0.5)  # the streams are decoding
         try:
             return await prompts(client)
@@ -144,8 +166,11 @@ def profile_pd(
                 order = (False, True) if k % 2 == 0 else (True, False)
                 for busy in order:
                     got["p_busy" if busy else "p_idle"] = await prefill_phase(client, busy)
+                for b in (n for n in neighbour_streams if n != streams):  # the factor by batch
+                    got[f"p_busy_{b}"] = await prefill_phase(client, True, beside=b)
                 for busy in order:
                     got["d_busy" if busy else "d_idle"] = await decode_phase(client, busy)
+                got["d_idle_points"] = await idle_points(client)  # type: ignore[assignment]
                 rounds_out.append(got)
         return rounds_out
 
@@ -158,11 +183,18 @@ def profile_pd(
     per_round = [{"prefill": med(g["p_busy"]) / med(g["p_idle"]),
                   "decode": med(g["d_busy"]) / med(g["d_idle"])} for g in got]  # fmt: skip
     raw = {k: med(r[k] for r in per_round) for k in ("prefill", "decode")}
+    by_batch = {b: med(med(g[f"p_busy_{b}"]) / med(g["p_idle"]) for g in got)
+                for b in neighbour_streams if b != streams} | {streams: raw["prefill"]}  # fmt: skip
     chunk_s, token_s = disaggregated_prompt_extra(paths, budget, colocated_prompts, colocated_extra)
     path_s = med(p["ttft_s"] - p["prefill_s"] - p["transfer_s"] for p in paths) if paths else 0.0
+    reserve_s = med(p.get("reserve_s", 0.0) for p in paths) if paths else 0.0
     return {
         "prefill_factor": max(1.0, raw["prefill"]),
         "decode_factor": max(1.0, raw["decode"]),
+        # the prefill's factor by the decode's running streams, never below 1 nor falling
+        "prefill_factor_points": monotone_points(by_batch, floor=1.0),
+        "decode_stream_points": decode_stream_points(got),
+        "reserve_s": max(0.0, min(reserve_s, path_s)),
         "prefill_chunk_s": chunk_s,
         "prefill_token_s": token_s,
         "path_overhead_s": max(0.0, path_s),
@@ -212,11 +244,35 @@ def disaggregated_prompt_extra(
     return colocated_extra[0] + a, colocated_extra[1] + b
 
 
-def roles_of(pd: dict[str, Any]) -> dict[str, dict[str, float]]:
+def monotone_points(values: dict[int, float], floor: float = 0.0) -> list[tuple[float, float]]:
+    """((x, y), ...) ascending in x, each y at least `floor` and at least the one before."""
+    xs = sorted(values)
+    ys = np.maximum.accumulate(np.maximum([values[x] for x in xs], floor)) if xs else []
+    return [(float(x), float(y)) for x, y in zip(xs, ys, strict=True)]
+
+
+def decode_stream_points(got: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """The served 1P1D decode's serving work per step at each idle stream count
+    (`serving_work_per_step` of each round), the median over rounds: the decode role's
+    `stream_points`. The prefill's core is idle meanwhile, so it differs from the colocated
+    worker's."""
+    by_b: dict[int, list[float]] = {}
+    for g in got:
+        for b, work in serving_work_per_step(g.get("d_idle_points") or []).items():
+            by_b.setdefault(b, []).append(work)
+    return monotone_points({b: statistics.median(v) for b, v in by_b.items()})
+
+
+def roles_of(pd: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The profile's per-role overrides (`sim.run.costs_of_profile`) from `profile_pd`."""
     path = {"router_overhead_s": float(pd["path_overhead_s"])} if "path_overhead_s" in pd else {}
     extra = {k: float(pd[k]) for k in ("prefill_chunk_s", "prefill_token_s") if k in pd}
-    return {
-        "prefill": {"neighbour_busy_factor": float(pd["prefill_factor"])} | extra | path,
-        "decode": {"neighbour_busy_factor": float(pd["decode_factor"])} | path,
-    }
+    prefill: dict[str, Any] = {"neighbour_busy_factor": float(pd["prefill_factor"])}
+    if pd.get("prefill_factor_points"):
+        prefill["neighbour_points"] = [list(p) for p in pd["prefill_factor_points"]]
+    decode: dict[str, Any] = {"neighbour_busy_factor": float(pd["decode_factor"])}
+    if pd.get("decode_stream_points"):
+        decode["stream_points"] = [list(p) for p in pd["decode_stream_points"]]
+    if "reserve_s" in pd:
+        decode["reserve_s"] = float(pd["reserve_s"])
+    return {"prefill": prefill | extra | path, "decode": decode | path}
