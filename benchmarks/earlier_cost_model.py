@@ -14,6 +14,12 @@ sample kept, fitted with one slope per token (no `token_knots`), one slope per s
 `stream_points`), the roles' neighbour factors kept but not the 1P1D request path nor the
 disaggregated prompt's extra, and no probe of its own. (Until then the simulator also charged
 the neighbour factor by the state at a step's start, not by overlap.)
+
+With `--engine-fit-serving`, the profile terms just before the served worker's step counters:
+the serving work per step as served TPOT minus the engine-only fit (no correction for the
+machine's speed in those minutes), the colocated worker's for the 1P1D decode too, one
+neighbour factor whatever the neighbour's batch, and no Reserve round trip. (Until then the
+simulator also sent a 1-token request through a decode, as any other.)
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import json
 import sys
 from dataclasses import asdict
 from typing import Any
+
+import numpy as np
 
 from pdserve.costmodel.costs import StepCost
 
@@ -64,6 +72,25 @@ def one_slope_profile(prof: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def engine_fit_serving_profile(prof: dict[str, Any]) -> dict[str, Any]:
+    samples = prof["serving"]["samples"]
+    x = np.array([p["streams"] for p in samples], dtype=float)
+    y = np.array([p["tpot_s"] - p["engine_step_s"] for p in samples])
+    rising = np.maximum.accumulate(np.maximum(y, 0.0))  # never negative nor falling
+    points = [[float(b), float(v)] for b, v in zip(x, rising, strict=True)]
+    out = dict(prof)
+    out["costs"] = dict(prof["costs"]) | {
+        "stream_points": points,
+        "stream_token_s": max(0.0, float(x @ y / (x @ x))),
+    }
+    dropped = ("neighbour_points", "stream_points", "reserve_s")
+    out["roles"] = {
+        r: {k: v for k, v in terms.items() if k not in dropped}
+        for r, terms in (prof.get("roles") or {}).items()
+    } or None
+    return out
+
+
 def one_probe_factor(run: dict[str, Any]) -> dict[str, Any]:
     out = json.loads(json.dumps(run))
     for arm in out["arms"].values():
@@ -81,14 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_validate_json")
     p.add_argument("--one-slope", action="store_true",
                    help="the model before the piecewise token term and the served-1P1D terms")  # fmt: skip
+    p.add_argument("--engine-fit-serving", action="store_true",
+                   help="the model before the served worker's step counters")  # fmt: skip
     a = p.parse_args(argv)
     with open(a.profile) as f:
         prof = json.load(f)
     with open(a.validate_json) as f:
         run = json.load(f)
-    if a.one_slope:
+    if a.one_slope or a.engine_fit_serving:
         with open(a.out_profile, "w") as f:
-            json.dump(one_slope_profile(prof), f)
+            json.dump(
+                one_slope_profile(prof) if a.one_slope else engine_fit_serving_profile(prof), f
+            )
         with open(a.out_validate_json, "w") as f:
             json.dump(run, f)
         return 0

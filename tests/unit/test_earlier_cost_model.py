@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.earlier_cost_model import earlier_profile, is_long_context, one_probe_factor
 from pdserve.costmodel.costs import StepCost
 
@@ -59,3 +61,30 @@ def test_one_slope_drops_the_knots_and_the_1p1d_terms_but_keeps_the_factors() ->
     assert old["roles"] == {"prefill": {"neighbour_busy_factor": 1.2},
                             "decode": {"neighbour_busy_factor": 1.1}}  # fmt: skip
     assert prof["roles"]["prefill"]["router_overhead_s"] == 0.009  # the input is not changed
+
+
+def test_engine_fit_serving_takes_the_serving_work_against_the_fit_and_drops_the_newer_terms() -> (
+    None
+):
+    from benchmarks.earlier_cost_model import engine_fit_serving_profile
+
+    samples = [{"streams": 1, "tpot_s": 0.022, "engine_step_s": 0.020, "served_step_s": 0.021},
+               {"streams": 4, "tpot_s": 0.025, "engine_step_s": 0.026, "served_step_s": 0.026}]  # fmt: skip
+    prof = {
+        "costs": {"stream_points": [[1.0, 0.0], [4.0, 0.0]], "stream_token_s": 0.0},
+        "serving": {"samples": samples},
+        "roles": {
+            "prefill": {"neighbour_busy_factor": 1.2, "neighbour_points": [[1.0, 1.1], [4.0, 1.2]]},
+            "decode": {"neighbour_busy_factor": 1.3, "stream_points": [[1.0, 0.0]],
+                       "reserve_s": 0.002, "router_overhead_s": 0.008},
+        },
+    }  # fmt: skip
+    out = engine_fit_serving_profile(prof)
+    # 2 ms over the fit at 1 stream, -1 ms at 4: never negative nor falling
+    assert out["costs"]["stream_points"] == [
+        [1.0, pytest.approx(0.002)],
+        [4.0, pytest.approx(0.002)],
+    ]
+    assert out["roles"] == {"prefill": {"neighbour_busy_factor": 1.2},
+                            "decode": {"neighbour_busy_factor": 1.3, "router_overhead_s": 0.008}}  # fmt: skip
+    assert prof["roles"]["decode"]["reserve_s"] == 0.002  # the input is left as it was
