@@ -63,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
     roles = data.get("roles") or {}
     pre, dec = roles.get("prefill") or {}, roles.get("decode") or {}
     if pre.get("neighbour_points"):
-        print("1P1D prefill     x" + ", x".join(f"{y:.3f} beside {x:.0f} decode streams"
+        print("1P1D prefill     x" + ", x".join(f"{y:.3f} beside a decode of {x:.0f} stream(s)"
                                               for x, y in pre["neighbour_points"]))  # fmt: skip
     if dec.get("stream_points"):
         print("1P1D decode      " + ", ".join(f"{y * 1e3:.2f} ms at {x:.0f}"
