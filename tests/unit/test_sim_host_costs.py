@@ -259,3 +259,16 @@ def test_the_disaggregated_prompt_extra_is_measured_against_served_colocated_pro
     assert (a, b) == (pytest.approx(0.007), pytest.approx(1e-5))
     # without a colocated reference: against the engine-only step (here far above: 0)
     assert disaggregated_prompt_extra(paths, 512, None, (0.002, 0.0)) == (0.0, 0.0)
+
+
+def test_the_probe_reads_its_steps_against_the_floor_fit_per_step_kind():
+    from pdserve.sim.probe import probe_factors
+
+    # decodes at 0.9 of the fit, prompt steps at 1.2 (a 32-token prompt: 42 ms by the fit)
+    samples = [{"batch": [(64, 1)] * 4, "s": 0.9 * STEP.step_s([(64, 1)] * 4)} for _ in range(5)]
+    samples += [{"batch": [(0, 32)], "s": 1.2 * 0.042} for _ in range(2)]
+    got = probe_factors(samples, STEP)
+    assert got["decode_factor"] == pytest.approx(0.9) and got["prefill_factor"] == pytest.approx(
+        1.2
+    )
+    assert got["factor"] == pytest.approx(0.9) and got["steps"] == 7

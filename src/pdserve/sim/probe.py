@@ -26,7 +26,7 @@ from typing import Any
 
 
 def run_probe(
-    model: str, profile: str, dtype: str = "float32", cpu: int | None = 0
+    model: str, profile: str | None, dtype: str = "float32", cpu: int | None = 0
 ) -> dict[str, Any]:
     """The probe's steps, on an engine thread as the profile's and the worker's are."""
     from pdserve.sim.engine_steps import on_engine_thread
@@ -34,11 +34,10 @@ def run_probe(
     return on_engine_thread(_probe_steps, model, profile, dtype, cpu)
 
 
-def _probe_steps(model: str, profile: str, dtype: str, cpu: int | None) -> dict[str, Any]:
+def _probe_steps(model: str, profile: str | None, dtype: str, cpu: int | None) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from pdserve.costmodel.costs import StepCost
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.params import SamplingParams
@@ -47,18 +46,14 @@ def _probe_steps(model: str, profile: str, dtype: str, cpu: int | None) -> dict[
     if cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
-    prof = json.loads(open(profile).read())
-    fields = StepCost.__dataclass_fields__
-    floor = StepCost(**{k: v for k, v in (prof.get("step_floor") or prof["costs"]["step"]).items()
-                        if k in fields})  # fmt: skip
     engine = LLMEngine(EngineConfig(model_dir=model, dtype=dtype, enable_prefix_caching=False))
     rng = np.random.default_rng(0)
-    ratios: dict[str, list[float]] = {"prefill": [], "decode": []}
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     # a short-context model takes the longest prompts it can (96 and 256 tokens otherwise)
     decode_len = min(96, engine.max_model_len - 12)
     prompt_len = min(256, engine.max_model_len - 1)
+    kept: list[dict[str, Any]] = []
     for rep in range(3):
         for k in range(4):
             engine.add_request(
@@ -68,11 +63,31 @@ def _probe_steps(model: str, profile: str, dtype: str, cpu: int | None) -> dict[
         timed_steps(engine, samples, "probe")
         engine.add_request(f"p{rep}", rng.integers(10, engine.vocab_size, prompt_len).tolist(), one)
         timed_steps(engine, samples, "probe")
-        if rep == 0:
-            samples = samples[1:]  # warm-up step
-        for x in samples:
-            kind = "prefill" if any(n > 1 for _, n in x["batch"]) else "decode"
-            ratios[kind].append(x["s"] / max(floor.step_s(x["batch"]), 1e-6))
+        kept += samples[1:] if rep == 0 else samples  # the first step warms up
+    out: dict[str, Any] = {"samples": [{"batch": x["batch"], "s": x["s"]} for x in kept]}
+    if profile is not None:
+        out |= probe_factors(out["samples"], floor_of(json.loads(open(profile).read())))
+    return out
+
+
+def floor_of(prof: dict[str, Any]) -> Any:
+    """A profile's floor (uncontended) step fit, its typical one when it has none."""
+    from pdserve.costmodel.costs import StepCost
+
+    fields = StepCost.__dataclass_fields__
+    fit = prof.get("step_floor") or prof["costs"]["step"]
+    return StepCost(**{k: v for k, v in fit.items() if k in fields})
+
+
+def probe_factors(samples: list[dict[str, Any]], floor: Any) -> dict[str, Any]:
+    """Each probe step's time over the floor fit's: the median per step kind (a step with a
+    prompt chunk is a prefill step) and over all."""
+    import numpy as np
+
+    ratios: dict[str, list[float]] = {"prefill": [], "decode": []}
+    for x in samples:
+        kind = "prefill" if any(n > 1 for _, n in x["batch"]) else "decode"
+        ratios[kind].append(x["s"] / max(floor.step_s(x["batch"]), 1e-6))
     every = ratios["prefill"] + ratios["decode"]
     return {
         "factor": statistics.median(every),  # one factor for every step (the older probe)
@@ -85,10 +100,11 @@ def _probe_steps(model: str, profile: str, dtype: str, cpu: int | None) -> dict[
 
 
 def probe_subprocess(
-    model: str, profile: str, dtype: str = "float32", cpu: int = 0
+    model: str, profile: str | None, dtype: str = "float32", cpu: int = 0
 ) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "pdserve.sim.probe", "--model", model, "--profile", profile,
-            "--dtype", dtype, "--cpu", str(cpu)]  # fmt: skip
+    """The probe in a process of its own; without a profile, its steps only (`samples`)."""
+    argv = [sys.executable, "-m", "pdserve.sim.probe", "--model", model, "--dtype", dtype,
+            "--cpu", str(cpu)] + (["--profile", profile] if profile else [])  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -96,7 +112,7 @@ def probe_subprocess(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdserve.sim.probe")
     p.add_argument("--model", required=True)
-    p.add_argument("--profile", required=True)
+    p.add_argument("--profile", default=None, help="without one: the steps, no factors")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--cpu", type=int, default=0)
     a = p.parse_args(argv)

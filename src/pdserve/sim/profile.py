@@ -475,12 +475,15 @@ def run_profile(
     device: str = "cpu",
 ) -> dict[str, Any]:
     started = time.perf_counter()
+    probe = probed_before = None
+    if device == "cpu":  # the probe's steps before and after the engine's: the machine then
+        log("probing the machine's speed (the baseline of `sim validate --probe`) ...")
+        probed_before = probe_at_profile(model_dir, dtype)
     log("profiling engine steps ...")
     eng = on_engine_thread(profile_engine, model_dir, dtype, threads, quick, device=device)
-    probe = None
-    if device == "cpu":  # right after the engine's steps: the machine as they saw it
-        log("probing the machine's speed (the baseline of `sim validate --probe`) ...")
-        probe = probe_at_profile(model_dir, dtype, eng["step"], eng["step_floor"])
+    if probed_before is not None:
+        probe = probe_at_profile(model_dir, dtype, eng["step"], eng["step_floor"],
+                                 earlier=probed_before["samples"])  # fmt: skip
         log(f"  probe x{probe['prefill_factor']:.3f} prompt steps, "
             f"x{probe['decode_factor']:.3f} decode steps against the floor fit")  # fmt: skip
     log(
@@ -564,20 +567,35 @@ def run_profile(
     }
 
 
-def probe_at_profile(model_dir: str, dtype: str, step: StepCost, floor: StepCost) -> dict[str, Any]:
-    """`sim validate --probe`'s probe, run now against this profile's step fits: the ratio the
-    machine gives while the profile is fresh. A later probe's factor is taken relative to it
+def probe_at_profile(
+    model_dir: str,
+    dtype: str,
+    step: StepCost | None = None,
+    floor: StepCost | None = None,
+    earlier: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """`sim validate --probe`'s probe, run now: without fits, its steps only; with them, the
+    ratios the machine gives against this profile's floor fit over its steps and the
+    `earlier` ones (the probe's steps before the engine's), so the reading brackets the
+    minute the fit describes. A later probe's factor is taken relative to it
     (`cli.sim.calibrated_costs`), so the floor fit's own error at the probe's shapes (the
     probe read 0.80-0.90 on a quiet machine) cancels."""
     import tempfile
 
-    from pdserve.sim.probe import probe_subprocess
+    from pdserve.sim.probe import probe_factors, probe_subprocess
 
+    if step is None or floor is None:
+        return probe_subprocess(model_dir, None, dtype)
     fits = {"costs": {"step": asdict(step)}, "step_floor": asdict(floor)}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(fits, f)
         f.flush()
-        return probe_subprocess(model_dir, f.name, dtype)
+        now = probe_subprocess(model_dir, f.name, dtype)
+    if not earlier:
+        return now
+    both = probe_factors(earlier + now["samples"], floor)
+    after = {k: v for k, v in now.items() if k != "samples"}
+    return both | {"samples": earlier + now["samples"], "after_steps": after}
 
 
 def device_name(device: str) -> str:

@@ -63,7 +63,7 @@ def profile_pd(
     max_model_len: int | None = None,
     colocated_prompts: list[dict[str, float]] | None = None,
     colocated_extra: tuple[float, float] = (0.0, 0.0),
-    idle_streams: tuple[int, ...] = (1, 4, 16),
+    idle_streams: tuple[int, ...] = (1, 2, 4, 8, 16),
     neighbour_streams: tuple[int, ...] = (1, 4),
 ) -> dict[str, Any]:
     """`colocated_prompts`: `profile_serving`'s served prompts ({"tokens", "prefill_s"}), the
