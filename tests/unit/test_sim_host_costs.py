@@ -177,7 +177,11 @@ def test_the_served_decode_step_and_the_stream_points_of_the_1p1d_decode():
     assert mean_decode_step_s(window, 2, 0.5) == pytest.approx(1.5 / 48)
     assert mean_decode_step_s(None, 0, 0.0) is None
     assert mean_decode_step_s(StepCounters(2, 0.1), 2, 0.1) is None
-    assert monotone_points({4: 0.5, 1: 1.1, 16: 1.0}, floor=1.0) == [(1, 1.1), (4, 1.1), (16, 1.1)]
+    # never falling: a high point is averaged with the lower ones after it (least squares)
+    pts = monotone_points({4: 0.6, 1: 0.1, 2: 1.2, 8: 2.5})
+    assert pts == [(1, 0.1), (2, pytest.approx(0.9)), (4, pytest.approx(0.9)), (8, 2.5)]
+    assert monotone_points({1: -0.3, 2: 0.2}) == [(1, 0.0), (2, 0.2)]
+    assert monotone_points({1: 1.1, 4: 0.5}, floor=1.0) == [(1, 1.05), (4, 1.05)]
     # per round, per stream count: TPOT, the engine-only step, the decode's own step. The
     # machine ran 10 % slow in round 1 (read at 1 stream): the work per step is TPOT minus
     # the engine-only step x 1.1; without counters (round 2), x 1.

@@ -28,7 +28,7 @@ import numpy as np
 
 from pdserve.costmodel.costs import CostModel, LinkCost, StepCost, knots_of
 from pdserve.sim.engine_steps import on_engine_thread, timed_steps
-from pdserve.sim.profile_pd import fit_served_prefill, roles_of
+from pdserve.sim.profile_pd import fit_served_prefill, monotone_points, roles_of
 from pdserve.sim.served_steps import (
     mean_decode_step_s,
     read_step_counters,
@@ -403,13 +403,12 @@ def profile_serving(
     x = np.array(sorted(work), dtype=float)
     y = np.array([work[int(b)] for b in x])
     per_stream = max(0.0, float(x @ y / (x @ x)))
-    # per stream count, never negative nor falling: `CostModel.stream_points`
-    measured = np.maximum.accumulate(np.maximum(y, 0.0))
     chunk_s, token_s = fit_served_prefill(prefills)
     path_s = float(np.median([p["ttft_s"] - p["prefill_s"] for p in prefills]))
     return {
         "stream_token_s": per_stream,
-        "stream_points": [(float(b), float(v)) for b, v in zip(x, measured, strict=True)],
+        # per stream count, never negative nor falling: `CostModel.stream_points`
+        "stream_points": monotone_points(work),
         "samples": points,
         "prefill_chunk_s": chunk_s,
         "prefill_token_s": token_s,

@@ -245,9 +245,18 @@ def disaggregated_prompt_extra(
 
 
 def monotone_points(values: dict[int, float], floor: float = 0.0) -> list[tuple[float, float]]:
-    """((x, y), ...) ascending in x, each y at least `floor` and at least the one before."""
+    """((x, y), ...) ascending in x, never below `floor` nor falling: the least-squares
+    non-decreasing fit of the measured ys (pool adjacent violators), so a noisy high point is
+    averaged with the lower ones after it rather than lifting them all."""
     xs = sorted(values)
-    ys = np.maximum.accumulate(np.maximum([values[x] for x in xs], floor)) if xs else []
+    blocks: list[list[float]] = []  # [sum, count] per pooled run
+    for x in xs:
+        blocks.append([max(values[x], floor), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    ys = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
     return [(float(x), float(y)) for x, y in zip(xs, ys, strict=True)]
 
 
