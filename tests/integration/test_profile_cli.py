@@ -46,6 +46,8 @@ def test_profile_runs_under_default_tls(serving_model_dir, tmp_path):
     assert all(
         p["prefill_s"] > 0 and p["ttft_s"] >= p["prefill_s"] for p in serving["prefill_samples"]
     )
+    assert all(p["served_step_s"] > 0 for p in serving["prefill_samples"])  # its own steps
+    assert all(p["served_step_s"] > 0 for p in data["served_1p1d"]["idle_prompts"])
     assert costs["prefill_chunk_s"] == serving["prefill_chunk_s"] >= 0
     assert costs["prefill_token_s"] == serving["prefill_token_s"] >= 0
     assert costs["router_overhead_s"] == serving["path_overhead_s"] > 0

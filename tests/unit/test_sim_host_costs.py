@@ -263,6 +263,11 @@ def test_the_disaggregated_prompt_extra_is_measured_against_served_colocated_pro
     assert (a, b) == (pytest.approx(0.007), pytest.approx(1e-5))
     # without a colocated reference: against the engine-only step (here far above: 0)
     assert disaggregated_prompt_extra(paths, 512, None, (0.002, 0.0)) == (0.0, 0.0)
+    # with the prefill worker's own step of each prompt: the stage beyond it, directly (the
+    # engine-only fit, 9.9 s, and the colocated reference are not read)
+    own = [p | {"served_step_s": 0.0004 * p["tokens"]} for p in paths]
+    a, b = disaggregated_prompt_extra(own, 512, colocated, (0.002, 0.0))
+    assert (a, b) == (pytest.approx(0.025), pytest.approx(0.00011))
 
 
 def test_the_probe_reads_its_steps_against_the_floor_fit_per_step_kind():
@@ -272,7 +277,6 @@ def test_the_probe_reads_its_steps_against_the_floor_fit_per_step_kind():
     samples = [{"batch": [(64, 1)] * 4, "s": 0.9 * STEP.step_s([(64, 1)] * 4)} for _ in range(5)]
     samples += [{"batch": [(0, 32)], "s": 1.2 * 0.042} for _ in range(2)]
     got = probe_factors(samples, STEP)
-    assert got["decode_factor"] == pytest.approx(0.9) and got["prefill_factor"] == pytest.approx(
-        1.2
-    )
+    assert got["decode_factor"] == pytest.approx(0.9)
+    assert got["prefill_factor"] == pytest.approx(1.2)
     assert got["factor"] == pytest.approx(0.9) and got["steps"] == 7

@@ -32,6 +32,7 @@ from pdserve.sim.profile_pd import fit_served_prefill, monotone_points, roles_of
 from pdserve.sim.served_steps import (
     mean_decode_step_s,
     read_step_counters,
+    read_step_counters_async,
     serving_work_per_step,
 )
 
@@ -345,8 +346,9 @@ def profile_serving(
       by least squares through 0: seconds per sampled sequence per step
       (`CostModel.stream_token_s`, the figure to quote);
     - per prompt: single prompts of `prompt_lens` tokens one at a time; the worker's prefill
-      stage minus the engine-only step of that prompt, fitted as a + b * tokens, both >= 0
-      (`fit_served_prefill`): `prefill_chunk_s`, `prefill_token_s`;
+      stage minus the worker's own step of that prompt (its step counters; the engine-only
+      step where it has none), fitted as a + b * tokens, both >= 0 (`fit_served_prefill`):
+      `prefill_chunk_s`, `prefill_token_s`;
     - the request path: client TTFT minus the worker's prefill stage of those prompts, the
       median (`router_overhead_s`: the router, the gRPC hops and the token's way back)."""
     from pdserve.client import AsyncClient
@@ -376,11 +378,16 @@ def profile_serving(
             async with AsyncClient(cluster.addr, timeout=300.0) as client:
                 for i in range(prompt_repeats * len(prompt_lens)):
                     n = prompt_lens[i % len(prompt_lens)]
+                    # one token: the worker steps this prompt's step and nothing else
+                    before = await read_step_counters_async(cluster, "colocated0")
                     r = await client.generate(token_ids=rng.integers(10, 200, n).tolist(),
-                                              max_tokens=2, ignore_eos=True)  # fmt: skip
+                                              max_tokens=1, ignore_eos=True)  # fmt: skip
+                    after = await read_step_counters_async(cluster, "colocated0")
                     served_s = (r.usage.stages if r.usage else {}).get("prefill_ms", 0.0) / 1e3
+                    window = after.since(before) if before and after else None
                     out.append({"tokens": n, "prefill_s": served_s, "ttft_s": r.ttft_ms / 1e3,
-                                "engine_step_s": step.step_s([(0, n)])})  # fmt: skip
+                                "engine_step_s": step.step_s([(0, n)]),
+                                "served_step_s": window.seconds if window else None})  # fmt: skip
                     await asyncio.sleep(0.05)  # one at a time: nothing queues
             return out
 

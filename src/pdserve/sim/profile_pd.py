@@ -10,12 +10,11 @@ TLS), in alternating phases so that a change of the machine's load hits both sid
 - prefill: prompts sent one at a time (nothing queues), the worker's prefill stage over the
   engine-only time of the same chunks (the fitted step model), with the decode idle and
   with the decode busy (long greedy streams running): factor = busy / idle;
-- with the decode idle, what a disaggregated prompt costs beyond a colocated one: its
-  prefill stage over a colocated worker's served prefill stage of the same length
-  (`profile_serving`: handing each layer's KV to the push, sending token 0), fitted as
-  a + b * tokens and added to the colocated extra (`prefill_chunk_s`, `prefill_token_s` of
-  the prefill role; against served prompts, not the fitted engine-only step, whose error
-  at 512 tokens is larger than the few milliseconds measured), and the
+- with the decode idle, what a disaggregated prompt costs beyond its steps: its prefill
+  stage minus the prefill worker's own steps of it (its step counters, `served_steps`:
+  handing each layer's KV to the push, sending token 0), fitted as a + b * tokens
+  (`prefill_chunk_s`, `prefill_token_s` of the prefill role; without counters, against a
+  colocated worker's served prefill stage of the same length), and the
   request path outside the stages (client TTFT minus the prefill and transfer stages: the
   router's Reserve on the decode, then its Prefill call, and the token's way back;
   `router_overhead_s` of both roles, where a colocated request makes one call);
@@ -91,14 +90,18 @@ def profile_pd(
         """Each prompt's prefill stage / its engine-only time, one at a time."""
         out = []
         for n in prompt_lens:
+            before = await read_step_counters_async(cluster, "prefill0") if idle else None
             r = await client.generate(token_ids=ids(n), max_tokens=2, ignore_eos=True)
+            after = await read_step_counters_async(cluster, "prefill0") if idle else None
             stages = r.usage.stages if r.usage else {}
             served = stages.get("prefill_ms", 0.0) / 1e3
             engine_s = engine_prefill_s(step, n, budget)
             out.append(served / engine_s)
-            if idle:
+            if idle:  # the prefill steps this prompt's chunks only
+                window = after.since(before) if before and after else None
                 paths.append({
                     "tokens": n, "prefill_s": served, "engine_step_s": engine_s,
+                    "served_step_s": window.seconds if window else None,
                     "ttft_s": r.ttft_ms / 1e3, "transfer_s": stages.get("transfer_ms", 0.0) / 1e3,
                     "reserve_s": stages.get("reserve_ms", 0.0) / 1e3,
                 })  # fmt: skip
@@ -205,12 +208,16 @@ def profile_pd(
     }
 
 
-def fit_served_prefill(samples: list[dict[str, float]]) -> tuple[float, float]:
-    """(a, b) >= 0 with served - engine-only prefill ~ a + b * tokens, least squares over the
-    per-length medians (a stray slow sample moves a median less than a mean)."""
+def fit_served_prefill(samples: list[dict[str, Any]]) -> tuple[float, float]:
+    """(a, b) >= 0 with a served prompt's prefill stage minus its step ~ a + b * tokens,
+    least squares over the per-length medians (a stray slow sample moves a median less than a
+    mean). The step: the worker's own (`served_step_s`, its step counters over the prompt),
+    else the engine-only fit, whose difference also holds the machine's drift since the fit
+    (one code-like profile: 113 us per token, where its own steps read ~0)."""
     by_len: dict[int, list[float]] = {}
     for p in samples:
-        by_len.setdefault(int(p["tokens"]), []).append(p["prefill_s"] - p["engine_step_s"])
+        step_s = p.get("served_step_s") or p["engine_step_s"]
+        by_len.setdefault(int(p["tokens"]), []).append(p["prefill_s"] - step_s)
     n = np.array(sorted(by_len), dtype=float)
     extra = np.array([float(np.median(by_len[int(k)])) for k in n])
     if len(n) < 2:
@@ -229,10 +236,13 @@ def disaggregated_prompt_extra(
     colocated_prompts: list[dict[str, float]] | None,
     colocated_extra: tuple[float, float],
 ) -> tuple[float, float]:
-    """(prefill_chunk_s, prefill_token_s) of the prefill role: the idle 1P1D prompts of one
-    chunk against the colocated served prompts of the same length, fitted a + b * n and added
-    to the colocated extra; without colocated prompts, against the engine-only step."""
+    """(prefill_chunk_s, prefill_token_s) of the prefill role from the idle 1P1D prompts of
+    one chunk: with the prefill worker's own step of each (`served_step_s`), the stage beyond
+    it, fitted a + b * n; else against the colocated served prompts of the same length, added
+    to the colocated extra; without those, against the engine-only step."""
     single = [p for p in paths if p["tokens"] <= budget]  # one chunk: a + b * n per chunk
+    if single and all(p.get("served_step_s") for p in single):
+        return fit_served_prefill(single)  # against its own steps: no reference needed
     if colocated_prompts is None:
         return fit_served_prefill(single) if single else (0.0, 0.0)
     by_len: dict[int, list[float]] = {}
