@@ -16,10 +16,12 @@ disaggregated prompt's extra, and no probe of its own. (Until then the simulator
 the neighbour factor by the state at a step's start, not by overlap.)
 
 With `--engine-fit-serving`, the profile terms just before the served worker's step counters:
-the serving work per step as served TPOT minus the engine-only fit (no correction for the
-machine's speed in those minutes), the colocated worker's for the 1P1D decode too, one
-neighbour factor whatever the neighbour's batch, and no Reserve round trip. (Until then the
-simulator also sent a 1-token request through a decode, as any other.)
+the serving work per step and a served prompt's extra as differences against the engine-only
+fit (no correction for the machine's speed in those minutes; the 1P1D prompt's against the
+colocated prompts), the colocated worker's stream work for the 1P1D decode too, one neighbour
+factor whatever the neighbour's batch, no Reserve round trip, and the probe after the engine's
+steps only. (Until then the simulator also sent a 1-token request through a decode, as any
+other.)
 """
 
 from __future__ import annotations
@@ -73,21 +75,40 @@ def one_slope_profile(prof: dict[str, Any]) -> dict[str, Any]:
 
 
 def engine_fit_serving_profile(prof: dict[str, Any]) -> dict[str, Any]:
+    from pdserve.sim.profile_pd import disaggregated_prompt_extra, fit_served_prefill
+
+    def against_fit(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in p.items() if k != "served_step_s"} for p in samples]
+
     samples = prof["serving"]["samples"]
     x = np.array([p["streams"] for p in samples], dtype=float)
     y = np.array([p["tpot_s"] - p["engine_step_s"] for p in samples])
     rising = np.maximum.accumulate(np.maximum(y, 0.0))  # never negative nor falling
     points = [[float(b), float(v)] for b, v in zip(x, rising, strict=True)]
+    prompts = against_fit(prof["serving"]["prefill_samples"])
+    chunk_s, token_s = fit_served_prefill(prompts)
     out = dict(prof)
     out["costs"] = dict(prof["costs"]) | {
         "stream_points": points,
         "stream_token_s": max(0.0, float(x @ y / (x @ x))),
+        "prefill_chunk_s": chunk_s,
+        "prefill_token_s": token_s,
     }
     dropped = ("neighbour_points", "stream_points", "reserve_s")
-    out["roles"] = {
+    roles = {
         r: {k: v for k, v in terms.items() if k not in dropped}
         for r, terms in (prof.get("roles") or {}).items()
-    } or None
+    }
+    pd = prof.get("served_1p1d") or {}
+    if "prefill" in roles and pd.get("idle_prompts"):
+        pre_chunk, pre_token = disaggregated_prompt_extra(
+            against_fit(pd["idle_prompts"]), 512, prompts, (chunk_s, token_s)
+        )
+        roles["prefill"] |= {"prefill_chunk_s": pre_chunk, "prefill_token_s": pre_token}
+    out["roles"] = roles or None
+    probe = prof.get("probe") or {}
+    if "after_steps" in probe:  # the probe after the engine's steps only
+        out["probe"] = probe["after_steps"]
     return out
 
 

@@ -72,7 +72,10 @@ def test_engine_fit_serving_takes_the_serving_work_against_the_fit_and_drops_the
                {"streams": 4, "tpot_s": 0.025, "engine_step_s": 0.026, "served_step_s": 0.026}]  # fmt: skip
     prof = {
         "costs": {"stream_points": [[1.0, 0.0], [4.0, 0.0]], "stream_token_s": 0.0},
-        "serving": {"samples": samples},
+        "serving": {"samples": samples, "prefill_samples": [
+            {"tokens": n, "prefill_s": 0.030 + 0.001 * n, "engine_step_s": 0.020 + 0.001 * n,
+             "served_step_s": 0.030 + 0.001 * n} for n in (8, 32, 128)]},
+        "probe": {"factor": 0.95, "after_steps": {"factor": 0.9}},
         "roles": {
             "prefill": {"neighbour_busy_factor": 1.2, "neighbour_points": [[1.0, 1.1], [4.0, 1.2]]},
             "decode": {"neighbour_busy_factor": 1.3, "stream_points": [[1.0, 0.0]],
@@ -88,3 +91,7 @@ def test_engine_fit_serving_takes_the_serving_work_against_the_fit_and_drops_the
     assert out["roles"] == {"prefill": {"neighbour_busy_factor": 1.2},
                             "decode": {"neighbour_busy_factor": 1.3, "router_overhead_s": 0.008}}  # fmt: skip
     assert prof["roles"]["decode"]["reserve_s"] == 0.002  # the input is left as it was
+    # a prompt's extra against the fit (10 ms), not its own steps (0); the older probe
+    assert out["costs"]["prefill_chunk_s"] == pytest.approx(0.010)
+    assert out["costs"]["prefill_token_s"] == pytest.approx(0.0, abs=1e-9)
+    assert out["probe"] == {"factor": 0.9}
