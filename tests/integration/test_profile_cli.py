@@ -39,7 +39,7 @@ def test_profile_runs_under_default_tls(serving_model_dir, tmp_path):
     assert all(p["served_step_s"] > 0 for p in serving["samples"])
     assert costs["stream_token_s"] == serving["stream_token_s"] >= 0
     assert "per streamed sequence per step" in proc.stdout
-    # per prompt: served prefill stages of 4 lengths, fitted over the engine-only step; the
+    # per prompt: served prefill stages of 4 lengths, fitted over their own steps; the
     # request path measured on the served prompts is what the simulator charges per request
     lens = sorted({p["tokens"] for p in serving["prefill_samples"]})
     assert len(lens) == 4 and lens[:3] == [8, 32, 128] and lens[3] <= 256  # within the context

@@ -520,7 +520,7 @@ def run_profile(
         costs.prefill_token_s = serving["prefill_token_s"]
         log(f"  {costs.stream_token_s * 1e3:.3f} ms per streamed sequence per step; a prompt "
             f"{costs.prefill_chunk_s * 1e3:.2f} ms + {costs.prefill_token_s * 1e6:.1f} us per "
-            f"token over the engine; request path {serving['path_overhead_s'] * 1e3:.2f} ms")  # fmt: skip
+            f"token over its own step; request path {serving['path_overhead_s'] * 1e3:.2f} ms")  # fmt: skip
     pd = None
     if not skip_transport:
         from pdserve.sim.profile_pd import profile_pd
@@ -536,7 +536,7 @@ def run_profile(
             f"{pd['raw_factors']['decode']:.3f})")  # fmt: skip
         log(f"  a disaggregated prompt: request path {pd['path_overhead_s'] * 1e3:.2f} ms; "
             f"{pd['prefill_chunk_s'] * 1e3:.2f} ms + {pd['prefill_token_s'] * 1e6:.1f} us per "
-            "token over the engine")  # fmt: skip
+            "token over its own step")  # fmt: skip
     decision_s = profile_router_decision()
     rtt = kvstore["rpc_rtt_s"] if kvstore else 0.0
     # the measured request path of a served prompt when there is one, else its estimate
