@@ -263,8 +263,8 @@ def test_the_disaggregated_prompt_extra_is_measured_against_served_colocated_pro
     assert (a, b) == (pytest.approx(0.007), pytest.approx(1e-5))
     # without a colocated reference: against the engine-only step (here far above: 0)
     assert disaggregated_prompt_extra(paths, 512, None, (0.002, 0.0)) == (0.0, 0.0)
-    # with the prefill worker's own step of each prompt: the stage beyond it, directly (the
-    # engine-only fit, 9.9 s, and the colocated reference are not read)
+    # with the prefill worker's own steps of a same-length prompt that pushes nothing: the
+    # stage beyond them (the engine-only fit, 9.9 s, and the colocated reference unread)
     own = [p | {"served_step_s": 0.0004 * p["tokens"]} for p in paths]
     a, b = disaggregated_prompt_extra(own, 512, colocated, (0.002, 0.0))
     assert (a, b) == (pytest.approx(0.025), pytest.approx(0.00011))

@@ -10,11 +10,12 @@ TLS), in alternating phases so that a change of the machine's load hits both sid
 - prefill: prompts sent one at a time (nothing queues), the worker's prefill stage over the
   engine-only time of the same chunks (the fitted step model), with the decode idle and
   with the decode busy (long greedy streams running): factor = busy / idle;
-- with the decode idle, what a disaggregated prompt costs beyond its steps: its prefill
-  stage minus the prefill worker's own steps of it (its step counters, `served_steps`:
-  handing each layer's KV to the push, sending token 0), fitted as a + b * tokens
-  (`prefill_chunk_s`, `prefill_token_s` of the prefill role; without counters, against a
-  colocated worker's served prefill stage of the same length), and the
+- with the decode idle, what a disaggregated prompt costs beyond its engine steps: its
+  prefill stage minus the prefill worker's own steps of a prompt of the same length that
+  pushes nothing, sent just before it (its step counters, `served_steps`: handing each
+  layer's KV to the push, sending token 0), fitted as a + b * tokens (`prefill_chunk_s`,
+  `prefill_token_s` of the prefill role; without counters, against a colocated worker's
+  served prefill stage of the same length), and the
   request path outside the stages (client TTFT minus the prefill and transfer stages: the
   router's Reserve on the decode, then its Prefill call, and the token's way back;
   `router_overhead_s` of both roles, where a colocated request makes one call);
@@ -90,22 +91,30 @@ def profile_pd(
         """Each prompt's prefill stage / its engine-only time, one at a time."""
         out = []
         for n in prompt_lens:
-            before = await read_step_counters_async(cluster, "prefill0") if idle else None
+            alone = await prompt_alone_s(client, n) if idle else None
             r = await client.generate(token_ids=ids(n), max_tokens=2, ignore_eos=True)
-            after = await read_step_counters_async(cluster, "prefill0") if idle else None
             stages = r.usage.stages if r.usage else {}
             served = stages.get("prefill_ms", 0.0) / 1e3
             engine_s = engine_prefill_s(step, n, budget)
             out.append(served / engine_s)
-            if idle:  # the prefill steps this prompt's chunks only
-                window = after.since(before) if before and after else None
+            if idle:
                 paths.append({
                     "tokens": n, "prefill_s": served, "engine_step_s": engine_s,
-                    "served_step_s": window.seconds if window else None,
+                    "served_step_s": alone,
                     "ttft_s": r.ttft_ms / 1e3, "transfer_s": stages.get("transfer_ms", 0.0) / 1e3,
                     "reserve_s": stages.get("reserve_ms", 0.0) / 1e3,
                 })  # fmt: skip
         return out
+
+    async def prompt_alone_s(client: Any, n: int) -> float | None:
+        """The prefill worker's own steps of an n-token prompt that pushes nothing (one token:
+        the router's prefill-only path), just before the 2-token one: the engine's cost of
+        that prompt now, without the hand-off of its KV to the push, which happens inside
+        the steps of a prompt that pushes."""
+        before = await read_step_counters_async(cluster, "prefill0")
+        await client.generate(token_ids=ids(n), max_tokens=1, ignore_eos=True)
+        after = await read_step_counters_async(cluster, "prefill0")
+        return after.since(before).seconds if before and after else None
 
     async def tpots(client: Any, b: int = streams) -> list[float]:
         rs = await asyncio.gather(*(
@@ -237,9 +246,10 @@ def disaggregated_prompt_extra(
     colocated_extra: tuple[float, float],
 ) -> tuple[float, float]:
     """(prefill_chunk_s, prefill_token_s) of the prefill role from the idle 1P1D prompts of
-    one chunk: with the prefill worker's own step of each (`served_step_s`), the stage beyond
-    it, fitted a + b * n; else against the colocated served prompts of the same length, added
-    to the colocated extra; without those, against the engine-only step."""
+    one chunk: with the prefill worker's own steps of a same-length prompt that pushes
+    nothing (`served_step_s`), the stage beyond them, fitted a + b * n; else against the
+    colocated served prompts of the same length, added to the colocated extra; without
+    those, against the engine-only step."""
     single = [p for p in paths if p["tokens"] <= budget]  # one chunk: a + b * n per chunk
     if single and all(p.get("served_step_s") for p in single):
         return fit_served_prefill(single)  # against its own steps: no reference needed
