@@ -52,12 +52,17 @@ def test_profile_runs_under_default_tls(serving_model_dir, tmp_path):
     assert costs["prefill_token_s"] == serving["prefill_token_s"] >= 0
     assert costs["router_overhead_s"] == serving["path_overhead_s"] > 0
     # the served 1P1D: each role's neighbour factor, the disaggregated request's own path and
-    # the prefill role's prompt extra over a colocated served prompt
+    # the prefill role's prompt extra
     roles = data["roles"]
     assert roles["prefill"]["neighbour_busy_factor"] >= 1.0
     assert roles["decode"]["neighbour_busy_factor"] >= 1.0
     assert roles["prefill"]["router_overhead_s"] == roles["decode"]["router_overhead_s"] > 0
-    assert roles["prefill"]["prefill_chunk_s"] >= costs["prefill_chunk_s"]
+    # measured on its own (the stage beyond a same-length prompt that pushes nothing), not
+    # as the colocated extra plus a difference, so it need not exceed the colocated one
+    from pdserve.sim.profile_pd import disaggregated_prompt_extra
+
+    own = disaggregated_prompt_extra(data["served_1p1d"]["idle_prompts"], 512, None, (0.0, 0.0))
+    assert (roles["prefill"]["prefill_chunk_s"], roles["prefill"]["prefill_token_s"]) == own
     assert data["served_1p1d"]["idle_prompts"], "no idle 1P1D prompt timed"
     # the prefill's factor beside a decode of 1 and of 4 streams; the decode's own serving
     # work per step at 1-16 streams; the Reserve's round trip, part of the path
