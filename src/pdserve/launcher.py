@@ -250,6 +250,17 @@ class Cluster:
             return grpc.insecure_channel(addr)
         return secure_channel_sync(addr, self.tls_files(as_name))
 
+    def worker_counters(self, name: str, timeout: float = 10.0) -> dict[str, float]:
+        """Worker `name`'s Info counters, over the internal plane (an admin certificate
+        under TLS)."""
+        from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+        with self.internal_channel(name, as_name="admin") as channel:
+            info = worker_pb2_grpc.WorkerStub(channel).Info(
+                worker_pb2.InfoRequest(), timeout=timeout
+            )
+        return dict(info.counters)
+
     def worker_names(self) -> list[str]:
         return [n for n in self.processes if n.startswith(("prefill", "decode", "colocated"))]
 

@@ -58,15 +58,6 @@ def _model_limits(model_dir: str) -> tuple[int, int]:
     return int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings") or 2048)
 
 
-def _decode_counters(cluster: Any) -> dict[str, float]:
-    """decode0's Info counters, over the internal plane (an admin certificate under TLS)."""
-    from pdserve.v1 import worker_pb2, worker_pb2_grpc
-
-    with cluster.internal_channel("decode0", as_name="admin") as channel:
-        info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=10)
-    return dict(info.counters)
-
-
 def measure(
     cluster: Any, lengths: list[int], per_length: int, max_tokens: int, vocab: int, seed: int
 ) -> list[Row]:
@@ -78,7 +69,7 @@ def measure(
         # warm-up: first-call costs (allocator, UCX endpoints) stay out of the table
         client.generate(token_ids=[5, 6, 7], max_tokens=2, temperature=0.0, ignore_eos=True)
         for n in lengths:
-            before = _decode_counters(cluster)
+            before = cluster.worker_counters("decode0")
             prefill_ms = transfer_ms = 0.0
             for _ in range(per_length):
                 prompt = [rng.randrange(2, vocab) for _ in range(n)]  # distinct: no cache hits
@@ -87,7 +78,7 @@ def measure(
                 )
                 prefill_ms += res.usage.stages["prefill_ms"]
                 transfer_ms += res.usage.stages["transfer_ms"]
-            after = _decode_counters(cluster)
+            after = cluster.worker_counters("decode0")
             admitted = int(after["decode_admitted"] - before["decode_admitted"])
             delay = after["decode_admission_delay_ms_sum"] - before["decode_admission_delay_ms_sum"]
             mean_delay = delay / max(1, admitted)

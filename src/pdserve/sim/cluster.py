@@ -180,6 +180,15 @@ class SimCluster:
                 )
         # instances that slow each other while both step (a CPU host): their steps are
         # timed by the work left and the rate they run at (`_retime`), not a fixed length
+        # a request's path before placement (the instances are fixed from here on): a
+        # disaggregated request's Reserve round trip comes after it (`_try_reserve`), and a
+        # 1-token request's path has none
+        costs = [i.costs for i in self.instances.values()]
+        self._path_before_placement_s = max(
+            0.0,
+            max((c.router_overhead_s for c in costs), default=0.0)
+            - max((c.reserve_s for c in costs), default=0.0),
+        )
         self._shared_host = any(
             i.costs.neighbour_busy_factor != 1.0 or i.costs.neighbour_points
             for i in self.instances.values()
@@ -301,10 +310,7 @@ class SimCluster:
         if too_big:  # the worker's refusal (`LLMEngine.validate`); it would wait forever here
             self._fail(rid, f"INVALID_ARGUMENT: max_tokens: {too_big}")
             return
-        # the path before placement: a disaggregated request's Reserve round trip comes
-        # after it (`_try_reserve`), and a 1-token request's path has none
-        overhead = max(c.costs.router_overhead_s for c in self.instances.values())
-        overhead = max(0.0, overhead - max(c.costs.reserve_s for c in self.instances.values()))
+        overhead = self._path_before_placement_s
         if self.spec.path_jitter:
             j = self.spec.path_jitter
             overhead *= self._path_rng.uniform(1.0 - j, 1.0 + j)
@@ -575,7 +581,9 @@ class SimCluster:
             inst.step_marked = now
             others = self._stepping - 1
             rate = 1.0
-            if others:  # the neighbours' sequences in flight (a factor by their batch)
+            if others and not inst.costs.neighbour_points:
+                rate = 1.0 / inst.costs.neighbour_busy_factor
+            elif others:  # a factor by the neighbours' sequences in flight
                 seqs = sum(
                     len(o.step_plan.scheduled)
                     for o in self.instances.values()

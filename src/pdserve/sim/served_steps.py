@@ -26,13 +26,9 @@ class StepCounters:
 
 
 def read_step_counters(cluster: Any, name: str) -> StepCounters | None:
-    """Worker `name`'s engine step counters (its Info RPC, an admin certificate under TLS);
-    None when it has none (an engine without them)."""
-    from pdserve.v1 import worker_pb2, worker_pb2_grpc
-
-    with cluster.internal_channel(name, as_name="admin") as channel:
-        info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=10)
-    c = info.counters
+    """Worker `name`'s engine step counters (`Cluster.worker_counters`); None when it has
+    none (an engine without them)."""
+    c = cluster.worker_counters(name)
     if "engine_steps" not in c:
         return None
     return StepCounters(float(c["engine_steps"]), float(c["engine_step_seconds"]))

@@ -307,8 +307,8 @@ class WorkerCore:
             out["pool_window_total_blocks"] = float(n_window)
         for name in ("prefix_hit_tokens", "prefix_hit_blocks", "num_preemptions"):
             out[f"engine_{name}"] = float(load[name])
-        out["engine_steps"] = float(getattr(parts.engine, "steps_total", 0))
-        out["engine_step_seconds"] = float(getattr(parts.engine, "step_seconds_total", 0.0))
+        out["engine_steps"] = float(parts.engine.steps_total)
+        out["engine_step_seconds"] = parts.engine.step_seconds_total
         out.update(parts.kv_reuse.counters())
         if self.emulation is not None:
             out.update(self.emulation.counters())
