@@ -29,6 +29,7 @@ import numpy as np
 from pdserve.costmodel.costs import CostModel, LinkCost, StepCost, knots_of
 from pdserve.sim.engine_steps import on_engine_thread, timed_steps
 from pdserve.sim.profile_pd import fit_served_prefill, monotone_points, roles_of
+from pdserve.sim.served_probe import served_probe
 from pdserve.sim.served_steps import (
     mean_decode_step_s,
     read_step_counters,
@@ -404,6 +405,7 @@ def profile_serving(
             points.append({"streams": b, "tpot_s": tpot, "engine_step_s": engine_s,
                            "served_step_s": mean_decode_step_s(window, n_pre, pre_s)})  # fmt: skip
         prefills = asyncio.run(prompts())
+        reference = asyncio.run(served_probe(cluster.addr))  # `sim validate --probe`'s base
     finally:
         cluster.stop()
     work = serving_work_per_step(points)
@@ -421,6 +423,7 @@ def profile_serving(
         "prefill_token_s": token_s,
         "prefill_samples": prefills,
         "path_overhead_s": max(0.0, path_s),
+        "served_probe": reference,
     }
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.costmodel.costs import StepCost
+from pdserve.sim.served_probe import served_probe
 from pdserve.sim.served_steps import (
     mean_decode_step_s,
     read_step_counters_async,
@@ -188,6 +189,7 @@ def profile_pd(
 
     try:
         got = asyncio.run(run())
+        reference = asyncio.run(served_probe(cluster.addr))  # `sim validate --probe`'s base
     finally:
         cluster.stop()
     # per round, busy over idle (medians of that round); the factor: the median over rounds
@@ -211,6 +213,7 @@ def profile_pd(
         "prefill_token_s": token_s,
         "path_overhead_s": max(0.0, path_s),
         "idle_prompts": paths,
+        "served_probe": reference,
         "raw_factors": raw,
         "per_round": per_round,
         "samples": got,  # per round: prefill served / engine-only, decode TPOT seconds

@@ -154,8 +154,15 @@ def real_results(
         arm_args.clock_scale = time_scale_of(flags + extra)  # emulated: in modelled time
         with cluster as addr:
             overhead = path_overhead_s(addr) if "--emulate" in flags + extra else None
+            served = _served_probe(args, addr)
+            window = ArmWindow.open(addr, cluster.tls_dir)
             res = run_benchmark(addr, arm_args)
+            machine = window.close()
+            served_after = _served_probe(args, addr)
         results[name] = {k: v for k, v in res.items() if not k.startswith("_")}
+        results[name]["machine"] = machine
+        if served and served_after:
+            results[name]["served_probe"] = {"before": served, "after": served_after}
         if overhead is not None:
             # in modelled seconds, as the cluster's clock runs
             results[name]["path_overhead_s"] = overhead / arm_args.clock_scale
@@ -179,6 +186,64 @@ def contention(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         b, a = before.get(key, before["factor"]), after.get(key, after["factor"])
         out[key] = (b + a) / 2
     return out
+
+
+def _served_probe(args: argparse.Namespace, addr: str) -> dict[str, Any] | None:
+    """The served probe on the arm's idle cluster (with --probe on a profile)."""
+    if not (getattr(args, "probe", False) and args.profile):
+        return None
+    import asyncio
+
+    from pdserve.sim.served_probe import served_probe
+
+    return asyncio.run(served_probe(addr))
+
+
+class ArmWindow:
+    """The machine over an arm's benchmark: its CPUs (`machine_load`) and each worker's
+    engine steps (the Info counters), for the record: where a real run's time went."""
+
+    def __init__(self, addr: str, tls_dir: str | None) -> None:
+        self.addr, self.tls_dir = addr, tls_dir
+        self.cpu: dict[str, int] | None = None
+        self.workers: dict[str, dict[str, float]] = {}
+        self.started = 0.0
+
+    @classmethod
+    def open(cls, addr: str, tls_dir: str | None) -> ArmWindow:
+        import time
+
+        from pdserve.sim.machine_load import cpu_times
+
+        w = cls(addr, tls_dir)
+        w.workers, w.cpu, w.started = w._counters(), cpu_times(), time.monotonic()
+        return w
+
+    def _counters(self) -> dict[str, dict[str, float]]:
+        import asyncio
+
+        from pdserve.bench.lengths import worker_counters
+
+        try:
+            return asyncio.run(worker_counters(self.addr, tls_dir=self.tls_dir))[1]
+        except Exception:  # diagnostics only: a cluster without the counters reads none
+            return {}
+
+    def close(self) -> dict[str, Any]:
+        import time
+
+        from pdserve.sim.machine_load import cpu_times, load_between
+
+        wall = time.monotonic() - self.started
+        after, cpu = self._counters(), load_between(self.cpu, cpu_times())
+        engines = {}
+        for iid, c in after.items():
+            b = self.workers.get(iid, {})
+            steps = c.get("engine_steps", 0.0) - b.get("engine_steps", 0.0)
+            secs = c.get("engine_step_seconds", 0.0) - b.get("engine_step_seconds", 0.0)
+            engines[iid] = {"steps": steps, "step_seconds": secs,
+                            "mean_step_s": secs / steps if steps else None}  # fmt: skip
+        return {"wall_s": wall, "cpu": cpu, "engines": engines}
 
 
 def _probe(args: argparse.Namespace) -> dict[str, Any] | None:
