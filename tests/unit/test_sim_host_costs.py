@@ -62,6 +62,26 @@ def test_the_neighbour_factor_follows_the_neighbours_batch():
     assert a.finish_s == b.finish_s == pytest.approx(0.042 * 1.2)
 
 
+def test_the_neighbour_factor_follows_the_steps_own_tokens():
+    """x a multiplier by the step's new tokens: 1.2 at 32 tokens, 0.9 at 512, flat past the
+    ends, on top of the factor by the neighbour's batch."""
+    costs = CostModel(step=STEP, neighbour_busy_factor=1.5,
+                      neighbour_token_points=((32.0, 1.2), (512.0, 0.9)))  # fmt: skip
+    assert costs.neighbour_factor(3, 16) == pytest.approx(1.5 * 1.2)
+    assert costs.neighbour_factor(3, 272) == pytest.approx(1.5 * 1.05)
+    assert costs.neighbour_factor(3, 1024) == pytest.approx(1.5 * 0.9)
+    back = CostModel.from_json(costs.to_json())
+    assert back.neighbour_token_points == ((32.0, 1.2), (512.0, 0.9))
+    # two colocated instances: a 32-token prompt beside a 512-token one, both from t = 0
+    # (42 ms and 522 ms alone); the short one steps at 1 / 1.8 of its speed, the long one at
+    # 1 / 1.35 while the short one steps (75.6 ms), then alone
+    cfg = InstanceConfig(num_blocks=256, block_size=16)
+    spec = ClusterSpec([PoolSpec("colocated", 2, costs, cfg)], policy="least_loaded")
+    short, long = SimCluster(spec).run([_req(0, 32, 1), _req(1, 512, 1)])
+    assert short.finish_s == pytest.approx(0.042 * 1.8)
+    assert long.finish_s == pytest.approx(0.0756 + (0.522 - 0.0756 / 1.35))
+
+
 def test_an_engine_command_waits_for_the_step_in_flight_even_when_it_is_stretched():
     cluster = SimCluster(_two_colocated(1.5))
     inst = next(iter(cluster.instances.values()))
@@ -280,3 +300,66 @@ def test_the_probe_reads_its_steps_against_the_floor_fit_per_step_kind():
     assert got["decode_factor"] == pytest.approx(0.9)
     assert got["prefill_factor"] == pytest.approx(1.2)
     assert got["factor"] == pytest.approx(0.9) and got["steps"] == 7
+
+
+def test_the_served_factors_are_the_arms_readings_over_its_profiles():
+    from pdserve.sim.served_probe import served_factors
+
+    ref = {"ttft_s": 0.020, "tpot_s": 0.010}
+    f = served_factors(ref, {"ttft_s": 0.022, "tpot_s": 0.011}, {"ttft_s": 0.026, "tpot_s": 0.013})
+    assert f == pytest.approx({"ttft_factor": 1.2, "tpot_factor": 1.2})
+
+
+def test_the_served_factor_scales_the_decode_step_and_its_serving_work_alone(tmp_path):
+    from pdserve.cli.sim import calibrated_costs
+
+    roles = {"decode": {"stream_points": [[1, 0.001], [4, 0.002]], "reserve_s": 0.003}}
+    prof = _profile(roles) | {"probe": {"factor": 1.0, "prefill_factor": 1.0, "decode_factor": 1.0}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    cont = {"factor": 1.1, "prefill_factor": 1.1, "decode_factor": 1.1}
+    costs = calibrated_costs(str(path), cont, {"tpot_factor": 1.25})
+    dec = costs["decode"]
+    # a prompt step keeps the engine probe's factor; a decode step takes the served one
+    assert dec.step.step_s([(0, 100)]) == pytest.approx(STEP.step_s([(0, 100)]) * 1.1)
+    assert dec.step.step_s([(100, 1)]) == pytest.approx(STEP.step_s([(100, 1)]) * 1.25)
+    # with the served TTFT factor too (--served-factors all), a prompt step takes it
+    both = calibrated_costs(str(path), cont, {"ttft_factor": 1.5, "tpot_factor": 1.25})
+    assert both["prefill"].step.step_s([(0, 100)]) == pytest.approx(STEP.step_s([(0, 100)]) * 1.5)
+    assert [y for _, y in dec.stream_points] == pytest.approx([0.00125, 0.0025])
+    assert costs["prefill"].stream_token_s == pytest.approx(0.00125)
+    # the request path is left as profiled
+    assert dec.reserve_s == 0.003
+    plain = calibrated_costs(str(path), cont)
+    assert plain["decode"].stream_points == ((1, 0.001), (4, 0.002))
+
+
+def test_the_machine_load_over_a_window_in_fractions(tmp_path):
+    from pdserve.sim.machine_load import cpu_times, load_between
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 20 300 10 0 5 15 0 0\ncpu0 1 2 3\n")
+    before = cpu_times(stat)
+    assert before == {"user": 100, "nice": 0, "system": 20, "idle": 300, "iowait": 10,
+                      "irq": 0, "softirq": 5, "steal": 15}  # fmt: skip
+    stat.write_text("cpu  160 0 30 320 10 0 5 25 0 0\n")
+    got = load_between(before, cpu_times(stat))
+    assert got == pytest.approx({"busy": 0.7, "steal": 0.1, "idle": 0.2})
+    assert cpu_times(tmp_path / "none") is None and load_between(None, before) is None
+
+
+def test_the_prefills_token_multipliers_fall_with_the_steps_tokens():
+    from pdserve.sim.profile_pd import token_multipliers
+
+    lens = (32, 128, 512, 1024)
+    # busy / idle per length: 1.4, 1.3, 1.1, 1.2 beside 4 streams; the same beside 1
+    rnd = {"p_idle": [1.0] * 4, "p_busy": [1.4, 1.3, 1.1, 1.2], "p_busy_1": [1.4, 1.3, 1.1, 1.2]}
+    pts = token_multipliers([rnd, rnd], lens, budget=512)
+    # 1,024 tokens run as two steps of 512: pooled with 512 (1.15); over the median 1.3
+    assert [x for x, _ in pts] == [32, 128, 512]
+    assert [y for _, y in pts] == pytest.approx([1.4 / 1.3, 1.0, 1.15 / 1.3])
+    # a rise with the tokens is noise: pooled into a flat run
+    rising = {"p_idle": [1.0] * 4, "p_busy": [1.1, 1.3, 1.2, 1.2], "p_busy_1": [1.1, 1.3, 1.2, 1.2]}
+    ys = [y for _, y in token_multipliers([rising], lens, budget=512)]
+    assert ys[0] == ys[1] >= ys[2]
+    assert token_multipliers([rnd], (32,), budget=512) == []

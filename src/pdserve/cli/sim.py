@@ -72,6 +72,15 @@ def add_parser(subparsers: Any) -> None:
         "and simulate with the profile's floor step model x that factor",
     )
     v.add_argument(
+        "--served-factors",
+        choices=("decode", "all", "off"),
+        default="all",
+        help="with --probe: the served probe's readings (sim.served_probe, on each arm's idle "
+        "cluster against the profile's) scale the prompt steps (its TTFT) and the decode steps "
+        "and their serving work (its TPOT): all; the decode steps alone: decode; off: the "
+        "engine probe's factors alone",
+    )
+    v.add_argument(
         "--sim-draws",
         type=int,
         default=1,
@@ -144,7 +153,9 @@ def distserve_pool_costs(args: argparse.Namespace) -> Any:
     return {"prefill": pre, "decode": dec, "colocated": pre}
 
 
-def calibrated_costs(profile: str, contention: dict[str, float]) -> Any:
+def calibrated_costs(
+    profile: str, contention: dict[str, float], served: dict[str, float] | None = None
+) -> Any:
     """The profile's costs (per role when it measured roles) with its step model x the
     contention factor of each step kind (`validate.contention`). A profile that probed the
     machine itself (`probe`) keeps its typical fit, scaled by the arm's probe over its own:
@@ -166,15 +177,48 @@ def calibrated_costs(profile: str, contention: dict[str, float]) -> Any:
                    for f, k in zip(factors, ("prefill_factor", "decode_factor"), strict=True)]  # fmt: skip
     else:
         fit = prof.get("step_floor") or prof["costs"]["step"]
+    if served and base:  # the served stack's own reading replaces the engine probe's
+        factors[1] = served["tpot_factor"]
+        if "ttft_factor" in served:
+            factors[0] = served["ttft_factor"]
     step = KindScaledStep(StepCost(**{k: v for k, v in fit.items() if k in fields}), *factors)
     costs = costs_of_profile(prof)
-    if isinstance(costs, dict):
-        costs = {role: copy.copy(c) for role, c in costs.items()}
-        for c in costs.values():
-            c.step = step
-        return costs
-    costs.step = step
-    return costs
+    roles = costs if isinstance(costs, dict) else {"": costs}
+    roles = {role: copy.copy(c) for role, c in roles.items()}
+    for c in roles.values():
+        c.step = step
+        if served and base:
+            served_scaled(c, served)
+    return roles if isinstance(costs, dict) else roles[""]
+
+
+def served_scaled(c: Any, served: dict[str, float]) -> None:
+    """`c`'s serving work per decode step x the served probe's TPOT factor."""
+    t = served["tpot_factor"]
+    c.stream_token_s *= t
+    c.stream_points = tuple((x, y * t) for x, y in c.stream_points)
+
+
+def served_factors_of(
+    args: argparse.Namespace, real: dict[str, Any], flags: list[str]
+) -> dict[str, float] | None:
+    """The arm's served probe over its profile's, from the profile's cluster of the same
+    shape (a colocated worker, or the served 1P1D), as --served-factors picks them; None
+    without both readings."""
+    from pdserve.sim.served_probe import served_factors
+    from pdserve.sim.validate import flag_value
+
+    use = getattr(args, "served_factors", "all")
+    if use == "off":
+        return None
+    prof = json.loads(Path(args.profile).read_text())
+    part = "serving" if flag_value(flags, "--mode") != "disagg" else "served_1p1d"
+    ref = (prof.get(part) or {}).get("served_probe")
+    now = real.get("served_probe")
+    if not ref or not now:
+        return None
+    factors = served_factors(ref, now["before"], now["after"])
+    return factors if use == "all" else {"tpot_factor": factors["tpot_factor"]}
 
 
 def _defaults_from_costs(args: argparse.Namespace, costs: Any) -> None:
@@ -288,13 +332,16 @@ def validate_main(args: argparse.Namespace) -> int:
         cont = real[name].get("contention")
         if cont and args.profile:
             raw_table[name] = table[name]  # the uncalibrated profile, kept for the record
-            cal = calibrated_costs(args.profile, cont)
+            served = served_factors_of(args, real[name], flags + extra)
+            cal = calibrated_costs(args.profile, cont, served)
             spec = spec_from_up_flags(flags + extra, cal, max_model_len(args), args.block_size)
             sim[name], table[name] = _simulate_arm(spec, args, real[name])
             sim[name]["contention_factor"] = cont["factor"]
             sim[name]["contention_factors"] = {
                 k: cont.get(k, cont["factor"]) for k in ("prefill_factor", "decode_factor")
             }
+            if served:
+                sim[name]["served_factors"] = served
     out = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "arms": real,

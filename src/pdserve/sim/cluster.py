@@ -32,6 +32,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from pdserve.costmodel.costs import CostModel
@@ -59,6 +60,8 @@ from pdserve.sim.events import EventLoop
 from pdserve.sim.instance import SAMPLED_TOKEN, InstanceConfig, SimInstance, SimSeq
 from pdserve.workload.metrics import RequestRecord
 from pdserve.workload.requests import BenchRequest
+
+_NEW_TOKENS = attrgetter("num_new_tokens")  # a scheduled entry's new tokens
 
 ROLE_BY_NAME = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE, "colocated": ROLE_COLOCATED}
 
@@ -190,7 +193,9 @@ class SimCluster:
             - max((c.reserve_s for c in costs), default=0.0),
         )
         self._shared_host = any(
-            i.costs.neighbour_busy_factor != 1.0 or i.costs.neighbour_points
+            i.costs.neighbour_busy_factor != 1.0
+            or i.costs.neighbour_points
+            or i.costs.neighbour_token_points
             for i in self.instances.values()
         )
         self.store: BlockStore | None = None
@@ -581,15 +586,19 @@ class SimCluster:
             inst.step_marked = now
             others = self._stepping - 1
             rate = 1.0
-            if others and not inst.costs.neighbour_points:
-                rate = 1.0 / inst.costs.neighbour_busy_factor
-            elif others:  # a factor by the neighbours' sequences in flight
+            costs = inst.costs
+            if others and not (costs.neighbour_points or costs.neighbour_token_points):
+                rate = 1.0 / costs.neighbour_busy_factor
+            elif others:  # by the neighbours' sequences in flight and the step's tokens
                 seqs = sum(
                     len(o.step_plan.scheduled)
                     for o in self.instances.values()
                     if o.busy and o is not inst and o.step_plan is not None
                 )
-                rate = 1.0 / inst.costs.neighbour_factor(seqs)
+                tokens = 0
+                if costs.neighbour_token_points and inst.step_plan is not None:
+                    tokens = sum(map(_NEW_TOKENS, inst.step_plan.scheduled))
+                rate = 1.0 / costs.neighbour_factor(seqs, tokens)
             if rate == inst.step_rate:
                 continue
             inst.step_rate = rate

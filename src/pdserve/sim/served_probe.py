@@ -29,7 +29,7 @@ async def served_probe(
 
     from pdserve.client import AsyncClient
 
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng()  # fresh prompts at every call: none is in a prefix cache
     ttft: list[float] = []
     tpot: list[float] = []
     async with AsyncClient(addr, timeout=120.0) as client:
