@@ -74,6 +74,7 @@ def test_profile_runs_under_default_tls(serving_model_dir, tmp_path):
     # the served probe on each of the profile's clusters: the baseline of a later --probe
     for part in (serving, data["served_1p1d"]):
         assert part["served_probe"]["ttft_s"] > 0 and part["served_probe"]["tpot_s"] > 0
+    assert "served probe" in proc.stdout
     # the machine's speed right after the engine's steps: the baseline of a later --probe
     assert data["probe"]["steps"] > 0 and data["probe"]["prefill_factor"] > 0
     # the token term follows the prompt sizes sampled, never falling

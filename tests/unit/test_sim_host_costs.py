@@ -6,6 +6,7 @@ measure them (their arithmetic; the measurements themselves need a served cluste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -60,26 +61,6 @@ def test_the_neighbour_factor_follows_the_neighbours_batch():
     spec = ClusterSpec([PoolSpec("colocated", 2, costs, cfg)], policy="least_loaded")
     a, b = SimCluster(spec).run([_req(0, 32, 1), _req(1, 32, 1)])
     assert a.finish_s == b.finish_s == pytest.approx(0.042 * 1.2)
-
-
-def test_the_neighbour_factor_follows_the_steps_own_tokens():
-    """x a multiplier by the step's new tokens: 1.2 at 32 tokens, 0.9 at 512, flat past the
-    ends, on top of the factor by the neighbour's batch."""
-    costs = CostModel(step=STEP, neighbour_busy_factor=1.5,
-                      neighbour_token_points=((32.0, 1.2), (512.0, 0.9)))  # fmt: skip
-    assert costs.neighbour_factor(3, 16) == pytest.approx(1.5 * 1.2)
-    assert costs.neighbour_factor(3, 272) == pytest.approx(1.5 * 1.05)
-    assert costs.neighbour_factor(3, 1024) == pytest.approx(1.5 * 0.9)
-    back = CostModel.from_json(costs.to_json())
-    assert back.neighbour_token_points == ((32.0, 1.2), (512.0, 0.9))
-    # two colocated instances: a 32-token prompt beside a 512-token one, both from t = 0
-    # (42 ms and 522 ms alone); the short one steps at 1 / 1.8 of its speed, the long one at
-    # 1 / 1.35 while the short one steps (75.6 ms), then alone
-    cfg = InstanceConfig(num_blocks=256, block_size=16)
-    spec = ClusterSpec([PoolSpec("colocated", 2, costs, cfg)], policy="least_loaded")
-    short, long = SimCluster(spec).run([_req(0, 32, 1), _req(1, 512, 1)])
-    assert short.finish_s == pytest.approx(0.042 * 1.8)
-    assert long.finish_s == pytest.approx(0.0756 + (0.522 - 0.0756 / 1.35))
 
 
 def test_an_engine_command_waits_for_the_step_in_flight_even_when_it_is_stretched():
@@ -348,18 +329,33 @@ def test_the_machine_load_over_a_window_in_fractions(tmp_path):
     assert cpu_times(tmp_path / "none") is None and load_between(None, before) is None
 
 
-def test_the_prefills_token_multipliers_fall_with_the_steps_tokens():
-    from pdserve.sim.profile_pd import token_multipliers
+def test_the_simulator_counts_its_engine_seconds_apart_from_the_serving_work():
+    # a 32-token prompt then 3 decodes, one stream: each step pays 1 ms of serving work on
+    # top of its engine step (42 ms, then 10.032-10.034 ms)
+    costs = CostModel(step=STEP, kv_bytes_per_token=100, stream_points=((1.0, 0.001),))
+    cfg = InstanceConfig(num_blocks=256, block_size=16)
+    spec = ClusterSpec([PoolSpec("colocated", 1, costs, cfg)], track_engine=True)
+    cluster = SimCluster(spec)
+    cluster.run([_req(0, 32, 4)])
+    inst = cluster.instances["colocated-0"]
+    assert inst.steps == 4 and inst.busy_s == pytest.approx(inst.engine_s + 4 * 0.001)
+    assert cluster.engine_seconds() == {"colocated-0": inst.engine_s}
+    assert (
+        SimCluster(dataclasses.replace(spec, track_engine=False))
+        .instances["colocated-0"]
+        .track_engine
+        is False
+    )
 
-    lens = (32, 128, 512, 1024)
-    # busy / idle per length: 1.4, 1.3, 1.1, 1.2 beside 4 streams; the same beside 1
-    rnd = {"p_idle": [1.0] * 4, "p_busy": [1.4, 1.3, 1.1, 1.2], "p_busy_1": [1.4, 1.3, 1.1, 1.2]}
-    pts = token_multipliers([rnd, rnd], lens, budget=512)
-    # 1,024 tokens run as two steps of 512: pooled with 512 (1.15); over the median 1.3
-    assert [x for x, _ in pts] == [32, 128, 512]
-    assert [y for _, y in pts] == pytest.approx([1.4 / 1.3, 1.0, 1.15 / 1.3])
-    # a rise with the tokens is noise: pooled into a flat run
-    rising = {"p_idle": [1.0] * 4, "p_busy": [1.1, 1.3, 1.2, 1.2], "p_busy_1": [1.1, 1.3, 1.2, 1.2]}
-    ys = [y for _, y in token_multipliers([rising], lens, budget=512)]
-    assert ys[0] == ys[1] >= ys[2]
-    assert token_multipliers([rnd], (32,), budget=512) == []
+
+def test_the_engine_speed_factors_are_the_real_engine_seconds_over_the_simulated_per_role():
+    from pdserve.sim.validate import engine_speed_factors
+
+    real = {"machine": {"engines": {
+        "a1": {"role": "prefill", "step_seconds": 12.0},
+        "b2": {"role": "decode", "step_seconds": 30.0},
+        "c3": {"role": "", "step_seconds": 5.0},  # a role the run did not record: left out
+    }}}  # fmt: skip
+    got = engine_speed_factors(real, {"prefill-0": 10.0, "decode-0": 20.0, "decode-1": 10.0})
+    assert got == pytest.approx({"prefill": 1.2, "decode": 1.0})
+    assert engine_speed_factors({}, {"prefill-0": 1.0}) == {}

@@ -69,6 +69,13 @@ def main(args: argparse.Namespace) -> int:
         print("1P1D decode      " + ", ".join(f"{y * 1e3:.2f} ms at {x:.0f}"
                                              for x, y in dec["stream_points"])
               + f" per step; Reserve {dec.get('reserve_s', 0.0) * 1e3:.2f} ms")  # fmt: skip
+    probes = [(name, (data.get(part) or {}).get("served_probe"))
+              for name, part in (("colocated", "serving"), ("1P1D", "served_1p1d"))]  # fmt: skip
+    if any(p for _, p in probes):
+        print("served probe     " + "; ".join(
+            f"{name} TTFT {p['ttft_s'] * 1e3:.1f} ms, TPOT {p['tpot_s'] * 1e3:.2f} ms"
+            for name, p in probes if p
+        ))  # fmt: skip
     print(f"limits           {data['limits'] or 'n/a (pdserve.bench.limits not present)'}")
     print(f"wrote {path} in {data['profile_s']:.0f} s")
     return 0

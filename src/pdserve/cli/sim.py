@@ -221,6 +221,38 @@ def served_factors_of(
     return factors if use == "all" else {"tpot_factor": factors["tpot_factor"]}
 
 
+def engine_matched_arm(
+    spec: Any, costs: Any, flags: list[str], args: argparse.Namespace, real: dict[str, Any]
+) -> tuple[dict[str, float], list[dict[str, Any]]] | None:
+    """The arm simulated once more with each role's step model x (the real workers' engine
+    seconds / the simulated ones: `validate.engine_speed_factors`), from the run's step
+    counters; None when the real run recorded none. It separates the machine's speed during
+    the run, which no probe taken beside it predicts, from the model of the serving system."""
+    import copy
+    import dataclasses
+
+    from pdserve.costmodel.costs import KindScaledStep
+    from pdserve.sim.run import simulate_benchmark, spec_from_up_flags
+    from pdserve.sim.validate import engine_speed_factors, error_rows
+
+    engines = (real.get("machine") or {}).get("engines") or {}
+    if not any(e.get("role") for e in engines.values()):
+        return None
+    first = simulate_benchmark(dataclasses.replace(spec, track_engine=True), args)
+    factors = engine_speed_factors(real, first["sweep"][0]["sim"]["engine_s"] or {})
+    if not factors:
+        return None
+    roles = costs if isinstance(costs, dict) else {r: costs for r in factors}
+    scaled = {}
+    for role, c in roles.items():
+        scaled[role] = copy.copy(c)
+        f = factors.get(role, 1.0)
+        scaled[role].step = KindScaledStep(c.step, f, f)
+    spec = spec_from_up_flags(flags, scaled, max_model_len(args), args.block_size)
+    res = simulate_benchmark(spec, args)
+    return factors, error_rows(real, {k: v for k, v in res.items() if not k.startswith("_")})
+
+
 def _defaults_from_costs(args: argparse.Namespace, costs: Any) -> None:
     """Roofline runs have no checkpoint: vocab/context come from the model config."""
     if args.model or args.vocab_size:
@@ -318,6 +350,7 @@ def validate_main(args: argparse.Namespace) -> int:
     sim: dict[str, Any] = {}
     table: dict[str, list[dict[str, Any]]] = {}
     raw_table: dict[str, list[dict[str, Any]]] = {}
+    matched_table: dict[str, list[dict[str, Any]]] = {}
     for name, flags in arms.items():
         arm_costs = costs
         if arm_costs is None:
@@ -342,6 +375,10 @@ def validate_main(args: argparse.Namespace) -> int:
             }
             if served:
                 sim[name]["served_factors"] = served
+            arm_costs = cal
+        matched = engine_matched_arm(spec, arm_costs, flags + extra, args, real[name])
+        if matched is not None:
+            sim[name]["engine_speed"], matched_table[name] = matched
     out = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "arms": real,
@@ -350,6 +387,9 @@ def validate_main(args: argparse.Namespace) -> int:
         "max_rel_error": max_rel_error(table),
         "errors_uncalibrated": raw_table or None,
         "max_rel_error_uncalibrated": max_rel_error(raw_table) if raw_table else None,
+        # a diagnostic, not a prediction: each role's steps x its real engines' speed in
+        # the benchmark (the workers' step counters), so what is left is the serving model's
+        "errors_engine_matched": matched_table or None,
     }
     path = write_json(args.out, out)
     if args.json:

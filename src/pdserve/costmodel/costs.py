@@ -308,22 +308,12 @@ class CostModel:
     # ascending, interpolated and flat beyond its ends (`neighbour_factor`): a decode of one
     # stream slows a prefill beside it less than a decode of four. Empty: the one factor.
     neighbour_points: tuple[tuple[float, float], ...] = ()
-    # The same by the step's own new tokens, as a multiplier of the factor above:
-    # ((tokens, multiplier), ...) ascending, interpolated and flat beyond its ends. A short
-    # prompt's step reads the weights for few tokens, as a decode step does, and a busy
-    # neighbour's memory traffic slows it more than a long, compute-bound one (bench50m
-    # fp32: x1.33-1.44 at 32-128 tokens, x1.06-1.27 at 512-1,024). Empty: no such term.
-    neighbour_token_points: tuple[tuple[float, float], ...] = ()
 
-    def neighbour_factor(self, neighbour_seqs: int, step_tokens: int = 0) -> float:
-        """A step's cost multiplier while a neighbour steps `neighbour_seqs` sequences; a
-        step of `step_tokens` new tokens."""
-        factor = self.neighbour_busy_factor
-        if self.neighbour_points:
-            factor = clamped(neighbour_seqs, self.neighbour_points)
-        if self.neighbour_token_points:
-            factor *= clamped(step_tokens, self.neighbour_token_points)
-        return factor
+    def neighbour_factor(self, neighbour_seqs: int) -> float:
+        """A step's cost multiplier while a neighbour steps `neighbour_seqs` sequences."""
+        if not self.neighbour_points:
+            return self.neighbour_busy_factor
+        return clamped(neighbour_seqs, self.neighbour_points)
 
     def step_time_s(self, batch: Sequence[tuple[int, int]], num_streamed: int) -> float:
         """One engine step of `batch` that samples `num_streamed` sequences."""
@@ -407,8 +397,5 @@ class CostModel:
             neighbour_busy_factor=float(d.get("neighbour_busy_factor", 1.0)),
             neighbour_points=tuple(
                 (float(x), float(y)) for x, y in d.get("neighbour_points") or ()
-            ),
-            neighbour_token_points=tuple(
-                (float(x), float(y)) for x, y in d.get("neighbour_token_points") or ()
             ),
         )

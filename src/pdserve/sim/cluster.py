@@ -32,7 +32,6 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any
 
 from pdserve.costmodel.costs import CostModel
@@ -60,8 +59,6 @@ from pdserve.sim.events import EventLoop
 from pdserve.sim.instance import SAMPLED_TOKEN, InstanceConfig, SimInstance, SimSeq
 from pdserve.workload.metrics import RequestRecord
 from pdserve.workload.requests import BenchRequest
-
-_NEW_TOKENS = attrgetter("num_new_tokens")  # a scheduled entry's new tokens
 
 ROLE_BY_NAME = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE, "colocated": ROLE_COLOCATED}
 
@@ -93,6 +90,9 @@ class ClusterSpec:
     # of a millisecond earlier or later can send the next prompt elsewhere; 0 = constant
     path_jitter: float = 0.0
     path_seed: int = 0
+    # each instance's engine seconds (`SimInstance.engine_s`), for comparing with a real
+    # worker's step counters
+    track_engine: bool = False
 
     def describe(self) -> str:
         return " + ".join(f"{p.count}x{p.role}" for p in self.pools)
@@ -177,6 +177,7 @@ class SimCluster:
                 k = per_role[pool.role] = per_role.get(pool.role, -1) + 1  # pools of one role
                 iid = f"{pool.role}-{k}"
                 inst = SimInstance(iid, ROLE_BY_NAME[pool.role], pool.costs, pool.config)
+                inst.track_engine = spec.track_engine
                 self.instances[iid] = inst
                 self.registry.register(
                     iid, f"sim:{iid}", inst.role, "sim", pool.config.block_size, inst.load()
@@ -193,9 +194,7 @@ class SimCluster:
             - max((c.reserve_s for c in costs), default=0.0),
         )
         self._shared_host = any(
-            i.costs.neighbour_busy_factor != 1.0
-            or i.costs.neighbour_points
-            or i.costs.neighbour_token_points
+            i.costs.neighbour_busy_factor != 1.0 or i.costs.neighbour_points
             for i in self.instances.values()
         )
         self.store: BlockStore | None = None
@@ -586,19 +585,15 @@ class SimCluster:
             inst.step_marked = now
             others = self._stepping - 1
             rate = 1.0
-            costs = inst.costs
-            if others and not (costs.neighbour_points or costs.neighbour_token_points):
-                rate = 1.0 / costs.neighbour_busy_factor
-            elif others:  # by the neighbours' sequences in flight and the step's tokens
+            if others and not inst.costs.neighbour_points:
+                rate = 1.0 / inst.costs.neighbour_busy_factor
+            elif others:  # a factor by the neighbours' sequences in flight
                 seqs = sum(
                     len(o.step_plan.scheduled)
                     for o in self.instances.values()
                     if o.busy and o is not inst and o.step_plan is not None
                 )
-                tokens = 0
-                if costs.neighbour_token_points and inst.step_plan is not None:
-                    tokens = sum(map(_NEW_TOKENS, inst.step_plan.scheduled))
-                rate = 1.0 / costs.neighbour_factor(seqs, tokens)
+                rate = 1.0 / inst.costs.neighbour_factor(seqs)
             if rate == inst.step_rate:
                 continue
             inst.step_rate = rate
@@ -844,6 +839,10 @@ class SimCluster:
             self.loop.after(self.spec.flip_switch_s, switch)
 
     # ------------------------------------------------------------------ reporting
+    def engine_seconds(self) -> dict[str, float]:
+        """{instance: seconds of engine work} (with `ClusterSpec.track_engine`)."""
+        return {i.instance_id: i.engine_s for i in self.instances.values()}
+
     def utilisation(self, wall_s: float) -> dict[str, float]:
         return {
             i.instance_id: (i.busy_s / wall_s if wall_s > 0 else 0.0)

@@ -104,6 +104,11 @@ class SimInstance:
         self.step_gen = 0
         self.tokens_in_flight = 0  # prompt tokens of requests in flight (worker's own count)
         self.busy_s = 0.0
+        # with `track_engine`: the seconds of its steps that were engine work (a step's
+        # duration x its engine-only share), what the worker's `engine_step_seconds` counts
+        self.track_engine = False
+        self.engine_s = 0.0
+        self._engine_share = 1.0
         self.flip_to = 0  # role this instance drains towards (the flip controller's pick)
         self.steps = 0
         self._arrival = itertools.count()
@@ -207,10 +212,12 @@ class SimInstance:
             return plan, self.costs.step_time_s(list(zip(starts, news, strict=True)), streamed)
         if self.costs.serves_prefill_extra:  # a profile of a CPU engine (see CostModel)
             chunks = [n for n in news if n > 1]
-            return plan, self.costs.step_time_features_s(
-                features, streamed, len(chunks), sum(chunks)
-            )
-        return plan, self.costs.step_time_features_s(features, streamed)
+            dur = self.costs.step_time_features_s(features, streamed, len(chunks), sum(chunks))
+        else:
+            dur = self.costs.step_time_features_s(features, streamed)
+        if self.track_engine and dur > 0:
+            self._engine_share = float(self.costs.step.features_s(features)) / dur
+        return plan, dur
 
     def finish_step(self, plan: SchedulerPlan, duration_s: float) -> StepResult:
         out = StepResult()
@@ -230,6 +237,8 @@ class SimInstance:
         count reached its `finish_at`."""
         self.busy_s += duration_s
         self.steps += 1
+        if self.track_engine:
+            self.engine_s += duration_s * self._engine_share
         return self.scheduler.update(plan, SAMPLED_TOKEN)
 
     def finish(self, seq: Seq) -> str:

@@ -31,7 +31,6 @@ The simulator multiplies a role's step by its factor while another instance is s
 from __future__ import annotations
 
 import asyncio
-import math
 import statistics
 from typing import Any
 
@@ -208,8 +207,6 @@ def profile_pd(
         "decode_factor": max(1.0, raw["decode"]),
         # the prefill's factor by the decode's running streams, never below 1 nor falling
         "prefill_factor_points": monotone_points(by_batch, floor=1.0),
-        # x a multiplier by the step's prompt tokens, never rising with them
-        "prefill_token_points": token_multipliers(got, prompt_lens, budget),
         "decode_stream_points": decode_stream_points(got),
         "reserve_s": max(0.0, min(reserve_s, path_s)),
         "prefill_chunk_s": chunk_s,
@@ -221,26 +218,6 @@ def profile_pd(
         "per_round": per_round,
         "samples": got,  # per round: prefill served / engine-only, decode TPOT seconds
     }
-
-
-def token_multipliers(
-    got: list[dict[str, Any]], prompt_lens: tuple[int, ...], budget: int
-) -> list[tuple[float, float]]:
-    """((step tokens, multiplier), ...): each prompt length's busy / idle ratio (the median
-    over rounds and over the neighbour's batches) over the median of those ratios, by the
-    tokens of the prompt's steps (a prompt beyond `budget` runs in chunks of `budget`);
-    the least-squares non-increasing fit (a longer step is the more compute-bound one)."""
-    med = statistics.median
-    by_tokens: dict[int, list[float]] = {}
-    for i, n in enumerate(prompt_lens):
-        ratios = [g[k][i] / g["p_idle"][i] for g in got for k in g if k.startswith("p_busy")]
-        by_tokens.setdefault(min(n, budget), []).extend(ratios)
-    if len(by_tokens) < 2:
-        return []
-    factor = {n: med(v) for n, v in by_tokens.items()}
-    mid = med(factor.values())
-    falling = monotone_points({n: -f / mid for n, f in factor.items()}, floor=-math.inf)
-    return [(x, -y) for x, y in falling]
 
 
 def fit_served_prefill(samples: list[dict[str, Any]]) -> tuple[float, float]:

@@ -163,6 +163,10 @@ def real_results(
         results[name]["machine"] = machine
         if served and served_after:
             results[name]["served_probe"] = {"before": served, "after": served_after}
+            print("   served probe TTFT " + ", ".join(f"{p['ttft_s'] * 1e3:.1f}" for p in
+                  (served, served_after)) + " ms, TPOT " + ", ".join(
+                  f"{p['tpot_s'] * 1e3:.2f}" for p in (served, served_after))
+                  + " ms (before, after)", file=sys.stderr, flush=True)  # fmt: skip
         if overhead is not None:
             # in modelled seconds, as the cluster's clock runs
             results[name]["path_overhead_s"] = overhead / arm_args.clock_scale
@@ -207,6 +211,7 @@ class ArmWindow:
         self.addr, self.tls_dir = addr, tls_dir
         self.cpu: dict[str, int] | None = None
         self.workers: dict[str, dict[str, float]] = {}
+        self.roles: dict[str, str] = {}
         self.started = 0.0
 
     @classmethod
@@ -225,9 +230,11 @@ class ArmWindow:
         from pdserve.bench.lengths import worker_counters
 
         try:
-            return asyncio.run(worker_counters(self.addr, tls_dir=self.tls_dir))[1]
+            status, counters = asyncio.run(worker_counters(self.addr, tls_dir=self.tls_dir))
         except Exception:  # diagnostics only: a cluster without the counters reads none
             return {}
+        self.roles = {i.instance_id: ROLE_NAMES.get(i.role, "") for i in status.instances}
+        return counters
 
     def close(self) -> dict[str, Any]:
         import time
@@ -241,9 +248,27 @@ class ArmWindow:
             b = self.workers.get(iid, {})
             steps = c.get("engine_steps", 0.0) - b.get("engine_steps", 0.0)
             secs = c.get("engine_step_seconds", 0.0) - b.get("engine_step_seconds", 0.0)
-            engines[iid] = {"steps": steps, "step_seconds": secs,
+            engines[iid] = {"role": self.roles.get(iid, ""), "steps": steps, "step_seconds": secs,
                             "mean_step_s": secs / steps if steps else None}  # fmt: skip
         return {"wall_s": wall, "cpu": cpu, "engines": engines}
+
+
+ROLE_NAMES = {1: "prefill", 2: "decode", 3: "colocated"}  # pdserve.v1.Role
+
+
+def engine_speed_factors(real: dict[str, Any], sim_engine_s: dict[str, float]) -> dict[str, float]:
+    """{role: the real workers' engine seconds over the simulated instances' of that role}:
+    how much slower (> 1) the real engines stepped during the benchmark than the model's
+    steps of the same run. Roles either side lacks are left out."""
+    real_s: dict[str, float] = {}
+    for e in ((real.get("machine") or {}).get("engines") or {}).values():
+        if e.get("role"):
+            real_s[e["role"]] = real_s.get(e["role"], 0.0) + float(e["step_seconds"])
+    sim_s: dict[str, float] = {}
+    for iid, secs in sim_engine_s.items():
+        role = iid.rsplit("-", 1)[0]
+        sim_s[role] = sim_s.get(role, 0.0) + secs
+    return {r: real_s[r] / sim_s[r] for r in real_s if sim_s.get(r, 0.0) > 0 and real_s[r] > 0}
 
 
 def _probe(args: argparse.Namespace) -> dict[str, Any] | None:
