@@ -74,10 +74,11 @@ def add_parser(subparsers: Any) -> None:
     v.add_argument(
         "--served-factors",
         choices=("decode", "all", "off"),
-        default="all",
+        default="off",
         help="with --probe: the served probe's readings (sim.served_probe, on each arm's idle "
-        "cluster against the profile's) scale the prompt steps (its TTFT) and the decode steps "
-        "and their serving work (its TPOT): all; the decode steps alone: decode; off: the "
+        "cluster against the profile's; always recorded) scale the prompt steps (its TTFT) "
+        "and the decode steps and their serving work (its TPOT): all; the decode steps alone: "
+        "decode; off (the default: over four rounds of three traces it did not help): the "
         "engine probe's factors alone",
     )
     v.add_argument(
@@ -208,7 +209,7 @@ def served_factors_of(
     from pdserve.sim.served_probe import served_factors
     from pdserve.sim.validate import flag_value
 
-    use = getattr(args, "served_factors", "all")
+    use = getattr(args, "served_factors", "off")
     if use == "off":
         return None
     prof = json.loads(Path(args.profile).read_text())
