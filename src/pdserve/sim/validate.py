@@ -233,7 +233,7 @@ class ArmWindow:
             status, counters = asyncio.run(worker_counters(self.addr, tls_dir=self.tls_dir))
         except Exception:  # diagnostics only: a cluster without the counters reads none
             return {}
-        self.roles = {i.instance_id: ROLE_NAMES.get(i.role, "") for i in status.instances}
+        self.roles = {i.instance_id: str(i.role) for i in status.instances}  # "prefill", ...
         return counters
 
     def close(self) -> dict[str, Any]:
@@ -251,9 +251,6 @@ class ArmWindow:
             engines[iid] = {"role": self.roles.get(iid, ""), "steps": steps, "step_seconds": secs,
                             "mean_step_s": secs / steps if steps else None}  # fmt: skip
         return {"wall_s": wall, "cpu": cpu, "engines": engines}
-
-
-ROLE_NAMES = {1: "prefill", 2: "decode", 3: "colocated"}  # pdserve.v1.Role
 
 
 def engine_speed_factors(real: dict[str, Any], sim_engine_s: dict[str, float]) -> dict[str, float]:
