@@ -394,7 +394,8 @@ def validate_main(args: argparse.Namespace) -> int:
     }
     path = write_json(args.out, out)
     if args.json:
-        keys = ("errors", "max_rel_error", "errors_uncalibrated", "max_rel_error_uncalibrated")
+        keys = ("errors", "max_rel_error", "errors_uncalibrated", "max_rel_error_uncalibrated",
+                "errors_engine_matched")  # fmt: skip
         slim = {k: out[k] for k in keys} | {"out": str(path)}
         json.dump(slim, sys.stdout, indent=1)
         print()
@@ -406,5 +407,10 @@ def validate_main(args: argparse.Namespace) -> int:
         print(format_table(table))
         m = out["max_rel_error"]
         print(f"max_rel_error {m:.1%}" if m is not None else "max_rel_error -")
+        if matched_table:
+            speeds = "; ".join(f"{arm}: " + ", ".join(f"{r} x{f:.3f}" for r, f in
+                               sim[arm]["engine_speed"].items()) for arm in matched_table)  # fmt: skip
+            print(f"-- a diagnostic: each role's steps x its engines' speed in the run ({speeds}):")
+            print(format_table(matched_table))
         print(f"wrote {path}")
     return 0
