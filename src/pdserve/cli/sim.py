@@ -223,14 +223,18 @@ def served_factors_of(
 
 
 def engine_matched_arm(
-    spec: Any, costs: Any, flags: list[str], args: argparse.Namespace, real: dict[str, Any]
+    simulated: dict[str, Any],
+    costs: Any,
+    flags: list[str],
+    args: argparse.Namespace,
+    real: dict[str, Any],
 ) -> tuple[dict[str, float], list[dict[str, Any]]] | None:
     """The arm simulated once more with each role's step model x (the real workers' engine
-    seconds / the simulated ones: `validate.engine_speed_factors`), from the run's step
-    counters; None when the real run recorded none. It separates the machine's speed during
-    the run, which no probe taken beside it predicts, from the model of the serving system."""
+    seconds / the engine seconds of the arm's simulation `simulated`, run with
+    `track_engine`: `validate.engine_speed_factors`), from the run's step counters; None
+    when the real run recorded none. It separates the machine's speed during the run, which
+    no probe taken beside it predicts, from the model of the serving system."""
     import copy
-    import dataclasses
 
     from pdserve.costmodel.costs import KindScaledStep
     from pdserve.sim.run import simulate_benchmark, spec_from_up_flags
@@ -239,8 +243,7 @@ def engine_matched_arm(
     engines = (real.get("machine") or {}).get("engines") or {}
     if not any(e.get("role") for e in engines.values()):
         return None
-    first = simulate_benchmark(dataclasses.replace(spec, track_engine=True), args)
-    factors = engine_speed_factors(real, first["sweep"][0]["sim"]["engine_s"] or {})
+    factors = engine_speed_factors(real, simulated["sweep"][0]["sim"]["engine_s"] or {})
     if not factors:
         return None
     roles = costs if isinstance(costs, dict) else {r: costs for r in factors}
@@ -323,6 +326,8 @@ def _simulate_arm(
 
 
 def validate_main(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from pdserve.bench.compare import parse_arms
     from pdserve.bench.report import write_json
     from pdserve.sim.run import spec_from_up_flags
@@ -361,7 +366,9 @@ def validate_main(args: argparse.Namespace) -> int:
                                    args.network or "nvlink", args.dtype, None, args.kv_dtype)  # fmt: skip
         if real[name].get("path_overhead_s") is not None:  # measured on the emulated cluster
             arm_costs = with_router_overhead(arm_costs, real[name]["path_overhead_s"])
+        # every simulation counts its engine seconds, for the engine-speed diagnostic
         spec = spec_from_up_flags(flags + extra, arm_costs, max_model_len(args), args.block_size)
+        spec = dataclasses.replace(spec, track_engine=True)
         sim[name], table[name] = _simulate_arm(spec, args, real[name])
         cont = real[name].get("contention")
         if cont and args.profile:
@@ -369,6 +376,7 @@ def validate_main(args: argparse.Namespace) -> int:
             served = served_factors_of(args, real[name], flags + extra)
             cal = calibrated_costs(args.profile, cont, served)
             spec = spec_from_up_flags(flags + extra, cal, max_model_len(args), args.block_size)
+            spec = dataclasses.replace(spec, track_engine=True)
             sim[name], table[name] = _simulate_arm(spec, args, real[name])
             sim[name]["contention_factor"] = cont["factor"]
             sim[name]["contention_factors"] = {
@@ -377,7 +385,7 @@ def validate_main(args: argparse.Namespace) -> int:
             if served:
                 sim[name]["served_factors"] = served
             arm_costs = cal
-        matched = engine_matched_arm(spec, arm_costs, flags + extra, args, real[name])
+        matched = engine_matched_arm(sim[name], arm_costs, flags + extra, args, real[name])
         if matched is not None:
             sim[name]["engine_speed"], matched_table[name] = matched
     out = {

@@ -182,8 +182,6 @@ class SimCluster:
                 self.registry.register(
                     iid, f"sim:{iid}", inst.role, "sim", pool.config.block_size, inst.load()
                 )
-        # instances that slow each other while both step (a CPU host): their steps are
-        # timed by the work left and the rate they run at (`_retime`), not a fixed length
         # a request's path before placement (the instances are fixed from here on): a
         # disaggregated request's Reserve round trip comes after it (`_try_reserve`), and a
         # 1-token request's path has none
@@ -193,6 +191,8 @@ class SimCluster:
             max((c.router_overhead_s for c in costs), default=0.0)
             - max((c.reserve_s for c in costs), default=0.0),
         )
+        # instances that slow each other while both step (a CPU host): their steps are
+        # timed by the work left and the rate they run at (`_retime`), not a fixed length
         self._shared_host = any(
             i.costs.neighbour_busy_factor != 1.0 or i.costs.neighbour_points
             for i in self.instances.values()

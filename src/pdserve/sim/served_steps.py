@@ -24,14 +24,18 @@ class StepCounters:
     def since(self, before: StepCounters) -> StepCounters:
         return StepCounters(self.steps - before.steps, self.seconds - before.seconds)
 
+    @classmethod
+    def of(cls, counters: dict[str, float]) -> StepCounters | None:
+        """From a worker's Info counters; None when it has none (an engine without them)."""
+        if "engine_steps" not in counters:
+            return None
+        return cls(float(counters["engine_steps"]), float(counters["engine_step_seconds"]))
+
 
 def read_step_counters(cluster: Any, name: str) -> StepCounters | None:
     """Worker `name`'s engine step counters (`Cluster.worker_counters`); None when it has
     none (an engine without them)."""
-    c = cluster.worker_counters(name)
-    if "engine_steps" not in c:
-        return None
-    return StepCounters(float(c["engine_steps"]), float(c["engine_step_seconds"]))
+    return StepCounters.of(cluster.worker_counters(name))
 
 
 async def read_step_counters_async(cluster: Any, name: str) -> StepCounters | None:

@@ -240,16 +240,19 @@ class ArmWindow:
         import time
 
         from pdserve.sim.machine_load import cpu_times, load_between
+        from pdserve.sim.served_steps import StepCounters
 
         wall = time.monotonic() - self.started
         after, cpu = self._counters(), load_between(self.cpu, cpu_times())
         engines = {}
         for iid, c in after.items():
-            b = self.workers.get(iid, {})
-            steps = c.get("engine_steps", 0.0) - b.get("engine_steps", 0.0)
-            secs = c.get("engine_step_seconds", 0.0) - b.get("engine_step_seconds", 0.0)
-            engines[iid] = {"role": self.roles.get(iid, ""), "steps": steps, "step_seconds": secs,
-                            "mean_step_s": secs / steps if steps else None}  # fmt: skip
+            now, then = StepCounters.of(c), StepCounters.of(self.workers.get(iid, {}))
+            if now is None:
+                continue
+            w = now.since(then) if then else now
+            engines[iid] = {"role": self.roles.get(iid, ""), "steps": w.steps,
+                            "step_seconds": w.seconds,
+                            "mean_step_s": w.seconds / w.steps if w.steps else None}  # fmt: skip
         return {"wall_s": wall, "cpu": cpu, "engines": engines}
 
 
