@@ -359,3 +359,29 @@ def test_the_engine_speed_factors_are_the_real_engine_seconds_over_the_simulated
     got = engine_speed_factors(real, {"prefill-0": 10.0, "decode-0": 20.0, "decode-1": 10.0})
     assert got == pytest.approx({"prefill": 1.2, "decode": 1.0})
     assert engine_speed_factors({}, {"prefill-0": 1.0}) == {}
+
+
+def test_a_prompt_step_after_a_pause_pays_the_cold_start_and_nothing_else_does():
+    # a 32-token prompt is 42 ms; after >= 0.25 s without a step it is 47 ms
+    costs = CostModel(step=STEP, kv_bytes_per_token=100, cold_prompt_s=0.005)
+    cfg = InstanceConfig(num_blocks=256, block_size=16)
+    spec = ClusterSpec([PoolSpec("colocated", 1, costs, cfg)], track_engine=True)
+
+    def finishes(reqs: list[BenchRequest]) -> list[float]:
+        return [r.finish_s for r in SimCluster(spec).run(reqs)]
+
+    assert finishes([_req(0, 32, 1)]) == pytest.approx([0.047])  # the first step is cold
+    # 53 ms after the last step: warm; a second later: cold again
+    assert finishes([_req(0, 32, 1), _req(1, 32, 1, at=0.1)]) == pytest.approx([0.047, 0.142])
+    assert finishes([_req(0, 32, 1), _req(1, 32, 1, at=1.0)]) == pytest.approx([0.047, 1.047])
+    # decode steps never pay it, even after a pause: 47 ms, then 3 decodes of ~10.03 ms
+    cluster = SimCluster(spec)
+    (r,) = cluster.run([_req(0, 32, 4)])
+    assert r.finish_s == pytest.approx(0.047 + 3 * 0.010 + 0.001 * 3, abs=2e-4)
+    assert cluster.instances["colocated-0"].engine_s == pytest.approx(r.finish_s)  # engine time
+    # it travels in a profile's costs and in the 1P1D prefill role
+    from pdserve.sim.profile_pd import roles_of
+
+    assert CostModel.from_json(costs.to_json()).cold_prompt_s == 0.005
+    roles = roles_of({"prefill_factor": 1.2, "decode_factor": 1.0, "cold_prompt_s": 0.004})
+    assert roles["prefill"]["cold_prompt_s"] == 0.004 and "cold_prompt_s" not in roles["decode"]

@@ -69,6 +69,9 @@ def main(args: argparse.Namespace) -> int:
         print("1P1D decode      " + ", ".join(f"{y * 1e3:.2f} ms at {x:.0f}"
                                              for x, y in dec["stream_points"])
               + f" per step; Reserve {dec.get('reserve_s', 0.0) * 1e3:.2f} ms")  # fmt: skip
+    if c.get("cold_prompt_s"):
+        print(f"cold prompt step +{c['cold_prompt_s'] * 1e3:.2f} ms after "
+              f"{c.get('cold_after_s', 0.25):.2f} s without a step")  # fmt: skip
     probes = [(name, (data.get(part) or {}).get("served_probe"))
               for name, part in (("colocated", "serving"), ("1P1D", "served_1p1d"))]  # fmt: skip
     if any(p for _, p in probes):

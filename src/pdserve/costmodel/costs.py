@@ -308,6 +308,14 @@ class CostModel:
     # ascending, interpolated and flat beyond its ends (`neighbour_factor`): a decode of one
     # stream slows a prefill beside it less than a decode of four. Empty: the one factor.
     neighbour_points: tuple[tuple[float, float], ...] = ()
+    # A step with a prompt chunk that starts after its instance stepped nothing for at least
+    # `cold_after_s` costs `cold_prompt_s` more: on a CPU host the weights and activations
+    # it left in the caches are gone by then (the neighbour's and the serving stack's work
+    # replaced them), and the step reads them from memory again. `pdserve profile` measures
+    # it on the served 1P1D prefill (a prompt after a pause beside a stepping decode, less the
+    # same prompt back to back: the worker's own step seconds); 0 for accelerators.
+    cold_prompt_s: float = 0.0
+    cold_after_s: float = 0.25
 
     def neighbour_factor(self, neighbour_seqs: int) -> float:
         """A step's cost multiplier while a neighbour steps `neighbour_seqs` sequences."""
@@ -398,4 +406,6 @@ class CostModel:
             neighbour_points=tuple(
                 (float(x), float(y)) for x, y in d.get("neighbour_points") or ()
             ),
+            cold_prompt_s=float(d.get("cold_prompt_s", 0.0)),
+            cold_after_s=float(d.get("cold_after_s", 0.25)),
         )

@@ -554,7 +554,7 @@ class SimCluster:
     def _kick(self, inst: SimInstance) -> None:
         if inst.busy:
             return
-        planned = inst.plan()
+        planned = inst.plan(cold=self.loop.now - inst.step_end >= inst.costs.cold_after_s)
         if planned is None:
             return
         plan, dur = planned

@@ -13,6 +13,7 @@ every block reference (`KVCacheManager` over `BlockPool`) are the engine's own c
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter, mul
@@ -92,7 +93,8 @@ class SimInstance:
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill
         )
         self.busy = False  # a step is in flight
-        self.step_end = 0.0  # when the step in flight ends (engine commands wait for it)
+        # when the step in flight ends (engine commands wait for it), else the last one ended
+        self.step_end = -math.inf  # none yet: the first step is a cold one
         # a step on a shared host (`SimCluster._retime`): its plan, start, seconds of work
         # left at rate 1, the rate it runs at, when work_left was last brought up to date,
         # and the number of its currently scheduled end
@@ -192,7 +194,9 @@ class SimInstance:
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def plan(self) -> tuple[SchedulerPlan, float] | None:
+    def plan(self, cold: bool = False) -> tuple[SchedulerPlan, float] | None:
+        """The next step and its seconds; `cold`: the instance stepped nothing for at least
+        `costs.cold_after_s`, so a step with a prompt chunk pays `costs.cold_prompt_s`."""
         plan = self.scheduler.schedule()
         if not plan:
             return None
@@ -215,8 +219,12 @@ class SimInstance:
             dur = self.costs.step_time_features_s(features, streamed, len(chunks), sum(chunks))
         else:
             dur = self.costs.step_time_features_s(features, streamed)
+        engine_s = float(self.costs.step.features_s(features)) if self.track_engine else 0.0
+        if cold and self.costs.cold_prompt_s and new > len(news):  # a chunk of > 1 token
+            dur += self.costs.cold_prompt_s  # engine time: the step itself runs slower
+            engine_s += self.costs.cold_prompt_s
         if self.track_engine and dur > 0:
-            self._engine_share = float(self.costs.step.features_s(features)) / dur
+            self._engine_share = engine_s / dur
         return plan, dur
 
     def finish_step(self, plan: SchedulerPlan, duration_s: float) -> StepResult:

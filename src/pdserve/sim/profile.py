@@ -540,6 +540,11 @@ def run_profile(
         log(f"  a disaggregated prompt: request path {pd['path_overhead_s'] * 1e3:.2f} ms; "
             f"{pd['prefill_chunk_s'] * 1e3:.2f} ms + {pd['prefill_token_s'] * 1e6:.1f} us per "
             "token over its own step")  # fmt: skip
+        # the caches' state is the machine's: a colocated worker's prompt after a pause pays
+        # it too (the 1P1D prefill, which idles between prompts, is where it is measured)
+        costs.cold_prompt_s = pd["cold_prompt_s"]
+        log(f"  a prompt step after a pause: +{pd['cold_prompt_s'] * 1e3:.2f} ms over one "
+            "back to back")  # fmt: skip
     decision_s = profile_router_decision()
     rtt = kvstore["rpc_rtt_s"] if kvstore else 0.0
     # the measured request path of a served prompt when there is one, else its estimate

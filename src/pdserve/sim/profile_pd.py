@@ -20,7 +20,12 @@ TLS), in alternating phases so that a change of the machine's load hits both sid
   router's Reserve on the decode, then its Prefill call, and the token's way back;
   `router_overhead_s` of both roles, where a colocated request makes one call);
 - decode: B concurrent streams' TPOT with the prefill idle and with the prefill busy
-  (prompts sent back to back): factor = busy / idle.
+  (prompts sent back to back): factor = busy / idle;
+- a cold prompt step: a prompt's own steps after a pause in which the decode stepped a
+  stream, less the same length's sent right after another prompt (`cold_prompt_s`, the
+  median over lengths and rounds). At a trace's arrival rate most prompts find the prefill
+  idle; back to back, as the rest of the profile and the engine probe step, the weights and
+  buffers the last step touched are still in the caches.
 Each round runs both sides of both roles (idle first in even rounds, busy first in odd ones);
 a role's factor is the median over rounds of that round's busy / idle medians.
 
@@ -66,6 +71,9 @@ def profile_pd(
     colocated_extra: tuple[float, float] = (0.0, 0.0),
     idle_streams: tuple[int, ...] = (1, 2, 4, 8, 16),
     neighbour_streams: tuple[int, ...] = (1, 4),
+    cold_lens: tuple[int, ...] = (64, 160, 300),
+    cold_stream_tokens: int = 40,
+    cold_pause_s: float = 0.3,
 ) -> dict[str, Any]:
     """`colocated_prompts`: `profile_serving`'s served prompts ({"tokens", "prefill_s"}), the
     reference of the disaggregated prompt's extra, which adds to `colocated_extra` (the
@@ -76,6 +84,7 @@ def profile_pd(
 
     if max_model_len:
         prompt_lens = tuple(min(n, max_model_len - 2) for n in prompt_lens)
+        cold_lens = tuple(min(n, max_model_len - 2) for n in cold_lens)
     cluster = Cluster(ClusterConfig(
         model=model_dir, mode="disagg", prefill=1, decode=1, port=0,
         worker_args=["--threads", str(threads), "--dtype", dtype, "--device", device],
@@ -170,6 +179,29 @@ def profile_pd(
             stop.set()
             await asyncio.gather(bg, return_exceptions=True)
 
+    async def own_steps_s(client: Any, n: int) -> float | None:
+        """The prefill worker's own step seconds of one pushing n-token prompt."""
+        before = await read_step_counters_async(cluster, "prefill0")
+        await client.generate(token_ids=ids(n), max_tokens=2, ignore_eos=True)
+        after = await read_step_counters_async(cluster, "prefill0")
+        return after.since(before).seconds if before and after else None
+
+    async def cold_pairs(client: Any) -> list[float]:
+        """Per prompt length: the prompt's own steps after a pause in which the decode
+        stepped a stream (as between a trace's arrivals) less the same length's right after
+        another prompt: what a cold start of the prompt step costs."""
+        out = []
+        for n in cold_lens:
+            await client.generate(token_ids=ids(n), max_tokens=2, ignore_eos=True)
+            warm = await own_steps_s(client, n)
+            await client.generate(token_ids=ids(64), max_tokens=cold_stream_tokens,
+                                  ignore_eos=True)  # fmt: skip
+            await asyncio.sleep(cold_pause_s)
+            cold = await own_steps_s(client, n)
+            if warm is not None and cold is not None:
+                out.append(cold - warm)
+        return out
+
     async def run() -> list[dict[str, list[float]]]:
         rounds_out = []
         async with AsyncClient(cluster.addr, timeout=300.0) as client:
@@ -184,6 +216,7 @@ def profile_pd(
                 for busy in order:
                     got["d_busy" if busy else "d_idle"] = await decode_phase(client, busy)
                 got["d_idle_points"] = await idle_points(client)  # type: ignore[assignment]
+                got["cold"] = await cold_pairs(client)
                 rounds_out.append(got)
         return rounds_out
 
@@ -199,6 +232,7 @@ def profile_pd(
     raw = {k: med(r[k] for r in per_round) for k in ("prefill", "decode")}
     by_batch = {b: med(med(g[f"p_busy_{b}"]) / med(g["p_idle"]) for g in got)
                 for b in neighbour_streams if b != streams} | {streams: raw["prefill"]}  # fmt: skip
+    cold = [c for g in got for c in g.get("cold") or []]
     chunk_s, token_s = disaggregated_prompt_extra(paths, budget, colocated_prompts, colocated_extra)
     path_s = med(p["ttft_s"] - p["prefill_s"] - p["transfer_s"] for p in paths) if paths else 0.0
     reserve_s = med(p.get("reserve_s", 0.0) for p in paths) if paths else 0.0
@@ -207,6 +241,9 @@ def profile_pd(
         "decode_factor": max(1.0, raw["decode"]),
         # the prefill's factor by the decode's running streams, never below 1 nor falling
         "prefill_factor_points": monotone_points(by_batch, floor=1.0),
+        # a prompt step after a pause costs this more than one back to back (median, >= 0)
+        "cold_prompt_s": max(0.0, med(cold)) if cold else 0.0,
+        "cold_samples": cold,
         "decode_stream_points": decode_stream_points(got),
         "reserve_s": max(0.0, min(reserve_s, path_s)),
         "prefill_chunk_s": chunk_s,
@@ -298,7 +335,8 @@ def decode_stream_points(got: list[dict[str, Any]]) -> list[tuple[float, float]]
 def roles_of(pd: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The profile's per-role overrides (`sim.run.costs_of_profile`) from `profile_pd`."""
     path = {"router_overhead_s": float(pd["path_overhead_s"])} if "path_overhead_s" in pd else {}
-    extra = {k: float(pd[k]) for k in ("prefill_chunk_s", "prefill_token_s") if k in pd}
+    extra = {k: float(pd[k]) for k in ("prefill_chunk_s", "prefill_token_s", "cold_prompt_s")
+             if k in pd}  # fmt: skip
     prefill: dict[str, Any] = {"neighbour_busy_factor": float(pd["prefill_factor"])}
     if pd.get("prefill_factor_points"):
         prefill["neighbour_points"] = [list(p) for p in pd["prefill_factor_points"]]
