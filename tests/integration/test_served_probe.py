@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from pdserve.bench.cluster import UpProcess
+from pdserve.bench.step_log import overlap_shares, prefill_and_others, read_step_logs
 from pdserve.client import AsyncClient
 from pdserve.sim.served_probe import served_probe
 from pdserve.sim.validate import ArmWindow
@@ -25,7 +26,8 @@ async def _requests(addr: str, n: int) -> None:
 
 
 def test_the_served_probe_and_the_arm_window_on_a_served_1p1d(tmp_path):
-    up = UpProcess(["--mode", "disagg", "--prefill", "1", "--decode", "1"], port=0,
+    up = UpProcess(["--mode", "disagg", "--prefill", "1", "--decode", "1",
+                    f"--worker-arg=--step-log={tmp_path / 'steps'}"], port=0,
                    ready_timeout_s=180.0, log_path=tmp_path / "up.log")  # fmt: skip
     with up as addr:
         probe = asyncio.run(served_probe(addr, repeats=3, prompt_len=16, max_tokens=8))
@@ -42,3 +44,11 @@ def test_the_served_probe_and_the_arm_window_on_a_served_1p1d(tmp_path):
     assert sorted(e["steps"] for e in engines.values())[0] >= 4
     assert max(e["steps"] for e in engines.values()) >= 5
     assert all(e["step_seconds"] > 0 and e["mean_step_s"] > 0 for e in engines.values())
+
+    # every step of both workers in their step logs, on one clock: the prefill is the worker
+    # that pushed (the probe's 3 prompts and the 4 requests, and the warm-up's)
+    prefill, decode = prefill_and_others(read_step_logs(tmp_path / "steps"))
+    assert sum(s.pushes for s in prefill) >= 7 and all(s.chunks == 1 for s in prefill)
+    assert len(decode) >= 4 * 5 and all(s.tokens == s.seqs for s in decode)
+    shares = overlap_shares(prefill, decode)
+    assert len(shares) == len(prefill) and all(0.0 <= x <= 1.0 + 1e-9 for x in shares)

@@ -38,9 +38,10 @@ from pdserve.engine.commands import (
     Release,
     Reserve,
 )
-from pdserve.engine.engine import KVSink, LLMEngine
+from pdserve.engine.engine import KVSink, LLMEngine, step_shape
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.step_log import StepLog
 from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.kv.spec import KVSpec
 
@@ -66,8 +67,9 @@ def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> Non
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, step_log: StepLog | None = None) -> None:
         self._llm = engine
+        self._step_log = step_log  # engine thread only
         # immutable facts about the engine, safe to read from any thread
         self.spec: KVSpec = engine.spec
         self.dtype: str = engine.dtype  # compute dtype served (spec.dtype is the KV dtype)
@@ -379,6 +381,12 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, exc)
         self._streams.clear()
 
+    def _log_step(self, started: float, wall_s: float, cpu_s: float) -> None:
+        plan = getattr(self._llm, "last_plan", None)
+        if plan is None or self._step_log is None:
+            return
+        self._step_log.record(started, wall_s, cpu_s, step_shape(plan, self._llm.last_pushes))
+
     def _run_commands(self, items: list[_Queued]) -> None:
         for item in items:
             try:
@@ -403,6 +411,7 @@ class AsyncEngine:
             self._run_commands(items)
             self.accounting = self._accounting()
             if llm.has_unfinished_requests():
+                cpu_started = time.thread_time() if self._step_log is not None else 0.0
                 started = time.perf_counter()
                 try:
                     outputs = llm.step()
@@ -410,12 +419,16 @@ class AsyncEngine:
                     self._fail_all(e)
                     continue
                 step_ms = (time.perf_counter() - started) * 1e3
+                if self._step_log is not None:
+                    self._log_step(started, step_ms / 1e3, time.thread_time() - cpu_started)
                 self.steps_total += 1
                 self.step_seconds_total += step_ms / 1e3
                 ewma = self.step_ms_ewma
                 self.step_ms_ewma = step_ms if ewma == 0 else ewma + _EWMA_ALPHA * (step_ms - ewma)
                 self._emit_step(outputs)
                 self.accounting = self._accounting()
+        if self._step_log is not None:
+            self._step_log.close()
         # shutting down: fail pending commands and streams
         err = UnavailableError("engine is shut down")
         with self._cond:

@@ -15,7 +15,7 @@ from pdserve.engine.backend import ForwardBackend, Runner
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.params import SamplingParams, validate_request
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Scheduler, SchedulerPlan
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.kv.cache_manager import KVCacheManager
@@ -64,6 +64,8 @@ class LLMEngine:
             window=self.window,
             window_blocks=self.num_window_blocks,
         )
+        self.last_plan: SchedulerPlan | None = None  # the step's plan, its KV pushes
+        self.last_pushes = 0
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill
         )
@@ -190,6 +192,7 @@ class LLMEngine:
             return []
         sinks = [e.seq for e in plan.scheduled if e.sample and e.seq.prefill_only and e.seq.kv_sink]
         callback = self._sink_callback(sinks) if sinks else None
+        self.last_plan, self.last_pushes = plan, len(sinks)  # for the step log
         sampled = self.runner.execute(plan, layer_callback=callback)
         outputs = []
         for entry in self.scheduler.update(plan, sampled):
@@ -413,3 +416,15 @@ class LLMEngine:
     # ---- checks -----------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.scheduler.iter_all())
+
+
+def step_shape(plan: SchedulerPlan, pushes: int) -> dict[str, int]:
+    """What a step holds, for the step log (`engine.step_log`)."""
+    news = [e.num_new_tokens for e in plan.scheduled]
+    return {
+        "tokens": sum(news),
+        "seqs": len(news),
+        "chunks": sum(1 for n in news if n > 1),
+        "ctx": sum(e.start + e.num_new_tokens for e in plan.scheduled),
+        "pushes": pushes,
+    }

@@ -19,6 +19,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.step_log import StepLog
 from pdserve.errors import UnavailableError
 from pdserve.kv.transfer import UcxTransport
 from pdserve.load import LoadReport
@@ -72,7 +73,7 @@ class WorkerCore:
         else:
             self.model_dir = s.model or await asyncio.to_thread(_builtin_tiny)
             llm = await asyncio.to_thread(LLMEngine, self._engine_config())
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine(llm, StepLog(s.step_log) if s.step_log else None)
         transport = await UcxTransport.create()
         kv_reuse = KVReuse(engine, transport, s.kvstore_timeout_s, fetch_link)
         self._parts = _Loaded(

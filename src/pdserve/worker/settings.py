@@ -49,6 +49,11 @@ class WorkerSettings(ServiceSettings):
         "with --kv-cache-bytes, max_num_seqs windows plus one step, first)",
     )
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default)")
+    step_log: str | None = Field(
+        None,
+        description="directory to log every engine step into (one JSON line per step: its "
+        "start, wall and CPU seconds and what it held; off by default)",
+    )
     batch_invariant: bool = Field(
         True,
         description="a request's tokens do not depend on its batch, chunking or path; "
