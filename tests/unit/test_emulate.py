@@ -161,3 +161,43 @@ def test_time_lost_between_steps_of_a_busy_engine_is_counted_as_the_gap():
     assert runner.gap_s == pytest.approx(0.025)
     assert runner.counters()["emulate_gap_s"] == pytest.approx(0.025)
     assert runner.lag_s == 0.0  # the lag does not see any of it
+
+
+def test_a_prompt_step_after_a_pause_pays_the_cold_start_as_the_simulator_charges_it():
+    clock = FakeClock()
+    eng = _engine(clock, time_scale=2.0)
+    costs = eng.backend.costs
+    costs.cold_prompt_s = 0.010  # a CPU profile's; the roofline's is 0
+
+    def timed_step() -> tuple[float, float]:
+        plan_batches: list[list[tuple[int, int]]] = []
+        orig = eng.scheduler.schedule
+
+        def schedule():
+            plan = orig()
+            plan_batches.append([(e.start, e.num_new_tokens) for e in plan.scheduled])
+            return plan
+
+        eng.scheduler.schedule = schedule
+        t0 = clock.now()
+        eng.step()
+        eng.scheduler.schedule = orig
+        return clock.now() - t0, 2.0 * costs.step_time_s(plan_batches[0], 1)
+
+    eng.add_request("a", _prompt(40, 1), GREEDY)
+    wall, model = timed_step()  # the first step: cold
+    assert wall == pytest.approx(model + 2.0 * 0.010)
+    clock.t += 1.0  # a decode after a pause: never
+    wall, model = timed_step()
+    assert wall == pytest.approx(model)
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.add_request("b", _prompt(30, 2), GREEDY)  # right after the last step: warm
+    wall, model = timed_step()
+    assert wall == pytest.approx(model)
+    while eng.has_unfinished_requests():
+        eng.step()
+    clock.t += 0.5  # 0.25 s modelled: cold again
+    eng.add_request("c", _prompt(30, 3), GREEDY)
+    wall, model = timed_step()
+    assert wall == pytest.approx(model + 2.0 * 0.010)

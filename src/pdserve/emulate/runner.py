@@ -8,7 +8,9 @@ over is the lag: sum(end - deadline), reported with the modelled time. A step th
 more than `chain_gap_s` after the previous deadline starts late: when it continues a
 sequence the previous step ran (the engine was busy, not idle), that late start is time the
 engine lost between steps (a starved CPU, a long command) and is counted as the gap,
-sum(start - previous deadline); the lag alone does not see it.
+sum(start - previous deadline); the lag alone does not see it. A step with a prompt chunk
+that starts `cost.cold_after_s` or more after the previous deadline also pays
+`cost.cold_prompt_s` (a CPU profile's cold start; 0 otherwise), as the simulator charges it.
 
 KV: per wire layer a numpy array [num_blocks, 2, block_size, 1, head_dim] (float16, a few
 bytes per block). Each step writes, at every new token's slot, K = token % 2039 and
@@ -96,6 +98,10 @@ class EmulatedRunner:
         batch = [(e.start, e.num_new_tokens) for e in plan.scheduled]
         modelled = self.cost.step_time_s(batch, sum(1 for e in plan.scheduled if e.sample))
         late = t0 - self._last_deadline
+        cold_s = getattr(self.cost, "cold_prompt_s", 0.0)  # as the simulator charges it
+        if cold_s and late >= self.cost.cold_after_s * self.time_scale:  # type: ignore[attr-defined]
+            if any(n > 1 for _, n in batch):
+                modelled += cold_s
         begin = self._last_deadline if 0 <= late < self.chain_gap_s else t0
         running = {e.seq.request_id for e in plan.scheduled}
         if late >= self.chain_gap_s and not running.isdisjoint(self._last_running):
