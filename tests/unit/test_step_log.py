@@ -85,3 +85,24 @@ def test_a_step_log_left_open_by_a_killed_worker_keeps_all_but_its_last_records(
     log.close()
     assert len(read_step_logs(tmp_path)[log.path.name]) == 70
     log.record(99.0, 0.01, 0.01, shape)  # after close: ignored, no error
+
+
+def test_the_report_command_scales_the_profiles_fit_by_the_arms_probe(tmp_path, capsys):
+    from pdserve.bench.step_log import main
+
+    def write(name: str, steps: list[LoggedStep]) -> None:
+        lines = [json.dumps({k: getattr(s, k) for k in LoggedStep.__dataclass_fields__})
+                 for s in steps]  # fmt: skip
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+
+    write("worker-1.steps.jsonl", [_step(0.0, 0.06, tokens=50, pushes=1, cpu=0.05)])
+    write("worker-2.steps.jsonl", [_step(1.0, 0.02)])
+    profile = tmp_path / "prof.json"
+    profile.write_text(json.dumps({"costs": {"step": {"base_s": 0.0, "per_token_s": 0.001}},
+                                   "probe": {"factor": 1.0, "prefill_factor": 1.1}}))  # fmt: skip
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"sim": {"d11": {"contention_factors": {"prefill_factor": 1.32}}}}))
+    assert main([str(tmp_path), "--profile", str(profile), "--run", str(run)]) == 0
+    out = capsys.readouterr().out
+    # the model: 50 ms x 1.32 / 1.1 = 60 ms; CPU 50 ms of it, wall 60 ms
+    assert "x 1.200" in out and "cpu_over_model 0.833" in out and "wall_over_model 1.000" in out

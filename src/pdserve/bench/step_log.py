@@ -7,9 +7,10 @@ each over the model's seconds for the same step. Grouped by whether the decode s
 meanwhile and by the prompt's size, this separates a slower core (CPU over the model) from a
 core taken away (wait), and both from the decode's share:
 
-    python -m pdserve.bench.step_log DIR [--profile P.json [--factor F]]
+    python -m pdserve.bench.step_log DIR [--profile P.json [--run RUN.json --arm NAME]]
 
-`--factor`: the engine probe's factor for the run (`sim validate` prints it per arm).
+With `--run` (a `sim validate --probe` output), the model is the profile's fit scaled as
+`sim validate` scales it for that arm: by the arm's engine probe over the profile's own.
 """
 
 from __future__ import annotations
@@ -123,15 +124,27 @@ def model_of_profile(profile: str | Path, factor: float = 1.0) -> Callable[[Logg
     return lambda s: step.step_s([(s.ctx - s.tokens, s.tokens)]) * factor
 
 
+def probe_ratio(run: str | Path, arm: str, profile: str | Path) -> float:
+    """The arm's prompt-step probe factor over the profile's (`cli.sim.calibrated_costs`)."""
+    got = json.loads(Path(run).read_text())["sim"][arm]["contention_factors"]["prefill_factor"]
+    base = json.loads(Path(profile).read_text()).get("probe") or {}
+    return float(got) / float(base.get("prefill_factor", base.get("factor", 1.0)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.step_log", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("directory")
     p.add_argument("--profile", help="a `pdserve profile` JSON: its step fit is the model")
-    p.add_argument("--factor", type=float, default=1.0, help="the engine probe's factor")
+    p.add_argument("--run", help="the `sim validate --probe` JSON of the run the logs are of")
+    p.add_argument("--arm", default="d11", help="its arm (default d11)")
     args = p.parse_args(argv)
     prefill, others = prefill_and_others(read_step_logs(args.directory))
-    model = model_of_profile(args.profile, args.factor) if args.profile else None
+    model = None
+    if args.profile:
+        factor = probe_ratio(args.run, args.arm, args.profile) if args.run else 1.0
+        print(f"model: {args.profile}'s step fit x {factor:.3f}")
+        model = model_of_profile(args.profile, factor)
     for row in prefill_report(prefill, others, model):
         ms = {k: f"{float(v) * 1e3:.1f} ms" for k, v in row.items() if k.endswith("_s")}
         ratios = {k: f"{float(v):.3f}" for k, v in row.items() if "over" in k}
