@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -75,6 +76,12 @@ def test_profile_runs_under_default_tls(serving_model_dir, tmp_path):
     for part in (serving, data["served_1p1d"]):
         assert part["served_probe"]["ttft_s"] > 0 and part["served_probe"]["tpot_s"] > 0
     assert "served probe" in proc.stdout
+    # a cold prompt step: one pair per length per round (64, 160, 300 tokens, within the
+    # model's context), their median, never negative, in the costs and the prefill role
+    pd = data["served_1p1d"]
+    assert len(pd["cold_samples"]) == 3 * len(pd["per_round"])
+    assert pd["cold_prompt_s"] == max(0.0, statistics.median(pd["cold_samples"]))
+    assert costs["cold_prompt_s"] == roles["prefill"]["cold_prompt_s"] == pd["cold_prompt_s"]
     # the machine's speed right after the engine's steps: the baseline of a later --probe
     assert data["probe"]["steps"] > 0 and data["probe"]["prefill_factor"] > 0
     # the token term follows the prompt sizes sampled, never falling
