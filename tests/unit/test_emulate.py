@@ -170,19 +170,13 @@ def test_a_prompt_step_after_a_pause_pays_the_cold_start_as_the_simulator_charge
     costs.cold_prompt_s = 0.010  # a CPU profile's; the roofline's is 0
 
     def timed_step() -> tuple[float, float]:
-        plan_batches: list[list[tuple[int, int]]] = []
-        orig = eng.scheduler.schedule
+        """One step's wall time and its model's (one sampled sequence), x the time scale."""
+        from pdserve.sim.engine_steps import recorded_batches
 
-        def schedule():
-            plan = orig()
-            plan_batches.append([(e.start, e.num_new_tokens) for e in plan.scheduled])
-            return plan
-
-        eng.scheduler.schedule = schedule
-        t0 = clock.now()
-        eng.step()
-        eng.scheduler.schedule = orig
-        return clock.now() - t0, 2.0 * costs.step_time_s(plan_batches[0], 1)
+        with recorded_batches(eng) as batches:
+            t0 = clock.now()
+            eng.step()
+        return clock.now() - t0, 2.0 * costs.step_time_s(batches[0], 1)
 
     eng.add_request("a", _prompt(40, 1), GREEDY)
     wall, model = timed_step()  # the first step: cold
