@@ -177,6 +177,9 @@ FAKE_UP = textwrap.dedent("""
         print("boom", flush=True); sys.exit(3)
     signal.signal(signal.SIGTERM, lambda *a: (print("bye", flush=True), sys.exit(0)))
     print("starting", flush=True)
+    # a service's ready line relayed before the cluster's: not the cluster's port
+    print("PDSERVE_READY " + json.dumps({"service": "worker-colocated", "port": 1}), flush=True)
+    time.sleep(0.2)
     print("PDSERVE_READY " + json.dumps({"service": "cluster", "port": port}), flush=True)
     while True:
         time.sleep(0.05)
