@@ -58,11 +58,10 @@ class UpProcess:
                 log.flush()
             self._tail = [*self._tail[-30:], line.rstrip()]
             info = parse_ready_line(line)
-            # the cluster's own line: a service's (a worker's, relayed into this output while
-            # the cluster is still starting) names a port that is not the router's
-            if info is not None and info.get("service", "cluster") != "cluster":
-                info = None
-            if info is not None and not self._ready.is_set():
+            # the cluster's own line only: a service's (a worker's, relayed into this output
+            # while the cluster is still starting) names a port that is not the router's
+            cluster_line = info is not None and info.get("service", "cluster") == "cluster"
+            if cluster_line and not self._ready.is_set():
                 port = info.get("port")
                 self._ready_port = port if isinstance(port, int) else self.port
                 tls = info.get("tls_dir")  # the cluster's certificates (None: --insecure)

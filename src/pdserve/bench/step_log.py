@@ -21,6 +21,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -114,21 +115,23 @@ def prefill_report(
     return rows
 
 
-def model_of_profile(profile: str | Path, factor: float = 1.0) -> Callable[[LoggedStep], float]:
+def model_of_profile(profile: dict[str, Any], factor: float = 1.0) -> Callable[[LoggedStep], float]:
     """A one-prompt step's seconds by a profile's step fit x `factor` (no neighbour, no
     serving extra: the engine's own work)."""
-    from pdserve.costmodel.costs import StepCost
+    from pdserve.costmodel.costs import CostModel
 
-    fit = json.loads(Path(profile).read_text())["costs"]["step"]
-    step = StepCost(**{k: v for k, v in fit.items() if k in StepCost.__dataclass_fields__})
+    step = CostModel.from_json(profile["costs"]).step
     return lambda s: step.step_s([(s.ctx - s.tokens, s.tokens)]) * factor
 
 
-def probe_ratio(run: str | Path, arm: str, profile: str | Path) -> float:
-    """The arm's prompt-step probe factor over the profile's (`cli.sim.calibrated_costs`)."""
-    got = json.loads(Path(run).read_text())["sim"][arm]["contention_factors"]["prefill_factor"]
-    base = json.loads(Path(profile).read_text()).get("probe") or {}
-    return float(got) / float(base.get("prefill_factor", base.get("factor", 1.0)))
+def probe_ratio(run: dict[str, Any], arm: str, profile: dict[str, Any]) -> float:
+    """The arm's prompt-step probe factor over the profile's own, the factor `sim validate`
+    scales the profile's fit by (`cli.sim.calibrated_costs`); the profile must have probed."""
+    base = profile.get("probe")
+    if not base:
+        raise ValueError("the profile has no probe of its own: profile again to compare")
+    got = run["sim"][arm]["contention_factors"]["prefill_factor"]
+    return float(got) / float(base.get("prefill_factor", base["factor"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,9 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     prefill, others = prefill_and_others(read_step_logs(args.directory))
     model = None
     if args.profile:
-        factor = probe_ratio(args.run, args.arm, args.profile) if args.run else 1.0
+        prof = json.loads(Path(args.profile).read_text())
+        run = json.loads(Path(args.run).read_text()) if args.run else None
+        factor = probe_ratio(run, args.arm, prof) if run else 1.0
         print(f"model: {args.profile}'s step fit x {factor:.3f}")
-        model = model_of_profile(args.profile, factor)
+        model = model_of_profile(prof, factor)
     for row in prefill_report(prefill, others, model):
         ms = {k: f"{float(v) * 1e3:.1f} ms" for k, v in row.items() if k.endswith("_s")}
         ratios = {k: f"{float(v):.3f}" for k, v in row.items() if "over" in k}

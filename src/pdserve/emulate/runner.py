@@ -35,6 +35,9 @@ KV_DTYPE = np.float16
 
 
 class StepModel(Protocol):  # costmodel.costs.CostModel
+    cold_prompt_s: float
+    cold_after_s: float
+
     def step_time_s(self, batch: Sequence[tuple[int, int]], num_streamed: int) -> float: ...
 
 
@@ -98,10 +101,9 @@ class EmulatedRunner:
         batch = [(e.start, e.num_new_tokens) for e in plan.scheduled]
         modelled = self.cost.step_time_s(batch, sum(1 for e in plan.scheduled if e.sample))
         late = t0 - self._last_deadline
-        cold_s = getattr(self.cost, "cold_prompt_s", 0.0)  # as the simulator charges it
-        if cold_s and late >= self.cost.cold_after_s * self.time_scale:  # type: ignore[attr-defined]
-            if any(n > 1 for _, n in batch):
-                modelled += cold_s
+        cold = late >= self.cost.cold_after_s * self.time_scale  # as the simulator charges it
+        if cold and self.cost.cold_prompt_s and any(n > 1 for _, n in batch):
+            modelled += self.cost.cold_prompt_s
         begin = self._last_deadline if 0 <= late < self.chain_gap_s else t0
         running = {e.seq.request_id for e in plan.scheduled}
         if late >= self.chain_gap_s and not running.isdisjoint(self._last_running):

@@ -381,12 +381,6 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, exc)
         self._streams.clear()
 
-    def _log_step(self, started: float, wall_s: float, cpu_s: float) -> None:
-        plan = getattr(self._llm, "last_plan", None)
-        if plan is None or self._step_log is None:
-            return
-        self._step_log.record(started, wall_s, cpu_s, step_shape(plan, self._llm.last_pushes))
-
     def _run_commands(self, items: list[_Queued]) -> None:
         for item in items:
             try:
@@ -419,8 +413,10 @@ class AsyncEngine:
                     self._fail_all(e)
                     continue
                 step_ms = (time.perf_counter() - started) * 1e3
-                if self._step_log is not None:
-                    self._log_step(started, step_ms / 1e3, time.thread_time() - cpu_started)
+                if self._step_log is not None and llm.last_plan is not None:
+                    shape = step_shape(llm.last_plan, llm.last_pushes)
+                    cpu_s = time.thread_time() - cpu_started
+                    self._step_log.record(started, step_ms / 1e3, cpu_s, shape)
                 self.steps_total += 1
                 self.step_seconds_total += step_ms / 1e3
                 ewma = self.step_ms_ewma
