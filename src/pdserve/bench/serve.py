@@ -94,15 +94,20 @@ def parse_rates(spec: str) -> list[float]:
     return sorted(rates)
 
 
-def run_benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One run, or a sweep; returns the JSON-ready result (runs keep their records)."""
-    slo = SLO.parse(args.goodput)
+def warm_up(addr: str, args: argparse.Namespace) -> None:
+    """The --warmup requests, unmeasured, one by one (at most 4 tokens each)."""
     if args.warmup > 0:
         warm = [
             replace(r, arrival_s=0.0, max_tokens=min(r.max_tokens, 4))
             for r in base_requests(args, n_hint=args.warmup, salt=WARMUP_SALT)[: args.warmup]
         ]
         asyncio.run(_warmup(addr, warm, args.temperature))
+
+
+def run_benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run, or a sweep; returns the JSON-ready result (runs keep their records)."""
+    slo = SLO.parse(args.goodput)
+    warm_up(addr, args)
     return sweep_result(
         args,
         slo,
