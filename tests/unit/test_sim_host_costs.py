@@ -385,3 +385,52 @@ def test_a_prompt_step_after_a_pause_pays_the_cold_start_and_nothing_else_does()
     assert CostModel.from_json(costs.to_json()).cold_prompt_s == 0.005
     roles = roles_of({"prefill_factor": 1.2, "decode_factor": 1.0, "cold_prompt_s": 0.004})
     assert roles["prefill"]["cold_prompt_s"] == 0.004 and "cold_prompt_s" not in roles["decode"]
+
+
+def test_an_arms_window_opens_after_its_warm_up_and_the_benchmark_runs_none(monkeypatch, tmp_path):
+    """The window's engine seconds are compared with a simulation that has no warm-up, so the
+    warm-up requests run before it opens, and the benchmark inside it sends none."""
+    import pdserve.bench.cluster as cluster_mod
+    import pdserve.bench.serve as serve_mod
+    from pdserve.sim import validate
+
+    calls: list[str] = []
+
+    class FakeUp:
+        tls_dir = None
+
+        def __init__(self, *a, **kw) -> None:
+            pass
+
+        def __enter__(self) -> str:
+            return "127.0.0.1:1"
+
+        def __exit__(self, *exc) -> None:
+            calls.append("down")
+
+    class FakeWindow:
+        @classmethod
+        def open(cls, addr, tls_dir):
+            calls.append("window open")
+            return cls()
+
+        def close(self):
+            calls.append("window close")
+            return {"engines": {}}
+
+    def warm_up(addr, args):
+        calls.append(f"warm-up {args.warmup}")
+
+    def run_benchmark(addr, args):
+        calls.append(f"benchmark, warm-up {args.warmup}")
+        return {"summary": {}}
+
+    monkeypatch.setattr(cluster_mod, "UpProcess", FakeUp)
+    monkeypatch.setattr(serve_mod, "warm_up", warm_up)
+    monkeypatch.setattr(serve_mod, "run_benchmark", run_benchmark)
+    monkeypatch.setattr(validate, "ArmWindow", FakeWindow)
+    args = argparse.Namespace(real=None, out=str(tmp_path / "v.json"), ready_timeout=5.0,
+                              warmup=2, probe=False, profile=None, model=None)  # fmt: skip
+    out = validate.real_results(args, {"c1": ["--mode", "colocated"]}, [])
+    assert calls == ["warm-up 2", "window open", "benchmark, warm-up 0", "window close", "down"]
+    assert out["c1"]["machine"] == {"engines": {}} and args.warmup == 2  # the caller's intact

@@ -41,35 +41,6 @@ async def worker_counters(
     return status, out
 
 
-def worker_counters_sync(
-    addresses: dict[str, str], timeout: float = 5.0, tls_dir: str | None = None
-) -> dict[str, dict[str, float]]:
-    """Each worker's Info counters, by instance id, from {instance id: address} with blocking
-    channels: callable from any thread (a timer beside a benchmark's event loop). A worker
-    that does not answer is left out."""
-    import grpc
-
-    from pdserve.v1 import worker_pb2, worker_pb2_grpc
-
-    out: dict[str, dict[str, float]] = {}
-    for iid, address in addresses.items():
-        if tls_dir:
-            from pdserve.rpc.tls import TlsFiles, secure_channel_sync
-
-            channel = secure_channel_sync(address, TlsFiles.in_dir(tls_dir, "admin"))
-        else:
-            channel = grpc.insecure_channel(address)
-        try:
-            with channel:
-                info = worker_pb2_grpc.WorkerStub(channel).Info(
-                    worker_pb2.InfoRequest(), timeout=timeout
-                )
-        except grpc.RpcError:
-            continue
-        out[iid] = dict(info.counters)
-    return out
-
-
 async def _preemptions(
     addr: str, timeout: float = 5.0, tls_dir: str | None = None
 ) -> dict[str, float]:

@@ -82,16 +82,6 @@ def add_parser(subparsers: Any) -> None:
         "engine probe's factors alone",
     )
     v.add_argument(
-        "--calibrate-s",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="also a live-calibrated prediction: read the workers' step counters S seconds "
-        "into each arm's benchmark, scale each role's steps by its engines' speed over those "
-        "seconds against the simulation's, and score the requests that arrive after S, "
-        "beside the prediction's errors on the same requests (0, the default: off)",
-    )
-    v.add_argument(
         "--sim-draws",
         type=int,
         default=1,
@@ -232,6 +222,41 @@ def served_factors_of(
     return factors if use == "all" else {"tpot_factor": factors["tpot_factor"]}
 
 
+def engine_matched_arm(
+    simulated: dict[str, Any],
+    costs: Any,
+    flags: list[str],
+    args: argparse.Namespace,
+    real: dict[str, Any],
+) -> tuple[dict[str, float], list[dict[str, Any]]] | None:
+    """The arm simulated once more with each role's step model x (the real workers' engine
+    seconds / the engine seconds of the arm's simulation `simulated`, run with
+    `track_engine`: `validate.engine_speed_factors`), from the run's step counters; None
+    when the real run recorded none. It separates the machine's speed during the run, which
+    no probe taken beside it predicts, from the model of the serving system."""
+    import copy
+
+    from pdserve.costmodel.costs import KindScaledStep
+    from pdserve.sim.run import simulate_benchmark, spec_from_up_flags
+    from pdserve.sim.validate import engine_speed_factors, error_rows
+
+    engines = (real.get("machine") or {}).get("engines") or {}
+    if not any(e.get("role") for e in engines.values()):
+        return None
+    factors = engine_speed_factors(real, simulated["sweep"][0]["sim"]["engine_s"] or {})
+    if not factors:
+        return None
+    roles = costs if isinstance(costs, dict) else {r: costs for r in factors}
+    scaled = {}
+    for role, c in roles.items():
+        scaled[role] = copy.copy(c)
+        f = factors.get(role, 1.0)
+        scaled[role].step = KindScaledStep(c.step, f, f)
+    spec = spec_from_up_flags(flags, scaled, max_model_len(args), args.block_size)
+    res = simulate_benchmark(spec, args)
+    return factors, error_rows(real, {k: v for k, v in res.items() if not k.startswith("_")})
+
+
 def _defaults_from_costs(args: argparse.Namespace, costs: Any) -> None:
     """Roofline runs have no checkpoint: vocab/context come from the model config."""
     if args.model or args.vocab_size:
@@ -305,7 +330,6 @@ def validate_main(args: argparse.Namespace) -> int:
 
     from pdserve.bench.compare import parse_arms
     from pdserve.bench.report import write_json
-    from pdserve.sim.engine_speed import engine_matched_arm, live_calibrated_arm
     from pdserve.sim.run import spec_from_up_flags
     from pdserve.sim.validate import (
         flag_value,
@@ -333,9 +357,6 @@ def validate_main(args: argparse.Namespace) -> int:
     table: dict[str, list[dict[str, Any]]] = {}
     raw_table: dict[str, list[dict[str, Any]]] = {}
     matched_table: dict[str, list[dict[str, Any]]] = {}
-    live_table: dict[str, list[dict[str, Any]]] = {}  # --calibrate-s: the rest of the run
-    late_table: dict[str, list[dict[str, Any]]] = {}  # the prediction, on the same requests
-    window = args.calibrate_s if args.calibrate_s > 0 else None
     for name, flags in arms.items():
         arm_costs = costs
         if arm_costs is None:
@@ -347,7 +368,7 @@ def validate_main(args: argparse.Namespace) -> int:
             arm_costs = with_router_overhead(arm_costs, real[name]["path_overhead_s"])
         # every simulation counts its engine seconds, for the engine-speed diagnostic
         spec = spec_from_up_flags(flags + extra, arm_costs, max_model_len(args), args.block_size)
-        spec = dataclasses.replace(spec, track_engine=True, engine_window_s=window)
+        spec = dataclasses.replace(spec, track_engine=True)
         sim[name], table[name] = _simulate_arm(spec, args, real[name])
         cont = real[name].get("contention")
         if cont and args.profile:
@@ -355,7 +376,7 @@ def validate_main(args: argparse.Namespace) -> int:
             served = served_factors_of(args, real[name], flags + extra)
             cal = calibrated_costs(args.profile, cont, served)
             spec = spec_from_up_flags(flags + extra, cal, max_model_len(args), args.block_size)
-            spec = dataclasses.replace(spec, track_engine=True, engine_window_s=window)
+            spec = dataclasses.replace(spec, track_engine=True)
             sim[name], table[name] = _simulate_arm(spec, args, real[name])
             sim[name]["contention_factor"] = cont["factor"]
             sim[name]["contention_factors"] = {
@@ -364,14 +385,9 @@ def validate_main(args: argparse.Namespace) -> int:
             if served:
                 sim[name]["served_factors"] = served
             arm_costs = cal
-        matched = engine_matched_arm(sim[name], arm_costs, flags + extra, args, real[name],
-                                     max_model_len(args))  # fmt: skip
+        matched = engine_matched_arm(sim[name], arm_costs, flags + extra, args, real[name])
         if matched is not None:
             sim[name]["engine_speed"], matched_table[name] = matched
-        live = live_calibrated_arm(sim[name], arm_costs, flags + extra, args, real[name],
-                                   max_model_len(args))  # fmt: skip
-        if live is not None:
-            sim[name]["live_speed"], live_table[name], late_table[name] = live
     out = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "arms": real,
@@ -383,16 +399,11 @@ def validate_main(args: argparse.Namespace) -> int:
         # a diagnostic, not a prediction: each role's steps x its real engines' speed in
         # the benchmark (the workers' step counters), so what is left is the serving model's
         "errors_engine_matched": matched_table or None,
-        # --calibrate-s: the requests after the window, predicted (late) and predicted at
-        # each role's engine speed over the window (live)
-        "errors_late": late_table or None,
-        "errors_live": live_table or None,
-        "max_rel_error_live": max_rel_error(live_table) if live_table else None,
     }
     path = write_json(args.out, out)
     if args.json:
         keys = ("errors", "max_rel_error", "errors_uncalibrated", "max_rel_error_uncalibrated",
-                "errors_engine_matched", "errors_late", "errors_live", "max_rel_error_live")  # fmt: skip
+                "errors_engine_matched")  # fmt: skip
         slim = {k: out[k] for k in keys} | {"out": str(path)}
         json.dump(slim, sys.stdout, indent=1)
         print()
@@ -409,15 +420,5 @@ def validate_main(args: argparse.Namespace) -> int:
                                sim[arm]["engine_speed"].items()) for arm in matched_table)  # fmt: skip
             print(f"-- a diagnostic: each role's steps x its engines' speed in the run ({speeds}):")
             print(format_table(matched_table))
-        if live_table:
-            speeds = "; ".join(f"{arm}: " + ", ".join(f"{r} x{f:.3f}" for r, f in
-                               sim[arm]["live_speed"].items()) for arm in live_table)  # fmt: skip
-            print(f"-- the requests after the first {args.calibrate_s:g} s, predicted:")
-            print(format_table(late_table))
-            print(
-                f"-- the same, each role's steps x its engines' speed over the first "
-                f"{args.calibrate_s:g} s ({speeds}):"
-            )
-            print(format_table(live_table))
         print(f"wrote {path}")
     return 0

@@ -29,7 +29,6 @@ Colocated = pick an instance, [kvstore fetch], prefill + decode there.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -94,9 +93,6 @@ class ClusterSpec:
     # each instance's engine seconds (`SimInstance.engine_s`), for comparing with a real
     # worker's step counters
     track_engine: bool = False
-    # with track_engine: also each instance's engine seconds of the steps that ended by this
-    # time (a live calibration's window, as a worker's counters read then count them)
-    engine_window_s: float | None = None
 
     def describe(self) -> str:
         return " + ".join(f"{p.count}x{p.role}" for p in self.pools)
@@ -128,10 +124,6 @@ class SimCluster:
         predictor: OutputLengthPredictor | None = None,
     ) -> None:
         self.spec = spec
-        # engine seconds by instance at the end of `engine_window_s` (see `_step_done`)
-        window = spec.engine_window_s if spec.track_engine else None
-        self._window_end = math.inf if window is None else window
-        self.engine_window: dict[str, float] | None = None
         self.loop = EventLoop()
         self._path_rng = random.Random(spec.path_seed)
         self.registry = Registry(heartbeat_timeout_s=1e18, clock=self.loop.clock)
@@ -630,9 +622,6 @@ class SimCluster:
         self.loop.at(inst.step_end, fire)
 
     def _step_done(self, inst: SimInstance, plan, dur: float) -> None:
-        if self.loop.now > self._window_end and self.engine_window is None:
-            # the first step to end past the window: every one before it ended within
-            self.engine_window = self.engine_seconds()
         inst.busy = False
         self._stepping -= 1
         if self._shared_host:
@@ -850,13 +839,6 @@ class SimCluster:
             self.loop.after(self.spec.flip_switch_s, switch)
 
     # ------------------------------------------------------------------ reporting
-    def engine_seconds_in_window(self) -> dict[str, float] | None:
-        """{instance: engine seconds of its steps that ended within `engine_window_s`}; None
-        without a window. A run whose steps all ended within it counts them all."""
-        if self._window_end == math.inf:
-            return None
-        return self.engine_window if self.engine_window is not None else self.engine_seconds()
-
     def engine_seconds(self) -> dict[str, float]:
         """{instance: seconds of engine work} (with `ClusterSpec.track_engine`)."""
         return {i.instance_id: i.engine_s for i in self.instances.values()}

@@ -348,7 +348,6 @@ def simulate_once(
             "events": cluster.loop.events,
             "utilisation": cluster.utilisation(wall),
             "engine_s": cluster.engine_seconds() if spec.track_engine else None,
-            "engine_s_window": cluster.engine_seconds_in_window(),
             "flips": cluster.flips,
             "preemptions": sum(i.scheduler.num_preemptions for i in cluster.instances.values()),
             "stopped_early": cluster.stop_after_misses is not None

@@ -155,9 +155,11 @@ def real_results(
         with cluster as addr:
             overhead = path_overhead_s(addr) if "--emulate" in flags + extra else None
             served = _served_probe(args, addr)
-            warm_up(addr, arm_args)  # before the window: its steps are not the workload's
+            # the warm-up before the window: its steps are not the workload's, and the
+            # simulation that the window's engine seconds are compared with has none
+            warm_up(addr, arm_args)
             arm_args.warmup = 0
-            window = ArmWindow.open(addr, cluster.tls_dir, getattr(args, "calibrate_s", 0.0))
+            window = ArmWindow.open(addr, cluster.tls_dir)
             res = run_benchmark(addr, arm_args)
             machine = window.close()
             served_after = _served_probe(args, addr)
@@ -207,44 +209,24 @@ def _served_probe(args: argparse.Namespace, addr: str) -> dict[str, Any] | None:
 
 class ArmWindow:
     """The machine over an arm's benchmark: its CPUs (`machine_load`) and each worker's
-    engine steps (the Info counters), for the record: where a real run's time went. With
-    `early_s` > 0, the engine steps of the benchmark's first `early_s` seconds too (a timer
-    thread reads the counters then), the window a live calibration may see."""
+    engine steps (the Info counters), for the record: where a real run's time went."""
 
     def __init__(self, addr: str, tls_dir: str | None) -> None:
         self.addr, self.tls_dir = addr, tls_dir
         self.cpu: dict[str, int] | None = None
         self.workers: dict[str, dict[str, float]] = {}
         self.roles: dict[str, str] = {}
-        self.addresses: dict[str, str] = {}
         self.started = 0.0
-        self.early_s = 0.0
-        self.early: dict[str, dict[str, float]] | None = None  # counters at early_s
-        self._timer: Any = None
 
     @classmethod
-    def open(cls, addr: str, tls_dir: str | None, early_s: float = 0.0) -> ArmWindow:
-        import threading
+    def open(cls, addr: str, tls_dir: str | None) -> ArmWindow:
         import time
 
         from pdserve.sim.machine_load import cpu_times
 
         w = cls(addr, tls_dir)
         w.workers, w.cpu, w.started = w._counters(), cpu_times(), time.monotonic()
-        if early_s > 0 and w.addresses:
-            w.early_s = early_s
-            w._timer = threading.Timer(early_s, w._read_early)
-            w._timer.daemon = True
-            w._timer.start()
         return w
-
-    def _read_early(self) -> None:
-        from pdserve.bench.lengths import worker_counters_sync
-
-        try:
-            self.early = worker_counters_sync(self.addresses, tls_dir=self.tls_dir)
-        except Exception:  # diagnostics only: no reading, no live calibration
-            self.early = None
 
     def _counters(self) -> dict[str, dict[str, float]]:
         import asyncio
@@ -256,30 +238,18 @@ class ArmWindow:
         except Exception:  # diagnostics only: a cluster without the counters reads none
             return {}
         self.roles = {i.instance_id: str(i.role) for i in status.instances}  # "prefill", ...
-        self.addresses = {i.instance_id: i.address for i in status.instances}
         return counters
 
     def close(self) -> dict[str, Any]:
         import time
 
         from pdserve.sim.machine_load import cpu_times, load_between
-
-        wall = time.monotonic() - self.started
-        if self._timer is not None:
-            self._timer.cancel()  # a benchmark shorter than early_s: no early reading
-            self._timer.join()
-        after, cpu = self._counters(), load_between(self.cpu, cpu_times())
-        out: dict[str, Any] = {"wall_s": wall, "cpu": cpu, "engines": self._engines(after)}
-        if self.early is not None:
-            out["early"] = {"after_s": self.early_s, "engines": self._engines(self.early)}
-        return out
-
-    def _engines(self, counters: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
-        """Each worker's engine steps from the window's start to `counters`."""
         from pdserve.sim.served_steps import StepCounters
 
+        wall = time.monotonic() - self.started
+        after, cpu = self._counters(), load_between(self.cpu, cpu_times())
         engines = {}
-        for iid, c in counters.items():
+        for iid, c in after.items():
             now, then = StepCounters.of(c), StepCounters.of(self.workers.get(iid, {}))
             if now is None:
                 continue
@@ -287,20 +257,15 @@ class ArmWindow:
             engines[iid] = {"role": self.roles.get(iid, ""), "steps": w.steps,
                             "step_seconds": w.seconds,
                             "mean_step_s": w.seconds / w.steps if w.steps else None}  # fmt: skip
-        return engines
+        return {"wall_s": wall, "cpu": cpu, "engines": engines}
 
 
-def engine_speed_factors(
-    real: dict[str, Any], sim_engine_s: dict[str, float], window: str | None = None
-) -> dict[str, float]:
+def engine_speed_factors(real: dict[str, Any], sim_engine_s: dict[str, float]) -> dict[str, float]:
     """{role: the real workers' engine seconds over the simulated instances' of that role}:
-    how much slower (> 1) the real engines stepped during the benchmark (or its `early`
-    window) than the model's steps of the same run (or window). Roles either side lacks
-    are left out."""
-    machine = real.get("machine") or {}
-    engines = (machine.get(window) or {}).get("engines") if window else machine.get("engines")
+    how much slower (> 1) the real engines stepped during the benchmark than the model's
+    steps of the same run. Roles either side lacks are left out."""
     real_s: dict[str, float] = {}
-    for e in (engines or {}).values():
+    for e in ((real.get("machine") or {}).get("engines") or {}).values():
         if e.get("role"):
             real_s[e["role"]] = real_s.get(e["role"], 0.0) + float(e["step_seconds"])
     sim_s: dict[str, float] = {}
