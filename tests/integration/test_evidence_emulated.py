@@ -1,7 +1,7 @@
 """`python -m benchmarks.evidence --emulate` end to end, small: one seed, two arms (FCFS and SJF with
 the online predictor behind a router queue) of 20 real Arena prompts on an emulated 1P1D
 whose pools model different hardware (`pdserve up --emulate prefill=h100,decode=l40s
---model-config llama3-8b --time-scale 2`, real processes; each worker's KV blocks follow its
+--model-config llama3-8b --time-scale 1`, real processes; each worker's KV blocks follow its
 own), each arm also simulated on the same request list (the same hardware per pool). Both sides complete every request, the emulated
 router tokenized every prompt to the simulated twin's length, the workers' counters were read,
 and each row carries the simulated and the emulated statistics."""
@@ -32,7 +32,7 @@ def test_one_seed_two_arms_simulated_and_emulated(tmp_path, monkeypatch):
     setup = ("sjf", "lengths", "1P1D", cluster, 10.0, 20, "ttft:2000 tpot:60",
              {"fcfs": [evidence.LEN, q, "--queue-order=fcfs"],
               "sjf online": [evidence.LEN, q, "--queue-order=sjf"]}, "fcfs")  # fmt: skip
-    opt = EmuOptions(time_scale=2.0, log_dir=tmp_path, ready_timeout_s=240.0)
+    opt = EmuOptions(time_scale=1.0, log_dir=tmp_path, ready_timeout_s=240.0)
     emu_runs: list[dict] = []
 
     def emulate(up, reqs, slo, name):
