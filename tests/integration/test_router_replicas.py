@@ -14,7 +14,6 @@ import asyncio
 import json
 import random
 import signal
-import time
 
 import grpc
 import pytest
@@ -22,6 +21,7 @@ import pytest
 from pdserve.workload.requests import greedy_and_seeded_streams
 
 from .conftest import VOCAB, engine_tokens, pool_idle, start_cluster, wait_until
+from .replica_streams import RouterKiller, divergence, streams_until
 
 pytestmark = pytest.mark.integration
 
@@ -133,80 +133,24 @@ def test_each_replica_knows_both_routers_and_every_worker(serving):
     assert len(gained) == 1, gained
 
 
-async def _streams(addrs, requests, on_progress, key="sk-beta"):
-    """Run the streams through one SDK client over `addrs`; `on_progress(counts)` (in a
-    thread) is called until it returns True."""
-    from pdserve.client import AsyncClient
-
-    counts = [0] * len(requests)
-
-    async def one(client, i: int, req: dict):
-        tokens: list[int] = []
-        text, finish = [], None
-        async for ev in client.generate_stream(**req):
-            tokens += ev.token_ids
-            text.append(ev.text)
-            counts[i] = len(tokens)
-            finish = ev.finish_reason or finish
-        return tokens, finish, "".join(text)
-
-    async with AsyncClient(addrs, timeout=180.0, api_key=key) as client:
-        tasks = [asyncio.ensure_future(one(client, i, r)) for i, r in enumerate(requests)]
-        try:
-            deadline = time.monotonic() + 90
-            while not await asyncio.to_thread(on_progress, list(counts)):
-                assert time.monotonic() < deadline, "the streams never reached the kill point"
-                assert not all(t.done() for t in tasks), "every stream ended before the kill"
-                await asyncio.sleep(0.02)
-            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 180)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _divergence(got: list[int], want: list[int], received_at_kill: int) -> str:
-    same = min(len(got), len(want))
-    first = next((i for i in range(same) if got[i] != want[i]), same)
-    return (
-        f"{len(got)} tokens (want {len(want)}), first differs at {first}, "
-        f"{received_at_kill} received when the router was killed"
-    )
-
-
 def test_streams_survive_a_killed_router(serving, long_reference):
     cluster, supervisor, said = serving
     requests = _requests(seed=1)
     for i, r in enumerate(requests):
         r["request_id"] = f"survive-{i}"  # (named in the logs a failure points to)
     expected = engine_tokens(long_reference, requests)
-    killed: list[str] = []
-    at_kill: list[int] = []
-
-    def kill_busiest(counts: list[int]) -> bool:
-        if min(counts) < 5:  # every stream has tokens: each one must resume
-            return False
-        running = {n: _status(f"127.0.0.1:{p[0]}").requests_running
-                   for n, p in cluster.router_ports.items()}  # fmt: skip
-        victim = max(running, key=lambda n: running[n])
-        if running[victim] < 2:
-            return False
-        cluster.processes[victim].signal(signal.SIGKILL)
-        killed.append(victim)
-        at_kill.extend(counts)
-        return True
-
-    results = asyncio.run(_streams(cluster.addrs, requests, kill_busiest))
+    killer = RouterKiller(cluster, _status)
+    results = asyncio.run(streams_until(cluster.addrs, requests, killer))
     failures = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
     assert not failures, f"client-visible failures: {failures[:3]}"
     wrong = {
-        f"survive-{i}": _divergence(r[0], e, at_kill[i])
+        f"survive-{i}": divergence(r[0], e, killer.at_kill[i])
         for i, (r, e) in enumerate(zip(results, expected, strict=True))
         if r[0] != e
     }
     assert not wrong, f"wrong tokens (logs: {cluster.log_dir}): {wrong}"
     assert all(finish == "length" for _t, finish, _x in results)
-    victim = killed[0]
+    victim = killer.victim
     # Resumed on a live router: the survivor, or (if the SDK met the survivor busy or failing
     # under load) the victim once restarted; each process's log is its own file (a restart
     # starts a fresh one), so the dead process's log holds none of them.
