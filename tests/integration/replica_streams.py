@@ -1,5 +1,6 @@
-"""Streams through router replicas while one router is killed: shared by
-test_router_replicas.py and the by-hand stress tests/stress/router_kill.py."""
+"""Streams through router replicas while one router is killed, and the checks around it
+(every router serving, the flip leader): shared by test_router_replicas.py and the by-hand
+stress tests/stress/router_kill.py."""
 
 from __future__ import annotations
 
@@ -95,3 +96,21 @@ def divergence(got: list[int], want: list[int], received_at_kill: int) -> str:
         f"{len(got)} tokens (want {len(want)}), first differs at {first}, "
         f"{received_at_kill} received when the router was killed"
     )
+
+
+def serves_every_worker(cluster, addr: str, status: Callable[[str], object]) -> bool:
+    """Whether the router at `addr` answers Status and lists every worker of `cluster`."""
+    try:
+        return len(status(addr).instances) == len(cluster.worker_names())
+    except Exception:  # not listening, or "not serving yet"
+        return False
+
+
+def flip_leaders(cluster) -> list[str]:
+    """The routers whose current process gained the flip leadership (its own log says so;
+    a restarted router starts a fresh log)."""
+    return [
+        name
+        for name in cluster.router_names()
+        if "flip leadership gained" in cluster.processes[name].log_path.read_text()
+    ]

@@ -21,7 +21,13 @@ import pytest
 from pdserve.workload.requests import greedy_and_seeded_streams
 
 from .conftest import VOCAB, engine_tokens, pool_idle, start_cluster, wait_until
-from .replica_streams import RouterKiller, divergence, streams_until
+from .replica_streams import (
+    RouterKiller,
+    divergence,
+    flip_leaders,
+    serves_every_worker,
+    streams_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -97,14 +103,11 @@ def serving(replicas):
     when the one before it failed with a router still restarting."""
     cluster = replicas[0]
     for addr in cluster.addrs:
-
-        def ready(addr=addr) -> bool:
-            try:
-                return len(_status(addr).instances) == len(cluster.worker_names())
-            except Exception:  # not listening, or "not serving yet"
-                return False
-
-        wait_until(ready, 60, f"{addr} serves and knows every worker")
+        wait_until(
+            lambda addr=addr: serves_every_worker(cluster, addr, _status),
+            60,
+            f"{addr} serves and knows every worker",
+        )
     return replicas
 
 
@@ -125,11 +128,7 @@ def test_each_replica_knows_both_routers_and_every_worker(serving):
         assert [r.address for r in st.routers if r.is_self] == [addr]
         assert st.shared_store == "redis up"
     # one flip leader among the replicas
-    gained = [
-        name
-        for name in cluster.router_names()
-        if "flip leadership gained" in cluster.processes[name].log_path.read_text()
-    ]
+    gained = flip_leaders(cluster)
     assert len(gained) == 1, gained
 
 
@@ -181,14 +180,11 @@ def test_streams_survive_a_killed_router(serving, long_reference):
     # The supervisor restarts the router on its ports; it re-learns every worker.
     wait_until(lambda: supervisor.restarts.get(victim, 0) == 1, 30, "router restarted")
     addr = f"127.0.0.1:{cluster.router_ports[victim][0]}"
-
-    def relearned() -> bool:
-        try:
-            return len(_status(addr).instances) == len(cluster.worker_names())
-        except Exception:
-            return False
-
-    wait_until(relearned, 60, "the restarted router knows every worker")
+    wait_until(
+        lambda: serves_every_worker(cluster, addr, _status),
+        60,
+        "the restarted router knows every worker",
+    )
     assert sum("exited with code -9" in line for line in said) == 1
     # The decode whose router died freed the streams' blocks: nothing held anywhere.
     for name in cluster.worker_names():

@@ -24,7 +24,14 @@ import time
 from pathlib import Path
 
 from tests.integration.conftest import VOCAB, engine_tokens, pool_idle, start_cluster, wait_until
-from tests.integration.replica_streams import RouterKiller, busiest, divergence, streams_until
+from tests.integration.replica_streams import (
+    RouterKiller,
+    busiest,
+    divergence,
+    flip_leaders,
+    serves_every_worker,
+    streams_until,
+)
 
 STREAMS, MAX_TOKENS = 16, 400
 WORKER_ARGS = ["--num-blocks", "2048", "--max-num-batched-tokens", "512"]
@@ -38,12 +45,8 @@ def _status(addr: str):
 
 
 def _leader(cluster) -> str | None:
-    """The router whose current process holds the flip leadership (its log says so)."""
-    leaders = [
-        name
-        for name in cluster.router_names()
-        if "flip leadership gained" in cluster.processes[name].log_path.read_text()
-    ]
+    """The one router holding the flip leadership, if exactly one does."""
+    leaders = flip_leaders(cluster)
     return leaders[0] if len(leaders) == 1 else None
 
 
@@ -53,15 +56,6 @@ def _chooser(how: str, cluster, rng: random.Random):
     if how == "random":
         return lambda running: rng.choice(sorted(running))
     return lambda _running: _leader(cluster)
-
-
-def _serving(cluster) -> bool:
-    try:
-        return all(
-            len(_status(addr).instances) == len(cluster.worker_names()) for addr in cluster.addrs
-        )
-    except Exception:  # a router not listening or not serving yet
-        return False
 
 
 def main() -> int:
@@ -116,7 +110,12 @@ def main() -> int:
                     f"errors {errors}, wrong {wrong}",
                     flush=True,
                 )
-                wait_until(lambda: _serving(cluster), 120, "both routers serving every worker")
+                for addr in cluster.addrs:
+                    wait_until(
+                        lambda addr=addr: serves_every_worker(cluster, addr, _status),
+                        120,
+                        f"{addr} serves and knows every worker",
+                    )
                 for name in cluster.worker_names():
                     wait_until(lambda name=name: pool_idle(cluster, name), 30, f"{name} idle")
     finally:
